@@ -1,0 +1,271 @@
+"""Deploy configuration: the ``stage_args:`` YAML, decoded into typed msgspec Structs.
+
+Decoding validates once, at load: unknown keys, wrong types, out-of-range values and a broken
+stage graph are :class:`~omni_runtime.exceptions.ConfigError`\\ s that name the file and the YAML
+path, e.g. ``tiny-sd.yaml: stage_args[0].engine_args.max_num_seqs: Expected `int` >= 1, got 0``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+from omni_runtime.exceptions import ConfigError
+
+_Struct = {"kw_only": True, "forbid_unknown_fields": True}
+
+
+class RuntimeConfig(msgspec.Struct, **_Struct):
+    """Where and how a stage runs."""
+
+    #: Run each replica in its own spawned process (``false``: in the orchestrator's process;
+    #: used by unit tests and for debugging).
+    process: bool = True
+    #: Number of replicas of this stage; requests go to the least-loaded live one.
+    num_replicas: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    #: torch device string for the model (``cpu``, ``cuda``, ``cuda:1``).
+    devices: str = "cpu"
+    #: torch intra-op threads per replica process; 0 = cores / total replicas (at least 1).
+    #: Several processes each using every core oversubscribe and run several times slower.
+    torch_threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    #: Seconds a replica may take to load its model and say READY.
+    startup_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    #: Restart a replica that dies, with exponential backoff, at most this many times (0 = never).
+    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
+    #: Transport to a process replica: ``ipc`` (a unix socket in a private directory) or ``tcp``
+    #: (loopback). Tensors use shared memory over ipc and raw msgpack buffers over tcp.
+    transport: Literal["ipc", "tcp"] = "ipc"
+
+
+class EngineArgs(msgspec.Struct, **_Struct):
+    """Scheduling knobs of one stage."""
+
+    #: Most requests fused into one forward().
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    #: Extra admission wait (ms) before a new wave, to let compatible requests join it.
+    #: 0 dispatches the first request at once.
+    request_batch_max_wait_ms: Annotated[float, msgspec.Meta(ge=0, le=60_000)] = 0.0
+    #: Most requests waiting in this replica's queue; past it a request is refused (QueueFullError).
+    max_queue_len: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    #: torch dtype of the model weights (``float32``, ``float16``, ``bfloat16``).
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    #: Largest height * width a diffusion request may ask for.
+    max_pixels: Annotated[int, msgspec.Meta(ge=64)] = 2048 * 2048
+
+
+class StageConfig(msgspec.Struct, **_Struct):
+    """One entry of ``stage_args:``."""
+
+    stage_id: Annotated[int, msgspec.Meta(ge=0)]
+    #: ``diffusion`` | ``text`` | ``echo`` | ``module:Class`` of a custom runner.
+    stage_type: str
+    #: Local model directory, or ``builtin:<name>`` (made offline on first use).
+    model: str | None = None
+    runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
+    engine_args: EngineArgs = msgspec.field(default_factory=EngineArgs)
+    #: Upstream stage ids whose outputs feed this stage; empty = takes the caller's prompt.
+    engine_input_source: list[int] = msgspec.field(default_factory=list)
+    #: ``module:function`` mapping upstream outputs (and the original prompt) to this stage's input.
+    custom_process_input_func: str | None = None
+    #: Whether this stage's output is delivered to the caller.
+    final_output: bool = False
+    final_output_type: Literal["text", "image", "latent", "tensor"] | None = None
+    #: Defaults for the stage's sampling params; a request's own values win.
+    default_sampling_params: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: Runner-specific options (e.g. ``{"role": "decoder"}`` for a split pipeline).
+    runner_args: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class DeployConfig(msgspec.Struct, **_Struct):
+    """A whole deploy YAML."""
+
+    stage_args: Annotated[list[StageConfig], msgspec.Meta(min_length=1)]
+    #: The served model name (``/v1/models``); defaults to the file's stem.
+    model: str | None = None
+    #: Most requests admitted by the engine and not yet finished; past it QueueFullError / 429.
+    max_pending: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    #: Deadline (s) of a request that sets none; ``null`` = none.
+    default_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+
+    def stage(self, stage_id: int) -> StageConfig:
+        for s in self.stage_args:
+            if s.stage_id == stage_id:
+                return s
+        raise KeyError(stage_id)
+
+    @property
+    def final_stage_ids(self) -> list[int]:
+        return [s.stage_id for s in self.stage_args if s.final_output]
+
+
+BUILTIN_STAGE_TYPES = ("diffusion", "text", "echo")
+
+# --------------------------------------------------------------------------- loading
+
+_AT_RE = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.S)
+
+
+def _value_at(data: Any, path: str) -> Any:
+    """The value at a msgspec path like ``.stage_args[0].engine_args.max_num_seqs``."""
+    for key, index in re.findall(r"\.([A-Za-z_][\w-]*)|\[(\d+)\]", path):
+        try:
+            data = data[key] if key else data[int(index)]
+        except (KeyError, IndexError, TypeError):
+            return msgspec.UNSET
+    return data
+
+
+def bundled_config_dir() -> Path:
+    """Folder of the bundled deploy YAMLs (``stage_configs/``), installed or in a checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "stage_configs", here.parent / "stage_configs"):
+        if candidate.is_dir():
+            return candidate
+    raise ConfigError("bundled stage_configs folder not found")
+
+
+def bundled_config_names() -> list[str]:
+    return sorted(p.stem for p in bundled_config_dir().glob("*.yaml"))
+
+
+def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
+    """Validate a decoded YAML document into a DeployConfig."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"expected a mapping with a `stage_args:` list, got {type(data).__name__}",
+                          source=source)
+    try:
+        config = msgspec.convert(data, DeployConfig, strict=True)
+    except msgspec.ValidationError as e:
+        message, path = _AT_RE.match(str(e)).groups()
+        path = (path or "").lstrip(".")
+        unknown = re.search(r"unknown field `([^`]*)`", message)
+        if unknown:
+            path = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+            raise ConfigError("unknown key", path=path, source=source) from None
+        got = _value_at(data, "." + path) if path else msgspec.UNSET
+        if got is not msgspec.UNSET and "got" not in message:
+            message = f"{message}, got {got!r}"
+        raise ConfigError(message, path=path or None, source=source) from None
+    validate_graph(config, source)
+    return config
+
+
+def validate_graph(config: DeployConfig, source: str = "<config>") -> None:
+    """Stage ids unique, sources known, no cycles, every stage reaches a final output."""
+    ids: dict[int, int] = {}
+    for i, s in enumerate(config.stage_args):
+        if s.stage_id in ids:
+            raise ConfigError(f"duplicate stage_id {s.stage_id} (also stage_args[{ids[s.stage_id]}])",
+                              path=f"stage_args[{i}].stage_id", source=source)
+        ids[s.stage_id] = i
+        if ":" not in s.stage_type and s.stage_type not in BUILTIN_STAGE_TYPES:
+            raise ConfigError(
+                f"unknown stage_type {s.stage_type!r}; expected one of {', '.join(BUILTIN_STAGE_TYPES)} "
+                "or module:Class", path=f"stage_args[{i}].stage_type", source=source)
+        if s.final_output and s.final_output_type is None:
+            raise ConfigError("a final_output stage needs final_output_type (text | image | latent | tensor)",
+                              path=f"stage_args[{i}].final_output_type", source=source)
+    for i, s in enumerate(config.stage_args):
+        for j, src in enumerate(s.engine_input_source):
+            if src not in ids:
+                raise ConfigError(f"unknown upstream stage id {src}",
+                                  path=f"stage_args[{i}].engine_input_source[{j}]", source=source)
+            if src == s.stage_id:
+                raise ConfigError("a stage cannot feed itself",
+                                  path=f"stage_args[{i}].engine_input_source[{j}]", source=source)
+    # Cycles: depth-first search over upstream edges.
+    state: dict[int, int] = {}  # 1 = on the stack, 2 = done
+
+    def visit(sid: int) -> None:
+        state[sid] = 1
+        for src in config.stage(sid).engine_input_source:
+            if state.get(src) == 1:
+                raise ConfigError(f"the stage graph has a cycle through stage {src}",
+                                  path=f"stage_args[{ids[sid]}].engine_input_source", source=source)
+            if state.get(src) is None:
+                visit(src)
+        state[sid] = 2
+
+    for sid in ids:
+        if sid not in state:
+            visit(sid)
+    finals = set(config.final_stage_ids)
+    if not finals:
+        raise ConfigError("no stage has final_output: true", path="stage_args", source=source)
+    downstream: dict[int, list[int]] = {sid: [] for sid in ids}
+    for s in config.stage_args:
+        for src in s.engine_input_source:
+            downstream[src].append(s.stage_id)
+    for sid, i in ids.items():
+        seen, todo = set(), [sid]
+        while todo:
+            cur = todo.pop()
+            if cur in seen:
+                continue
+            seen.add(cur)
+            todo.extend(downstream[cur])
+        if not seen & finals:
+            raise ConfigError(f"stage {sid} has no path to a final output",
+                              path=f"stage_args[{i}]", source=source)
+
+
+def load_config(model: str | Path) -> DeployConfig:
+    """Resolve ``Omni(model=...)``: a bundled config name, a YAML path, or a diffusers model dir."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "model_index.json").is_file():
+            raise ConfigError(f"{path} is a directory but not a diffusers model (no model_index.json)")
+        return single_diffusion_config(str(path.resolve()), name=path.name)
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        source = path.name
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"not valid YAML: {e}", source=source) from None
+        config = parse_config(data, source)
+        return config if config.model else msgspec.structs.replace(config, model=path.stem)
+    bundled = bundled_config_dir() / f"{model}.yaml"
+    if bundled.is_file():
+        return load_config(bundled)
+    raise ConfigError(
+        f"unknown model {str(model)!r}: not a bundled config ({', '.join(bundled_config_names())}), "
+        "a YAML file, or a local diffusers model directory")
+
+
+def single_diffusion_config(model_dir: str, name: str) -> DeployConfig:
+    """A one-stage diffusion deploy config for a local diffusers model directory."""
+    return parse_config({
+        "model": name,
+        "stage_args": [{
+            "stage_id": 0, "stage_type": "diffusion", "model": model_dir,
+            "final_output": True, "final_output_type": "image",
+        }],
+    }, source=name)
+
+
+def with_engine_overrides(config: DeployConfig, **overrides: Any) -> DeployConfig:
+    """Apply keyword engine args (``max_num_seqs=4``...) to the diffusion stages.
+
+    A config without a diffusion stage applies them to every stage. Unknown names and bad values
+    are ConfigErrors naming the argument.
+    """
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if not overrides:
+        return config
+    unknown = set(overrides) - set(EngineArgs.__struct_fields__)
+    if unknown:
+        raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(unknown))}; expected "
+                          f"{', '.join(EngineArgs.__struct_fields__)}")
+    targets = [s.stage_id for s in config.stage_args if s.stage_type == "diffusion"] or [
+        s.stage_id for s in config.stage_args]
+    data = msgspec.to_builtins(config)
+    for s in data["stage_args"]:
+        if s["stage_id"] in targets:
+            s.setdefault("engine_args", {}).update(overrides)
+    return parse_config(data, source="engine arguments")

@@ -1,0 +1,125 @@
+"""Typed errors of the runtime.
+
+Two families, kept apart on purpose:
+
+* :class:`RequestError` and its subclasses end *one* request; the engine keeps serving.
+* :class:`EngineError` subclasses mean the engine (or a part of it) cannot serve.
+
+The HTTP layer maps them to status codes in one place; the core never raises HTTP errors.
+"""
+
+from __future__ import annotations
+
+
+class OmniError(Exception):
+    """Base of every error raised by omni_runtime."""
+
+
+# --------------------------------------------------------------------------- config
+
+
+class ConfigError(OmniError, ValueError):
+    """A deploy config is invalid. The message names the file and the YAML path."""
+
+    def __init__(self, message: str, *, path: str | None = None, source: str | None = None) -> None:
+        self.path = path
+        self.source = source
+        where = ": ".join(p for p in (source, path) if p)
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+# --------------------------------------------------------------------------- per request
+
+
+class RequestError(OmniError):
+    """Ends one request; the engine keeps serving others."""
+
+    #: The request field at fault, where one is (``num_inference_steps``, ``size``...).
+    param: str | None = None
+    #: The stage that raised, where known.
+    stage_id: int | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, stage_id: int | None = None) -> None:
+        super().__init__(message)
+        if param is not None:
+            self.param = param
+        if stage_id is not None:
+            self.stage_id = stage_id
+
+
+class InvalidRequestError(RequestError, ValueError):
+    """Bad input: an unknown field, a wrong type, an out-of-range value. Rejected before enqueue."""
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A request id that is already in flight."""
+
+
+class QueueFullError(RequestError):
+    """Admission is full; retry later. Raised at once, never after a wait."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestAbortedError(RequestError):
+    """The request was aborted (by the caller, a disconnect, or shutdown)."""
+
+
+class RequestTimeoutError(RequestError):
+    """The request did not finish before its deadline and was aborted wherever it was."""
+
+
+class StageExecutionError(RequestError):
+    """The stage's model raised for this request. ``stage_id`` says which stage."""
+
+
+class StageDeadError(RequestError):
+    """The stage replica that held this request died. The engine may restart it."""
+
+
+class StageAsleepError(RequestError):
+    """The stage was put to sleep with ``collective_rpc("sleep")`` and has not been woken."""
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class EngineError(OmniError):
+    """The engine cannot serve (not started, closed, or a fatal failure)."""
+
+
+class EngineClosedError(EngineError):
+    """The engine has been closed."""
+
+
+class StageStartupError(EngineError):
+    """A stage process failed to start or did not say READY in time."""
+
+
+class RpcError(OmniError):
+    """A control call failed on one replica (raised, unknown method, or timed out)."""
+
+
+#: Errors that travel over the wire by name, so the receiving side re-raises the same type.
+ERROR_TYPES: dict[str, type[OmniError]] = {
+    cls.__name__: cls
+    for cls in (
+        OmniError,
+        ConfigError,
+        RequestError,
+        InvalidRequestError,
+        DuplicateRequestError,
+        QueueFullError,
+        RequestAbortedError,
+        RequestTimeoutError,
+        StageExecutionError,
+        StageDeadError,
+        StageAsleepError,
+        EngineError,
+        EngineClosedError,
+        StageStartupError,
+        RpcError,
+    )
+}

@@ -1,0 +1,1 @@
+"""Model resolution: local directories and the offline-built ``builtin:`` models."""

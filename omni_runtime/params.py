@@ -1,0 +1,153 @@
+"""Typed sampling parameters, one class per stage type.
+
+A plain ``dict`` of the same fields is accepted wherever a params object is. Unset fields
+(``None``) take the stage's ``default_sampling_params`` from the deploy YAML. Validation happens
+once, in the caller's thread, before anything is enqueued: errors are
+:class:`~omni_runtime.exceptions.InvalidRequestError` naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+
+from omni_runtime.exceptions import InvalidRequestError
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Timeout = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of the typed params. ``timeout`` (seconds) is a per-request deadline for every stage type."""
+
+    #: Which ``stage_type`` these params are for.
+    stage_type: ClassVar[str] = ""
+    timeout: Timeout | None = None
+
+
+class DiffusionSamplingParams(SamplingParams):
+    """Parameters of a diffusion (text-to-image) request."""
+
+    stage_type: ClassVar[str] = "diffusion"
+
+    height: Annotated[int, msgspec.Meta(ge=8, le=4096)] | None = None
+    width: Annotated[int, msgspec.Meta(ge=8, le=4096)] | None = None
+    num_inference_steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
+    guidance_scale: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None
+    negative_prompt: str | None = None
+    num_images_per_prompt: Annotated[int, msgspec.Meta(ge=1, le=16)] | None = None
+    #: Seed of this request's own generator; a fresh one is drawn (and reported) when unset.
+    seed: Seed | None = None
+    #: ``pil`` images, ``np`` float arrays in [0, 1], or ``latent`` tensors.
+    output_type: Literal["pil", "np", "latent"] | None = None
+
+
+class TextSamplingParams(SamplingParams):
+    """Parameters of a text-generation request."""
+
+    stage_type: ClassVar[str] = "text"
+
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=8192)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=10)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    seed: Seed | None = None
+    stop: list[str] | None = None
+
+
+class EchoSamplingParams(SamplingParams):
+    """Parameters of the ``echo`` stage: it returns its input after ``delay_ms``."""
+
+    stage_type: ClassVar[str] = "echo"
+
+    delay_ms: Annotated[float, msgspec.Meta(ge=0, le=600_000)] | None = None
+
+
+class GenericSamplingParams(msgspec.Struct, kw_only=True):
+    """Params of a custom runner that declares no class of its own: any JSON-like fields."""
+
+    stage_type: ClassVar[str] = "custom"
+    timeout: Timeout | None = None
+
+
+PARAMS_BY_STAGE_TYPE: dict[str, type[msgspec.Struct]] = {
+    "diffusion": DiffusionSamplingParams,
+    "text": TextSamplingParams,
+    "echo": EchoSamplingParams,
+}
+
+_PATH_RE = re.compile(r" - at `\$\.?([^`]*)`")
+
+
+def _field_of(err: msgspec.ValidationError) -> tuple[str, str | None]:
+    """Split msgspec's ``"Expected ... - at `$.field`"`` into (message, field)."""
+    text = str(err)
+    m = _PATH_RE.search(text)
+    if m:
+        return text[: m.start()], m.group(1) or None
+    m = re.search(r"unknown field `([^`]*)`", text)
+    return text, m.group(1) if m else None
+
+
+def params_to_dict(params: Any) -> dict[str, Any]:
+    """Fields of a params object or dict that are set (not ``None``)."""
+    if params is None:
+        return {}
+    if isinstance(params, msgspec.Struct):
+        return {k: v for k, v in msgspec.structs.asdict(params).items() if v is not None}
+    if isinstance(params, dict):
+        return {k: v for k, v in params.items() if v is not None}
+    raise InvalidRequestError(
+        f"sampling params must be a params object or a dict, got {type(params).__name__}",
+        param="sampling_params",
+    )
+
+
+def resolve_params(
+    params_cls: type[msgspec.Struct], defaults: dict[str, Any], params: Any
+) -> msgspec.Struct:
+    """Merge ``params`` over the stage ``defaults`` and validate into ``params_cls``.
+
+    Raises InvalidRequestError naming the field (unknown key, wrong type, out of range).
+    """
+    if isinstance(params, msgspec.Struct) and not isinstance(params, params_cls):
+        raise InvalidRequestError(
+            f"{type(params).__name__} given to a stage that takes {params_cls.__name__}",
+            param="sampling_params",
+        )
+    merged = {**defaults, **params_to_dict(params)}
+    try:
+        return msgspec.convert(merged, params_cls, strict=False)
+    except msgspec.ValidationError as e:
+        message, field = _field_of(e)
+        name = f"`{field}`: " if field else ""
+        raise InvalidRequestError(f"invalid sampling param {name}{message}", param=field) from None
+
+
+def check_constraints(params: msgspec.Struct, constraints: dict[str, Any]) -> None:
+    """Checks that need the loaded model: what a stage reported in its READY message.
+
+    ``size_multiple``: height and width must be multiples of it (the VAE scale factor).
+    ``max_pixels``: height * width may not exceed it.
+    """
+    h = getattr(params, "height", None)
+    w = getattr(params, "width", None)
+    multiple = constraints.get("size_multiple")
+    if multiple:
+        for name, value in (("height", h), ("width", w)):
+            if value is not None and value % multiple:
+                raise InvalidRequestError(
+                    f"invalid sampling param `{name}`: {value} is not a multiple of {multiple} "
+                    f"(the model's VAE scale factor)",
+                    param=name,
+                )
+    max_pixels = constraints.get("max_pixels")
+    if max_pixels and h is not None and w is not None and h * w > max_pixels:
+        raise InvalidRequestError(
+            f"invalid sampling param `height`/`width`: {w}x{h} exceeds this stage's limit of "
+            f"{max_pixels} pixels",
+            param="size",
+        )

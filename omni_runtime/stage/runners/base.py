@@ -1,0 +1,122 @@
+"""The runner interface: what a stage does with a batch of requests.
+
+A runner lives in the stage worker (its own process, or in-process). The worker's scheduler
+decides which requests run together; the runner executes them in one ``execute()`` call in an
+executor thread, so the worker's socket keeps answering aborts and control calls meanwhile.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgspec
+
+from omni_runtime.config import StageConfig
+from omni_runtime.params import GenericSamplingParams
+
+
+@dataclass
+class RunnerRequest:
+    """One logical request as the runner sees it."""
+
+    request_id: str
+    #: The caller's prompt (text), or the output of this stage's input function.
+    prompt: Any
+    #: Resolved sampling params (stage defaults applied), as a plain dict.
+    params: dict[str, Any]
+    #: Upstream outputs: ``text``, and tensors/arrays by name (``prompt_embeds``, ``latents``...).
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunnerOutput:
+    """What a runner returns for one request (or ``error`` for that request alone)."""
+
+    text: str | None = None
+    #: uint8 HxWx3 arrays, one per image.
+    images: list[Any] = field(default_factory=list)
+    #: Named numpy arrays or torch tensors (``latents``, ``prompt_embeds``, float ``images``...).
+    tensors: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float | int] = field(default_factory=dict)
+    error: BaseException | None = None
+
+
+class ExecuteContext:
+    """Passed to ``execute()``: abort checks and partial-output streaming for the running wave."""
+
+    def __init__(
+        self,
+        is_aborted: Callable[[str], bool],
+        emit: Callable[[str, RunnerOutput], None] | None = None,
+    ) -> None:
+        self._is_aborted = is_aborted
+        self._emit = emit
+
+    def is_aborted(self, request_id: str) -> bool:
+        """True once the request has been aborted (or timed out); checked at every step."""
+        return self._is_aborted(request_id)
+
+    def emit(self, request_id: str, partial: RunnerOutput) -> None:
+        """Send a partial (not finished) output, e.g. a text delta, to the caller now."""
+        if self._emit is not None:
+            self._emit(request_id, partial)
+
+
+class StageRunner(ABC):
+    """Base of the stage runners. Subclasses set ``params_cls`` and implement ``execute``."""
+
+    #: Sampling-params class of this stage type; validated in the caller's thread.
+    params_cls: ClassVar[type[msgspec.Struct]] = GenericSamplingParams
+
+    def __init__(self, stage: StageConfig) -> None:
+        self.stage = stage
+        self.device = stage.runtime.devices
+
+    def load(self) -> None:  # noqa: B027 - optional hook
+        """Load the model (called once in the worker before READY)."""
+
+    def constraints(self) -> dict[str, Any]:
+        """Checks the caller must make before enqueue (``size_multiple``, ``max_pixels``)."""
+        return {}
+
+    def batch_key(self, request: RunnerRequest) -> Hashable:
+        """Requests with equal keys may run in one ``execute()``. The default fuses everything."""
+        return ()
+
+    @abstractmethod
+    def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
+        """Run a batch; return one output per request, in order. Raising fails the whole batch
+        (the worker then retries each request alone, so only the failing one gets the error)."""
+
+    def sleep(self) -> dict[str, Any]:
+        """Release the model's memory (``collective_rpc("sleep")``)."""
+        return {}
+
+    def wake_up(self) -> dict[str, Any]:
+        """Restore what ``sleep`` released."""
+        return {}
+
+
+def runner_class(stage_type: str) -> type[StageRunner]:
+    """The runner class for a ``stage_type``: a builtin name or ``module:Class``."""
+    if stage_type == "diffusion":
+        from omni_runtime.stage.runners.diffusion import DiffusionRunner
+
+        return DiffusionRunner
+    if stage_type == "text":
+        from omni_runtime.stage.runners.text import TextRunner
+
+        return TextRunner
+    if stage_type == "echo":
+        from omni_runtime.stage.runners.echo import EchoRunner
+
+        return EchoRunner
+    module_name, _, class_name = stage_type.partition(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    if not (isinstance(cls, type) and issubclass(cls, StageRunner)):
+        raise TypeError(f"{stage_type} is not a StageRunner subclass")
+    return cls
