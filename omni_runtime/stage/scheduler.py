@@ -1,0 +1,261 @@
+"""The request-level scheduler of one stage replica: which waiting requests run together.
+
+Pure policy, no I/O, clock injected. The stage worker (the event loop of the replica's process) calls
+:meth:`~RequestScheduler.add` on each arrival and :meth:`~RequestScheduler.schedule` whenever its runner
+is idle, runs the :class:`Wave` it gets in one fused ``forward()``, then calls ``finish``.
+
+* One wave at a time. The key of the *oldest* waiting request runs next, with the waiting requests of
+  that key in arrival order, up to ``max_num_seqs``: an incompatible request never blocks compatible
+  ones behind it, and nothing starves. ``policy="fifo"`` is the strict-FIFO baseline: the head plus
+  the consecutive requests of its key, stopping at the first incompatible one.
+* Admission wait. A wave goes at once when it is full, when ``max_wait_ms == 0``, or when its head
+  queued behind an earlier wave (that wave's run was its batching window; holding again would idle a
+  runner that has work, so under load the scheduler is work-conserving). Otherwise it is held until
+  ``max(head arrival, idle since) + max_wait_ms``, or earlier once nothing has arrived for
+  ``stable_window_ms``: the burst that woke the scheduler is over, and waiting longer buys nothing.
+
+The default stable window is ``min(max_wait_ms / 4, 5.0)`` ms. Requests of one burst (a ``generate()``
+over a prompt list, concurrent HTTP clients) reach a replica well under a millisecond apart, so a few
+quiet milliseconds mean the burst has ended. A quarter of the budget still ends a hold early for a small
+``max_wait_ms``, and the 5 ms cap bounds what a lone request pays under a large one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from omni_runtime.exceptions import ConfigError, DuplicateRequestError, QueueFullError
+
+Policy = Literal["oldest_key", "fifo"]
+
+#: A hold counts as over this close to its end, so a timer that fires a float rounding early is not
+#: answered with a second, microsecond-long wait.
+_DUE_SLACK_S = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class Wave:
+    """Requests fused into one ``forward()``: one key, arrival order."""
+
+    #: Increasing from 1, per scheduler.
+    batch_id: int
+    key: Hashable
+    request_ids: list[str]
+    #: What :meth:`RequestScheduler.add` was given, in ``request_ids`` order.
+    payloads: list[Any]
+    #: Per request: dispatch time minus arrival.
+    queue_wait_ms: dict[str, float]
+    #: Per request: time held for batching, dispatch minus ``max(arrival, idle since)``; never negative.
+    admission_wait_ms: dict[str, float]
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
+@dataclass(slots=True)
+class _Pending:
+    request_id: str
+    key: Hashable
+    payload: Any
+    arrival: float
+
+
+class RequestScheduler:
+    """Decides the waves of one stage replica. Not thread-safe: owned by the worker's event loop."""
+
+    def __init__(
+        self,
+        max_num_seqs: int = 1,
+        max_wait_ms: float = 0.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        stable_window_ms: float | None = None,
+        max_queue_len: int | None = None,
+        policy: Policy = "oldest_key",
+    ) -> None:
+        if stable_window_ms is not None:
+            _check_ms("stable_window_ms", stable_window_ms)
+        if max_queue_len is not None:
+            _check_int("max_queue_len", max_queue_len)
+        if policy not in ("oldest_key", "fifo"):
+            raise ConfigError(f"expected 'oldest_key' or 'fifo', got {policy!r}", path="policy")
+        self._max_num_seqs = 1
+        self._max_wait_ms = 0.0
+        self.set_config(max_num_seqs=max_num_seqs, max_wait_ms=max_wait_ms)
+        self._clock = clock
+        self._stable_window_ms = stable_window_ms
+        self._max_queue_len = max_queue_len
+        self._policy: Policy = policy
+        # Arrival order overall (the head is the first entry), and per key (fills a wave in O(wave)).
+        self._waiting: dict[str, _Pending] = {}
+        self._by_key: dict[Hashable, dict[str, _Pending]] = {}
+        self._running: Wave | None = None
+        self._aborted: set[str] = set()
+        self._idle_since = clock()
+        self._last_arrival = -math.inf
+        self._next_batch_id = 1
+        self._requests_scheduled = 0
+        self._histogram: dict[int, int] = {}
+
+    def add(self, request_id: str, key: Hashable, payload: Any = None) -> None:
+        """Queue a request. ``key`` groups requests that may share a ``forward()``."""
+        if request_id in self._waiting or self._is_running(request_id):
+            raise DuplicateRequestError(f"request id {request_id!r} is already in flight", param="request_id")
+        if self._max_queue_len is not None and len(self._waiting) >= self._max_queue_len:
+            raise QueueFullError(f"{len(self._waiting)} requests already wait (max_queue_len)")
+        now = self._clock()
+        pending = _Pending(request_id, key, payload, now)
+        self._waiting[request_id] = pending
+        self._by_key.setdefault(key, {})[request_id] = pending
+        self._last_arrival = now
+
+    def abort(self, request_id: str) -> Literal["waiting", "running"] | None:
+        """Drop a waiting request, or mark a running one for :meth:`is_aborted`; None if unknown."""
+        pending = self._waiting.pop(request_id, None)
+        if pending is not None:
+            self._unindex(pending)
+            return "waiting"
+        if self._is_running(request_id):
+            self._aborted.add(request_id)
+            return "running"
+        return None
+
+    def is_aborted(self, request_id: str) -> bool:
+        """Whether a request of the running wave was aborted (the runner drops it at its next step)."""
+        return request_id in self._aborted
+
+    def schedule(self) -> Wave | float | None:
+        """A wave to run now, an absolute clock time to call again (unless a request arrives first),
+        or None: nothing waits, or a wave is running."""
+        # 1) One wave at a time (the runner is busy until finish()); an empty queue needs no call back.
+        if self._running is not None or not self._waiting:
+            return None
+        # 2) The oldest waiting request picks the key, so no key starves behind a busier one.
+        head = next(iter(self._waiting.values()))
+        members, closed = self._select(head)
+        now = self._clock()
+        # 3) Go at once when holding cannot grow the wave (full, or a fifo run already cut off by an
+        #    incompatible request), when no added latency is wanted, or when the head queued behind a
+        #    running wave and so has already waited its turn.
+        if (
+            len(members) >= self._max_num_seqs
+            or closed
+            or self._max_wait_ms == 0
+            or head.arrival < self._idle_since
+        ):
+            return self._dispatch(head.key, members, now)
+        # 4) Otherwise hold for compatible arrivals, bounded by the deadline, and ended early by a quiet
+        #    stable window after the most recent arrival (the burst is over).
+        deadline = max(head.arrival, self._idle_since) + self._max_wait_ms / 1000.0
+        stable_end = self._last_arrival + self._stable_window() / 1000.0
+        wake_at = min(deadline, stable_end)
+        if now >= wake_at - _DUE_SLACK_S:
+            return self._dispatch(head.key, members, now)
+        # 5) Not yet: tell the worker when to ask again.
+        return wake_at
+
+    def finish(self, batch_id: int) -> list[str]:
+        """End the running wave; returns its request ids. The scheduler is idle again."""
+        if self._running is None or self._running.batch_id != batch_id:
+            running = None if self._running is None else self._running.batch_id
+            raise ValueError(f"batch {batch_id} is not running (running: {running})")
+        ids = self._running.request_ids
+        self._running = None
+        self._aborted.clear()
+        self._idle_since = self._clock()
+        return list(ids)
+
+    def set_config(self, *, max_num_seqs: int | None = None, max_wait_ms: float | None = None) -> None:
+        """Change the batching knobs; they apply to the next wave (including one being held)."""
+        if max_num_seqs is not None:
+            _check_int("max_num_seqs", max_num_seqs)
+        if max_wait_ms is not None:
+            _check_ms("max_wait_ms", max_wait_ms)
+        if max_num_seqs is not None:
+            self._max_num_seqs = max_num_seqs
+        if max_wait_ms is not None:
+            self._max_wait_ms = float(max_wait_ms)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return 0 if self._running is None else len(self._running)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics; ``batch_size_histogram`` maps wave size to how many waves had it."""
+        return {
+            "num_waiting": self.num_waiting,
+            "num_running": self.num_running,
+            "waves": self._next_batch_id - 1,
+            "requests_scheduled": self._requests_scheduled,
+            "batch_size_histogram": dict(sorted(self._histogram.items())),
+        }
+
+    def _is_running(self, request_id: str) -> bool:
+        return self._running is not None and request_id in self._running.queue_wait_ms
+
+    def _stable_window(self) -> float:
+        if self._stable_window_ms is not None:
+            return self._stable_window_ms
+        return min(self._max_wait_ms / 4.0, 5.0)
+
+    def _select(self, head: _Pending) -> tuple[list[_Pending], bool]:
+        """The wave ``head`` would lead, and whether it is closed to later arrivals (fifo only)."""
+        limit = self._max_num_seqs
+        members: list[_Pending] = []
+        if self._policy == "oldest_key":
+            for pending in self._by_key[head.key].values():
+                members.append(pending)
+                if len(members) == limit:
+                    break
+            return members, False
+        for pending in self._waiting.values():
+            if pending.key != head.key:
+                return members, True
+            members.append(pending)
+            if len(members) == limit:
+                break
+        return members, False
+
+    def _dispatch(self, key: Hashable, members: list[_Pending], now: float) -> Wave:
+        for pending in members:
+            del self._waiting[pending.request_id]
+            self._unindex(pending)
+        wave = Wave(
+            batch_id=self._next_batch_id,
+            key=key,
+            request_ids=[p.request_id for p in members],
+            payloads=[p.payload for p in members],
+            queue_wait_ms={p.request_id: (now - p.arrival) * 1000.0 for p in members},
+            admission_wait_ms={
+                p.request_id: (now - max(p.arrival, self._idle_since)) * 1000.0 for p in members
+            },
+        )
+        self._next_batch_id += 1
+        self._requests_scheduled += len(members)
+        self._histogram[len(members)] = self._histogram.get(len(members), 0) + 1
+        self._running = wave
+        return wave
+
+    def _unindex(self, pending: _Pending) -> None:
+        same_key = self._by_key[pending.key]
+        del same_key[pending.request_id]
+        if not same_key:
+            del self._by_key[pending.key]
+
+
+def _check_int(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"expected int >= 1, got {value!r}", path=field)
+
+
+def _check_ms(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ConfigError(f"expected a finite number of ms >= 0, got {value!r}", path=field)

@@ -1,0 +1,539 @@
+"""The request scheduler's policy, driven by a fake clock (times below are in ms)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omni_runtime.exceptions import DuplicateRequestError, QueueFullError
+from omni_runtime.stage.scheduler import RequestScheduler, Wave
+
+pytestmark = pytest.mark.unit
+
+
+class FakeClock:
+    """A clock in seconds that moves only when told, in milliseconds."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+
+    def __call__(self) -> float:
+        return self.ms / 1000.0
+
+    def advance(self, ms: float) -> None:
+        self.ms += ms
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def make(clock: FakeClock, max_num_seqs: int = 4, max_wait_ms: float = 0.0, **kw) -> RequestScheduler:
+    return RequestScheduler(max_num_seqs, max_wait_ms, clock=clock, **kw)
+
+
+def run(s: RequestScheduler) -> list[str]:
+    """Schedule a wave that must be ready now, finish it, and return its ids."""
+    wave = s.schedule()
+    assert isinstance(wave, Wave), wave
+    assert s.finish(wave.batch_id) == wave.request_ids
+    return wave.request_ids
+
+
+def drain(s: RequestScheduler) -> list[list[str]]:
+    waves = []
+    while s.num_waiting:
+        waves.append(run(s))
+    return waves
+
+
+# ---------------------------------------------------------------- which requests run together
+
+
+def test_fills_up_to_max_num_seqs_in_arrival_order(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=3)
+    for i in range(5):
+        s.add(f"r{i}", "k", payload=i)
+    wave = s.schedule()
+    assert isinstance(wave, Wave)
+    assert (wave.batch_id, wave.key, wave.request_ids, wave.payloads) == (
+        1,
+        "k",
+        ["r0", "r1", "r2"],
+        [0, 1, 2],
+    )
+    assert len(wave) == 3
+    assert s.finish(1) == ["r0", "r1", "r2"]
+    assert drain(s) == [["r3", "r4"]]
+
+
+def test_separates_incompatible_keys(clock: FakeClock) -> None:
+    s = make(clock)
+    for rid, key in [("a1", "A"), ("b1", "B"), ("a2", "A"), ("b2", "B")]:
+        s.add(rid, key)
+    assert drain(s) == [["a1", "a2"], ["b1", "b2"]]
+
+
+def test_incompatible_head_does_not_block_compatible_requests(clock: FakeClock) -> None:
+    s = make(clock)
+    for rid, key in [("b1", "B"), ("a1", "A"), ("a2", "A"), ("b2", "B"), ("a3", "A")]:
+        s.add(rid, key)
+    assert drain(s) == [["b1", "b2"], ["a1", "a2", "a3"]]
+
+
+def test_oldest_key_goes_first_even_when_another_key_has_more(clock: FakeClock) -> None:
+    s = make(clock)
+    s.add("b1", "B")
+    for i in range(4):
+        s.add(f"a{i}", "A")
+    assert drain(s) == [["b1"], ["a0", "a1", "a2", "a3"]]
+
+
+def test_fifo_policy_stops_at_the_first_incompatible_request(clock: FakeClock) -> None:
+    order = [("a1", "A"), ("b1", "B"), ("a2", "A"), ("a3", "A"), ("b2", "B")]
+    oldest, fifo = make(clock), make(clock, policy="fifo")
+    for rid, key in order:
+        oldest.add(rid, key)
+        fifo.add(rid, key)
+    assert drain(oldest) == [["a1", "a2", "a3"], ["b1", "b2"]]
+    assert drain(fifo) == [["a1"], ["b1"], ["a2", "a3"], ["b2"]]
+
+
+def test_fifo_wave_cut_off_by_an_incompatible_request_is_not_held(clock: FakeClock) -> None:
+    # Holding could not grow the wave: a later "A" would queue behind "B".
+    fifo = make(clock, max_wait_ms=50, policy="fifo")
+    oldest = make(clock, max_wait_ms=50)
+    for s in (fifo, oldest):
+        s.add("a1", "A")
+        s.add("b1", "B")
+    assert isinstance(fifo.schedule(), Wave)
+    assert isinstance(oldest.schedule(), float)
+
+
+def test_nothing_starves_over_a_long_mixed_sequence(clock: FakeClock) -> None:
+    # Overload: three arrivals per wave of at most two, mostly one key. Every wave carries the oldest
+    # waiting request, so no request waits more waves than there were requests ahead of it.
+    s = make(clock, max_num_seqs=2, max_wait_ms=10)
+    ahead: dict[str, int] = {}
+    waves_waited: dict[str, int] = {}
+    n = 0
+    for step in range(1000):
+        if step >= 150 and not s.num_waiting:
+            break
+        for _ in range(3 if step < 150 else 0):
+            rid = f"r{n}"
+            s.add(rid, "rare" if n % 17 == 0 else ("B" if n % 5 == 0 else "A"))
+            ahead[rid], waves_waited[rid] = s.num_waiting - 1, 0
+            n += 1
+        clock.advance(10)
+        wave = s.schedule()
+        assert isinstance(wave, Wave)
+        for rid in list(waves_waited):
+            if rid in wave.request_ids:
+                assert waves_waited.pop(rid) <= ahead[rid]
+            else:
+                waves_waited[rid] += 1
+        s.finish(wave.batch_id)
+    assert not waves_waited
+    assert s.stats()["requests_scheduled"] == n
+
+
+# ---------------------------------------------------------------- admission wait
+
+
+def test_zero_wait_dispatches_at_once(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=8, max_wait_ms=0)
+    s.add("r1", "k")
+    wave = s.schedule()
+    assert isinstance(wave, Wave)
+    assert wave.admission_wait_ms == {"r1": 0.0}
+
+
+def test_hold_ends_when_the_wave_is_full(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=3, max_wait_ms=50)
+    s.add("r1", "k")
+    assert s.schedule() == pytest.approx(0.005)
+    s.add("other", "x")  # cannot join: does not fill the wave
+    s.add("r2", "k")
+    assert isinstance(s.schedule(), float)
+    s.add("r3", "k")
+    wave = s.schedule()
+    assert isinstance(wave, Wave) and wave.request_ids == ["r1", "r2", "r3"]
+
+
+def test_hold_ends_when_arrivals_stop_for_the_stable_window(clock: FakeClock) -> None:
+    s = make(clock, max_wait_ms=50, stable_window_ms=5)
+    s.add("r1", "k")
+    assert s.schedule() == pytest.approx(0.005)
+    clock.advance(2)
+    s.add("r2", "k")
+    assert s.schedule() == pytest.approx(0.007)  # the window restarts at the newest arrival
+    clock.advance(4)
+    assert isinstance(s.schedule(), float)
+    clock.advance(1)
+    wave = s.schedule()
+    assert isinstance(wave, Wave) and wave.request_ids == ["r1", "r2"]
+    assert wave.admission_wait_ms == pytest.approx({"r1": 7.0, "r2": 5.0})
+
+
+def test_hold_ends_at_the_deadline_while_arrivals_continue(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=100, max_wait_ms=20, stable_window_ms=5)
+    s.add("r0", "k")
+    for i in range(1, 7):
+        clock.advance(3)
+        s.add(f"r{i}", "k")
+        due = s.schedule()
+        assert due == pytest.approx(min(0.020, clock() + 0.005))
+    clock.advance(2)  # t = 20 ms
+    wave = s.schedule()
+    assert isinstance(wave, Wave) and len(wave) == 7
+    assert wave.admission_wait_ms["r0"] == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize(("max_wait_ms", "window_ms"), [(20, 5.0), (8, 2.0), (100, 5.0)])
+def test_default_stable_window_is_a_quarter_of_the_wait_capped_at_5ms(
+    clock: FakeClock, max_wait_ms: float, window_ms: float
+) -> None:
+    s = make(clock, max_wait_ms=max_wait_ms)
+    s.add("r1", "k")
+    assert s.schedule() == pytest.approx(window_ms / 1000)
+
+
+def test_request_that_waited_during_a_running_wave_dispatches_at_once(clock: FakeClock) -> None:
+    # The running wave was r2's batching window: neither the deadline (r2 + 50 ms) nor the stable window
+    # (r3 arrived 1 ms ago) holds it once the runner is idle.
+    s = make(clock, max_num_seqs=4, max_wait_ms=50)
+    s.add("r1", "k")
+    clock.advance(50)
+    first = s.schedule()
+    assert isinstance(first, Wave)
+    clock.advance(10)
+    s.add("r2", "k")
+    clock.advance(9)
+    s.add("r3", "k")
+    clock.advance(1)
+    s.finish(first.batch_id)
+    wave = s.schedule()
+    assert isinstance(wave, Wave) and wave.request_ids == ["r2", "r3"]
+    assert wave.queue_wait_ms == pytest.approx({"r2": 10.0, "r3": 1.0})
+    assert wave.admission_wait_ms == pytest.approx({"r2": 0.0, "r3": 0.0})
+
+
+def test_queue_and_admission_wait_metrics(clock: FakeClock) -> None:
+    s = make(clock, max_wait_ms=50, stable_window_ms=5)
+    clock.advance(10)  # idle since creation (t=0): holding starts at each arrival
+    s.add("r1", "k")
+    clock.advance(2)
+    s.add("r2", "k")
+    clock.advance(5)
+    wave = s.schedule()
+    assert isinstance(wave, Wave)
+    assert wave.queue_wait_ms == pytest.approx({"r1": 7.0, "r2": 5.0})
+    assert wave.admission_wait_ms == pytest.approx({"r1": 7.0, "r2": 5.0})
+    clock.advance(3)
+    s.add("r3", "k")  # arrives while the wave runs: waits in the queue, is not held for batching
+    clock.advance(10)
+    s.finish(wave.batch_id)
+    clock.advance(1)  # the worker asks a little after the runner went idle
+    second = s.schedule()
+    assert isinstance(second, Wave)
+    assert second.queue_wait_ms == pytest.approx({"r3": 11.0})
+    assert second.admission_wait_ms == pytest.approx({"r3": 1.0})
+
+
+def test_schedule_returns_none_when_empty_or_running(clock: FakeClock) -> None:
+    s = make(clock)
+    assert s.schedule() is None
+    s.add("r1", "k")
+    wave = s.schedule()
+    assert isinstance(wave, Wave)
+    s.add("r2", "k")
+    assert s.schedule() is None
+    assert (s.num_waiting, s.num_running) == (1, 1)
+    s.finish(wave.batch_id)
+    second = s.schedule()
+    assert isinstance(second, Wave) and second.batch_id == 2
+
+
+def test_finish_of_a_batch_that_is_not_running_raises(clock: FakeClock) -> None:
+    s = make(clock)
+    with pytest.raises(ValueError, match="not running"):
+        s.finish(1)
+    s.add("r1", "k")
+    wave = s.schedule()
+    assert isinstance(wave, Wave)
+    with pytest.raises(ValueError, match="not running"):
+        s.finish(wave.batch_id + 1)
+
+
+# ---------------------------------------------------------------- admission control and abort
+
+
+def test_duplicate_ids_are_rejected_while_waiting_or_running(clock: FakeClock) -> None:
+    s = make(clock)
+    s.add("r1", "k")
+    with pytest.raises(DuplicateRequestError):
+        s.add("r1", "other")
+    wave = s.schedule()
+    assert isinstance(wave, Wave)
+    with pytest.raises(DuplicateRequestError) as info:
+        s.add("r1", "k")
+    assert info.value.param == "request_id"
+    s.finish(wave.batch_id)
+    s.add("r1", "k")  # done: the id may be reused
+    assert s.num_waiting == 1
+
+
+def test_queue_full_counts_only_waiting_requests(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=1, max_queue_len=2)
+    s.add("r1", "k")
+    s.add("r2", "k")
+    with pytest.raises(QueueFullError):
+        s.add("r3", "k")
+    assert s.num_waiting == 2
+    assert isinstance(s.schedule(), Wave)  # r1 runs: one slot frees
+    s.add("r3", "k")
+    with pytest.raises(QueueFullError):
+        s.add("r4", "k")
+    assert s.abort("r2") == "waiting"
+    s.add("r4", "k")
+
+
+def test_abort_of_a_waiting_request_shrinks_a_held_wave(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=3, max_wait_ms=50, stable_window_ms=20)
+    s.add("r1", "k")
+    clock.advance(10)
+    s.add("r2", "k")
+    assert s.schedule() == pytest.approx(0.030)
+    assert s.abort("r1") == "waiting"
+    assert s.abort("r1") is None
+    assert s.num_waiting == 1
+    assert s.schedule() == pytest.approx(0.030)  # the deadline now counts from r2's arrival (10 ms)
+    s.add("r3", "k")
+    s.add("r4", "k")  # r2, r3, r4 fill the wave that r1 left
+    wave = s.schedule()
+    assert isinstance(wave, Wave) and wave.request_ids == ["r2", "r3", "r4"]
+
+
+def test_abort_of_the_held_head_moves_the_deadline(clock: FakeClock) -> None:
+    s = make(clock, max_wait_ms=20, stable_window_ms=20)
+    s.add("r1", "k")
+    clock.advance(15)
+    s.add("r2", "k")
+    assert s.schedule() == pytest.approx(0.020)
+    s.abort("r1")
+    assert s.schedule() == pytest.approx(0.035)
+
+
+def test_abort_of_a_running_request_is_remembered_until_finish(clock: FakeClock) -> None:
+    s = make(clock)
+    s.add("r1", "k")
+    s.add("r2", "k")
+    wave = s.schedule()
+    assert isinstance(wave, Wave)
+    assert s.abort("r1") == "running"
+    assert s.is_aborted("r1") and not s.is_aborted("r2")
+    assert s.abort("nope") is None
+    assert s.finish(wave.batch_id) == ["r1", "r2"]
+    assert not s.is_aborted("r1")
+    assert s.abort("r1") is None
+
+
+# ---------------------------------------------------------------- config and stats
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_num_seqs", 0),
+        ("max_num_seqs", -1),
+        ("max_num_seqs", 1.5),
+        ("max_num_seqs", True),
+        ("max_wait_ms", -1.0),
+        ("max_wait_ms", math.nan),
+        ("max_wait_ms", math.inf),
+        ("max_wait_ms", "5"),
+    ],
+)
+def test_set_config_rejects_bad_values_naming_the_field(clock: FakeClock, field: str, value: object) -> None:
+    s = make(clock, max_num_seqs=2, max_wait_ms=5)
+    with pytest.raises(ValueError, match=field):
+        s.set_config(**{field: value})
+    with pytest.raises(ValueError, match=field):
+        RequestScheduler(**{field: value}, clock=clock)
+    s.add("r1", "k")
+    s.add("r2", "k")
+    assert isinstance(s.schedule(), Wave)  # the old config still holds: the wave is full
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"stable_window_ms": -1.0}, {"max_queue_len": 0}, {"policy": "lifo"}],
+    ids=lambda kw: next(iter(kw)),
+)
+def test_constructor_rejects_bad_values_naming_the_field(clock: FakeClock, kw: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        RequestScheduler(clock=clock, **kw)
+
+
+def test_set_config_applies_to_the_held_wave(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=4, max_wait_ms=50)
+    s.add("r1", "k")
+    s.add("r2", "k")
+    assert isinstance(s.schedule(), float)
+    s.set_config(max_num_seqs=2)
+    wave = s.schedule()
+    assert isinstance(wave, Wave) and wave.request_ids == ["r1", "r2"]
+
+
+def test_set_config_while_running_applies_to_the_next_wave(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=1, max_wait_ms=50)
+    s.add("r1", "k")
+    wave = s.schedule()
+    assert isinstance(wave, Wave)
+    s.set_config(max_num_seqs=4, max_wait_ms=0)
+    for i in range(2, 7):
+        s.add(f"r{i}", "k")
+    assert wave.request_ids == ["r1"]
+    s.finish(wave.batch_id)
+    assert drain(s) == [["r2", "r3", "r4", "r5"], ["r6"]]
+
+
+def test_stats_count_waves_and_sizes(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=2)
+    assert s.stats() == {
+        "num_waiting": 0,
+        "num_running": 0,
+        "waves": 0,
+        "requests_scheduled": 0,
+        "batch_size_histogram": {},
+    }
+    for rid, key in [("a1", "A"), ("a2", "A"), ("a3", "A"), ("b1", "B"), ("c1", "C"), ("c2", "C")]:
+        s.add(rid, key)
+    run(s)
+    wave = s.schedule()
+    assert isinstance(wave, Wave)
+    assert s.stats() == {
+        "num_waiting": 3,
+        "num_running": 1,
+        "waves": 2,
+        "requests_scheduled": 3,
+        "batch_size_histogram": {1: 1, 2: 1},
+    }
+    s.finish(wave.batch_id)
+    drain(s)
+    assert s.stats()["batch_size_histogram"] == {1: 2, 2: 2}
+    assert s.stats()["requests_scheduled"] == 6
+
+
+# ---------------------------------------------------------------- property: random operation sequences
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.sampled_from("ABC")),
+        st.tuples(st.just("abort"), st.integers(0, 40)),
+        st.tuples(st.just("schedule"), st.none()),
+        st.tuples(st.just("finish"), st.none()),
+        st.tuples(st.just("tick"), st.sampled_from([0.0, 1.0, 3.0, 7.0, 30.0])),
+        st.tuples(st.just("config"), st.tuples(st.integers(1, 4), st.sampled_from([0.0, 4.0, 20.0]))),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=_ops,
+    max_num_seqs=st.integers(1, 4),
+    max_wait_ms=st.sampled_from([0.0, 4.0, 20.0]),
+    stable_window_ms=st.sampled_from([None, 0.0, 2.0]),
+    policy=st.sampled_from(["oldest_key", "fifo"]),
+)
+def test_random_sequences_never_lose_or_duplicate_requests(
+    ops: list, max_num_seqs: int, max_wait_ms: float, stable_window_ms: float | None, policy: str
+) -> None:
+    clock = FakeClock()
+    s = RequestScheduler(
+        max_num_seqs, max_wait_ms, clock=clock, stable_window_ms=stable_window_ms, policy=policy
+    )
+    waiting: list[tuple[str, str]] = []  # the model: (id, key) in arrival order
+    added: list[str] = []
+    dispatched: list[str] = []
+    dropped: set[str] = set()
+    running: Wave | None = None
+    limit = max_num_seqs
+
+    def check(wave: Wave) -> None:
+        nonlocal running
+        head_id, head_key = waiting[0]
+        if policy == "oldest_key":
+            expected = [rid for rid, key in waiting if key == head_key][:limit]
+        else:
+            expected = []
+            for rid, key in waiting:
+                if key != head_key or len(expected) == limit:
+                    break
+                expected.append(rid)
+        assert wave.request_ids == expected and wave.request_ids[0] == head_id
+        assert wave.key == head_key and 1 <= len(wave) <= limit
+        assert all(0 <= wave.admission_wait_ms[r] <= wave.queue_wait_ms[r] + 1e-9 for r in expected)
+        waiting[:] = [(rid, key) for rid, key in waiting if rid not in expected]
+        dispatched.extend(expected)
+        running = wave
+
+    for op, arg in ops:
+        if op == "add":
+            rid = f"r{len(added)}"
+            s.add(rid, arg)
+            added.append(rid)
+            waiting.append((rid, arg))
+        elif op == "abort" and added:
+            rid = added[arg % len(added)]
+            result = s.abort(rid)
+            if any(rid == w for w, _ in waiting):
+                assert result == "waiting"
+                waiting[:] = [(w, k) for w, k in waiting if w != rid]
+                dropped.add(rid)
+            elif running is not None and rid in running.request_ids:
+                assert result == "running" and s.is_aborted(rid)
+            else:
+                assert result is None
+        elif op == "schedule":
+            out = s.schedule()
+            if isinstance(out, Wave):
+                assert running is None
+                check(out)
+            elif isinstance(out, float):
+                assert running is None and waiting and out > clock()
+            else:
+                assert running is not None or not waiting
+        elif op == "finish" and running is not None:
+            assert s.finish(running.batch_id) == running.request_ids
+            assert not any(s.is_aborted(r) for r in running.request_ids)
+            running = None
+        elif op == "tick":
+            clock.advance(arg)
+        elif op == "config":
+            limit = arg[0]
+            s.set_config(max_num_seqs=arg[0], max_wait_ms=arg[1])
+        assert (s.num_waiting, s.num_running) == (len(waiting), 0 if running is None else len(running))
+
+    # Drain: once idle and past every deadline, each call must yield a wave.
+    if running is not None:
+        s.finish(running.batch_id)
+        running = None
+    while waiting:
+        clock.advance(1000)
+        out = s.schedule()
+        assert isinstance(out, Wave)
+        check(out)
+        s.finish(out.batch_id)
+        running = None
+    assert s.schedule() is None
+    assert len(dispatched) == len(set(dispatched))
+    assert set(dispatched) | dropped == set(added) and not set(dispatched) & dropped
+    assert s.stats()["requests_scheduled"] == len(dispatched)
