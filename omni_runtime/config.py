@@ -135,8 +135,7 @@ def bundled_config_names() -> list[str]:
 def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
     """Validate a decoded YAML document into a DeployConfig."""
     if not isinstance(data, dict):
-        raise ConfigError(f"expected a mapping with a `stage_args:` list, got {type(data).__name__}",
-                          source=source)
+        raise ConfigError(f"expected a mapping with a `stage_args:` list, got {type(data).__name__}", source=source)
     try:
         config = msgspec.convert(data, DeployConfig, strict=True)
     except msgspec.ValidationError as e:
@@ -159,24 +158,35 @@ def validate_graph(config: DeployConfig, source: str = "<config>") -> None:
     ids: dict[int, int] = {}
     for i, s in enumerate(config.stage_args):
         if s.stage_id in ids:
-            raise ConfigError(f"duplicate stage_id {s.stage_id} (also stage_args[{ids[s.stage_id]}])",
-                              path=f"stage_args[{i}].stage_id", source=source)
+            raise ConfigError(
+                f"duplicate stage_id {s.stage_id} (also stage_args[{ids[s.stage_id]}])",
+                path=f"stage_args[{i}].stage_id",
+                source=source,
+            )
         ids[s.stage_id] = i
         if ":" not in s.stage_type and s.stage_type not in BUILTIN_STAGE_TYPES:
             raise ConfigError(
                 f"unknown stage_type {s.stage_type!r}; expected one of {', '.join(BUILTIN_STAGE_TYPES)} "
-                "or module:Class", path=f"stage_args[{i}].stage_type", source=source)
+                "or module:Class",
+                path=f"stage_args[{i}].stage_type",
+                source=source,
+            )
         if s.final_output and s.final_output_type is None:
-            raise ConfigError("a final_output stage needs final_output_type (text | image | latent | tensor)",
-                              path=f"stage_args[{i}].final_output_type", source=source)
+            raise ConfigError(
+                "a final_output stage needs final_output_type (text | image | latent | tensor)",
+                path=f"stage_args[{i}].final_output_type",
+                source=source,
+            )
     for i, s in enumerate(config.stage_args):
         for j, src in enumerate(s.engine_input_source):
             if src not in ids:
-                raise ConfigError(f"unknown upstream stage id {src}",
-                                  path=f"stage_args[{i}].engine_input_source[{j}]", source=source)
+                raise ConfigError(
+                    f"unknown upstream stage id {src}", path=f"stage_args[{i}].engine_input_source[{j}]", source=source
+                )
             if src == s.stage_id:
-                raise ConfigError("a stage cannot feed itself",
-                                  path=f"stage_args[{i}].engine_input_source[{j}]", source=source)
+                raise ConfigError(
+                    "a stage cannot feed itself", path=f"stage_args[{i}].engine_input_source[{j}]", source=source
+                )
     # Cycles: depth-first search over upstream edges.
     state: dict[int, int] = {}  # 1 = on the stack, 2 = done
 
@@ -184,8 +194,11 @@ def validate_graph(config: DeployConfig, source: str = "<config>") -> None:
         state[sid] = 1
         for src in config.stage(sid).engine_input_source:
             if state.get(src) == 1:
-                raise ConfigError(f"the stage graph has a cycle through stage {src}",
-                                  path=f"stage_args[{ids[sid]}].engine_input_source", source=source)
+                raise ConfigError(
+                    f"the stage graph has a cycle through stage {src}",
+                    path=f"stage_args[{ids[sid]}].engine_input_source",
+                    source=source,
+                )
             if state.get(src) is None:
                 visit(src)
         state[sid] = 2
@@ -209,8 +222,7 @@ def validate_graph(config: DeployConfig, source: str = "<config>") -> None:
             seen.add(cur)
             todo.extend(downstream[cur])
         if not seen & finals:
-            raise ConfigError(f"stage {sid} has no path to a final output",
-                              path=f"stage_args[{i}]", source=source)
+            raise ConfigError(f"stage {sid} has no path to a final output", path=f"stage_args[{i}]", source=source)
 
 
 def load_config(model: str | Path) -> DeployConfig:
@@ -235,18 +247,27 @@ def load_config(model: str | Path) -> DeployConfig:
         return load_config(bundled)
     raise ConfigError(
         f"unknown model {str(model)!r}: not a bundled config ({', '.join(bundled_config_names())}), "
-        "a YAML file, or a local diffusers model directory")
+        "a YAML file, or a local diffusers model directory"
+    )
 
 
 def single_diffusion_config(model_dir: str, name: str) -> DeployConfig:
     """A one-stage diffusion deploy config for a local diffusers model directory."""
-    return parse_config({
-        "model": name,
-        "stage_args": [{
-            "stage_id": 0, "stage_type": "diffusion", "model": model_dir,
-            "final_output": True, "final_output_type": "image",
-        }],
-    }, source=name)
+    return parse_config(
+        {
+            "model": name,
+            "stage_args": [
+                {
+                    "stage_id": 0,
+                    "stage_type": "diffusion",
+                    "model": model_dir,
+                    "final_output": True,
+                    "final_output_type": "image",
+                }
+            ],
+        },
+        source=name,
+    )
 
 
 def with_engine_overrides(config: DeployConfig, **overrides: Any) -> DeployConfig:
@@ -260,10 +281,13 @@ def with_engine_overrides(config: DeployConfig, **overrides: Any) -> DeployConfi
         return config
     unknown = set(overrides) - set(EngineArgs.__struct_fields__)
     if unknown:
-        raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(unknown))}; expected "
-                          f"{', '.join(EngineArgs.__struct_fields__)}")
+        raise ConfigError(
+            f"unknown engine argument(s): {', '.join(sorted(unknown))}; expected "
+            f"{', '.join(EngineArgs.__struct_fields__)}"
+        )
     targets = [s.stage_id for s in config.stage_args if s.stage_type == "diffusion"] or [
-        s.stage_id for s in config.stage_args]
+        s.stage_id for s in config.stage_args
+    ]
     data = msgspec.to_builtins(config)
     for s in data["stage_args"]:
         if s["stage_id"] in targets:

@@ -106,9 +106,7 @@ def params_to_dict(params: Any) -> dict[str, Any]:
     )
 
 
-def resolve_params(
-    params_cls: type[msgspec.Struct], defaults: dict[str, Any], params: Any
-) -> msgspec.Struct:
+def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], params: Any) -> msgspec.Struct:
     """Merge ``params`` over the stage ``defaults`` and validate into ``params_cls``.
 
     Raises InvalidRequestError naming the field (unknown key, wrong type, out of range).
@@ -147,7 +145,6 @@ def check_constraints(params: msgspec.Struct, constraints: dict[str, Any]) -> No
     max_pixels = constraints.get("max_pixels")
     if max_pixels and h is not None and w is not None and h * w > max_pixels:
         raise InvalidRequestError(
-            f"invalid sampling param `height`/`width`: {w}x{h} exceeds this stage's limit of "
-            f"{max_pixels} pixels",
+            f"invalid sampling param `height`/`width`: {w}x{h} exceeds this stage's limit of {max_pixels} pixels",
             param="size",
         )

@@ -72,6 +72,8 @@ def resolve_model(spec: str) -> str:
         return str(ensure_builtin(spec.removeprefix("builtin:")))
     path = Path(spec).expanduser()
     if not path.exists():
-        raise ConfigError(f"model directory not found: {spec} (models are loaded from local "
-                          "directories; use builtin:<name> for a bundled tiny model)")
+        raise ConfigError(
+            f"model directory not found: {spec} (models are loaded from local "
+            "directories; use builtin:<name> for a bundled tiny model)"
+        )
     return str(path.resolve())

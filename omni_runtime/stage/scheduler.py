@@ -141,12 +141,7 @@ class RequestScheduler:
         # 3) Go at once when holding cannot grow the wave (full, or a fifo run already cut off by an
         #    incompatible request), when no added latency is wanted, or when the head queued behind a
         #    running wave and so has already waited its turn.
-        if (
-            len(members) >= self._max_num_seqs
-            or closed
-            or self._max_wait_ms == 0
-            or head.arrival < self._idle_since
-        ):
+        if len(members) >= self._max_num_seqs or closed or self._max_wait_ms == 0 or head.arrival < self._idle_since:
             return self._dispatch(head.key, members, now)
         # 4) Otherwise hold for compatible arrivals, bounded by the deadline, and ended early by a quiet
         #    stable window after the most recent arrival (the burst is over).
@@ -179,6 +174,14 @@ class RequestScheduler:
             self._max_num_seqs = max_num_seqs
         if max_wait_ms is not None:
             self._max_wait_ms = float(max_wait_ms)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._max_num_seqs
+
+    @property
+    def max_wait_ms(self) -> float:
+        return self._max_wait_ms
 
     @property
     def num_waiting(self) -> int:
@@ -234,9 +237,7 @@ class RequestScheduler:
             request_ids=[p.request_id for p in members],
             payloads=[p.payload for p in members],
             queue_wait_ms={p.request_id: (now - p.arrival) * 1000.0 for p in members},
-            admission_wait_ms={
-                p.request_id: (now - max(p.arrival, self._idle_since)) * 1000.0 for p in members
-            },
+            admission_wait_ms={p.request_id: (now - max(p.arrival, self._idle_since)) * 1000.0 for p in members},
         )
         self._next_batch_id += 1
         self._requests_scheduled += len(members)

@@ -1,0 +1,1 @@
+"""User-facing surfaces: ``Omni``, ``AsyncOmni``, the OpenAI-style server and the CLI."""

@@ -1,0 +1,382 @@
+"""Orchestrator: runs in its own thread, on its own uvloop event loop.
+
+It awaits two things and nothing else: the janus request queue from the caller's thread, and the
+stage sockets (through the stage clients). No polling loops, no sleeps: an idle engine sleeps in
+``epoll``. It routes each request through the stage graph (``engine_input_source``), builds each
+stage's input from its upstream outputs, delivers final outputs to the caller's output queue, and
+runs control calls as tasks of their own so they never hold up request intake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import janus
+
+from omni_runtime.config import DeployConfig, StageConfig
+from omni_runtime.engine.stage_client import InProcStageClient, StageClient, ZmqStageClient
+from omni_runtime.engine.stage_pool import StagePool
+from omni_runtime.exceptions import EngineClosedError, RequestAbortedError, RequestTimeoutError, StageDeadError
+from omni_runtime.messages import (
+    EngineAbort,
+    EngineOutput,
+    EngineRequest,
+    EngineRpc,
+    EngineRpcResult,
+    EngineShutdown,
+    ErrorInfo,
+    StageOutput,
+    StageRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class _Request:
+    """Routing state of one request inside the orchestrator."""
+
+    __slots__ = ("done", "finals_left", "msg", "running", "timer")
+
+    def __init__(self, msg: EngineRequest, finals: set[int]) -> None:
+        self.msg = msg
+        self.finals_left = set(finals)
+        self.done: dict[int, StageOutput] = {}
+        self.running: set[int] = set()
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class Orchestrator:
+    """Owns the stage pools; moves requests through the stage graph."""
+
+    def __init__(self, config: DeployConfig, output_queue: janus.Queue, *, request_queue_size: int = 0) -> None:
+        self.config = config
+        self.request_queue: janus.Queue = janus.Queue(maxsize=request_queue_size)
+        self._out = output_queue
+        self.pools: dict[int, StagePool] = {}
+        self.constraints: dict[int, dict[str, Any]] = {}
+        self._requests: dict[str, _Request] = {}
+        self._downstream: dict[int, list[int]] = {s.stage_id: [] for s in config.stage_args}
+        for s in config.stage_args:
+            for src in s.engine_input_source:
+                self._downstream[src].append(s.stage_id)
+        self._input_funcs = {
+            s.stage_id: _load_func(s.custom_process_input_func)
+            for s in config.stage_args
+            if s.custom_process_input_func
+        }
+        self._thread: threading.Thread | None = None
+        self._ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._status: dict[int, dict[str, Any]] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._ipc_dir: Path | None = None
+        self._zctx = None
+
+    # ------------------------------------------------------------------ lifecycle (caller thread)
+
+    def start(self, timeout: float | None = None) -> None:
+        """Start the thread and block until every stage said READY (or raise why not)."""
+        self._thread = threading.Thread(target=self._thread_main, name="omni-orchestrator", daemon=True)
+        self._thread.start()
+        self._ready.result(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def status(self) -> dict[int, dict[str, Any]]:
+        """A snapshot of every stage's replicas and queue depth (safe from any thread)."""
+        return dict(self._status)
+
+    def _thread_main(self) -> None:
+        import uvloop
+
+        try:
+            uvloop.run(self._main())
+        except BaseException as e:  # never let the thread die silently
+            logger.exception("orchestrator stopped")
+            if not self._ready.done():
+                self._ready.set_exception(e)
+
+    # ------------------------------------------------------------------ the loop (orchestrator thread)
+
+    async def _main(self) -> None:
+        import zmq.asyncio
+
+        # 1) sockets live in a private directory (mkdtemp makes it 0700).
+        self._ipc_dir = Path(tempfile.mkdtemp(prefix="omni_runtime-ipc-"))
+        self._zctx = zmq.asyncio.Context()
+        try:
+            # 2) start every stage's replicas concurrently; any failure fails start().
+            try:
+                await self._start_pools()
+            except BaseException as e:
+                await self._close_pools()
+                self._ready.set_exception(e)
+                return
+            self._ready.set_result(None)
+            # 3) serve the request queue until shutdown.
+            await self._serve()
+        finally:
+            self._fail_all(EngineClosedError("engine closed"))
+            await self._close_pools()
+            self._zctx.term()
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self.request_queue.shutdown(immediate=True)
+
+    async def _start_pools(self) -> None:
+        total_process_replicas = sum(s.runtime.num_replicas for s in self.config.stage_args if s.runtime.process)
+        for stage in self.config.stage_args:
+            self.pools[stage.stage_id] = StagePool(
+                stage,
+                self._client_factory(stage, total_process_replicas),
+                self._on_stage_output,
+                self._on_requests_lost,
+            )
+        await asyncio.gather(*(p.start() for p in self.pools.values()))
+        self.constraints = {sid: p.constraints for sid, p in self.pools.items()}
+        self._refresh_status()
+
+    def _client_factory(self, stage: StageConfig, total_replicas: int):
+        threads = stage.runtime.torch_threads or max(1, (os.cpu_count() or 1) // max(1, total_replicas))
+
+        def make(replica_id: int, generation: int, on_message, on_dead) -> StageClient:
+            if not stage.runtime.process:
+                return InProcStageClient(stage, replica_id, on_message, on_dead)
+            return ZmqStageClient(
+                stage,
+                replica_id,
+                on_message,
+                on_dead,
+                zmq_context=self._zctx,
+                ipc_dir=self._ipc_dir,
+                torch_threads=threads,
+                generation=generation,
+            )
+
+        return make
+
+    async def _close_pools(self) -> None:
+        await asyncio.gather(*(p.close() for p in self.pools.values()), return_exceptions=True)
+
+    async def _serve(self) -> None:
+        queue = self.request_queue.async_q
+        while True:
+            msg = await queue.get()
+            if isinstance(msg, EngineRequest):
+                self._add(msg)
+            elif isinstance(msg, EngineAbort):
+                reason = msg.reason.to_exception() if msg.reason else RequestAbortedError("aborted")
+                for rid in msg.request_ids:
+                    self._finish_with_error(rid, reason, stage_id=None)
+            elif isinstance(msg, EngineRpc):
+                task = asyncio.get_running_loop().create_task(self._rpc(msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            elif isinstance(msg, EngineShutdown):
+                return
+
+    # ------------------------------------------------------------------ routing
+
+    def _add(self, msg: EngineRequest) -> None:
+        state = _Request(msg, set(msg.final_stage_ids))
+        self._requests[msg.request_id] = state
+        if msg.deadline is not None:
+            state.timer = asyncio.get_running_loop().call_later(
+                max(0.0, msg.deadline - time.monotonic()), self._on_deadline, msg.request_id
+            )
+        needed = self._needed_stages(state.finals_left)
+        for stage in self.config.stage_args:
+            if stage.stage_id in needed and not stage.engine_input_source:
+                self._submit(state, stage.stage_id, msg.prompt, {})
+        self._refresh_status()
+
+    def _needed_stages(self, finals: set[int]) -> set[int]:
+        needed, todo = set(), list(finals)
+        while todo:
+            sid = todo.pop()
+            if sid not in needed:
+                needed.add(sid)
+                todo.extend(self.config.stage(sid).engine_input_source)
+        return needed
+
+    def _submit(self, state: _Request, stage_id: int, prompt: Any, inputs: dict[str, Any]) -> None:
+        msg = state.msg
+        try:
+            self.pools[stage_id].submit(
+                StageRequest(
+                    request_id=msg.request_id,
+                    prompt=prompt,
+                    params=msg.params.get(stage_id, {}),
+                    inputs=inputs,
+                    arrival_time=msg.arrival_time,
+                )
+            )
+        except StageDeadError as e:
+            self._finish_with_error(msg.request_id, e, stage_id)
+            return
+        state.running.add(stage_id)
+
+    def _on_stage_output(self, stage_id: int, out: StageOutput) -> None:
+        state = self._requests.get(out.request_id)
+        if state is None:
+            return  # aborted, timed out or failed meanwhile: drop it
+        if out.error is not None:
+            self.pools[stage_id].done(out.request_id)
+            self._finish_with_error(out.request_id, out.error.to_exception(), stage_id)
+            return
+        if not out.finished:  # a streamed delta: pass it on if the caller asked for this stage
+            if stage_id in state.msg.final_stage_ids:
+                self._deliver(state, stage_id, out, finished=False, stage_finished=False)
+            return
+        self.pools[stage_id].done(out.request_id)
+        state.running.discard(stage_id)
+        state.done[stage_id] = out
+        if stage_id in state.finals_left:
+            state.finals_left.discard(stage_id)
+            finished = not state.finals_left
+            self._deliver(state, stage_id, out, finished=finished, stage_finished=True)
+            if finished:
+                self._forget(out.request_id)
+                return
+        # Forward to each needed downstream stage whose inputs are all here.
+        needed = self._needed_stages(state.finals_left)
+        for down in self._downstream[stage_id]:
+            stage = self.config.stage(down)
+            if (
+                down in needed
+                and down not in state.running
+                and down not in state.done
+                and all(src in state.done for src in stage.engine_input_source)
+            ):
+                try:
+                    prompt, inputs = self._stage_input(stage, state)
+                except Exception as e:
+                    self._finish_with_error(out.request_id, e, down)
+                    return
+                self._submit(state, down, prompt, inputs)
+        self._refresh_status()
+
+    def _stage_input(self, stage: StageConfig, state: _Request) -> tuple[Any, dict[str, Any]]:
+        """Map upstream outputs (and the original prompt) to this stage's (prompt, inputs)."""
+        upstream = {sid: state.done[sid] for sid in stage.engine_input_source}
+        func = self._input_funcs.get(stage.stage_id)
+        if func is not None:
+            result = func(
+                state.msg.prompt,
+                {sid: {"text": o.text, "images": o.images, "tensors": o.tensors} for sid, o in upstream.items()},
+            )
+            return result.get("prompt", state.msg.prompt), dict(result.get("inputs", {}))
+        # Default: upstream text becomes the prompt; tensors pass through by name.
+        inputs: dict[str, Any] = {}
+        texts = []
+        for o in upstream.values():
+            inputs.update(o.tensors)
+            if o.images:
+                inputs["images"] = o.images
+            if o.text is not None:
+                texts.append(o.text)
+        if texts:
+            inputs["text"] = "\n".join(texts)
+            return inputs["text"], inputs
+        return state.msg.prompt, inputs
+
+    def _deliver(
+        self, state: _Request, stage_id: int, out: StageOutput, *, finished: bool, stage_finished: bool
+    ) -> None:
+        metrics = dict(out.metrics)
+        if stage_finished:
+            metrics["e2e_ms"] = (time.time() - state.msg.arrival_time) * 1000.0
+        self._out.sync_q.put_nowait(
+            EngineOutput(
+                request_id=out.request_id,
+                stage_id=stage_id,
+                finished=finished,
+                stage_finished=stage_finished,
+                text=out.text,
+                images=out.images,
+                tensors=out.tensors,
+                metrics=metrics,
+            )
+        )
+
+    def _finish_with_error(self, request_id: str, exc: BaseException, stage_id: int | None) -> None:
+        """End a request with an error: abort it wherever it still runs, tell the caller once."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        for sid in list(state.running):
+            self.pools[sid].abort(request_id)
+        self._forget(request_id)
+        if stage_id is None:
+            stage_id = next(iter(state.running), state.msg.final_stage_ids[0])
+        self._out.sync_q.put_nowait(
+            EngineOutput(
+                request_id=request_id,
+                stage_id=stage_id,
+                finished=True,
+                error=ErrorInfo.from_exception(
+                    exc, stage_id if getattr(exc, "stage_id", None) is None else exc.stage_id
+                ),
+                metrics={"e2e_ms": (time.time() - state.msg.arrival_time) * 1000.0},
+            )
+        )
+
+    def _forget(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is not None and state.timer is not None:
+            state.timer.cancel()
+        self._refresh_status()
+
+    def _on_deadline(self, request_id: str) -> None:
+        state = self._requests.get(request_id)
+        if state is not None:
+            self._finish_with_error(
+                request_id, RequestTimeoutError("request did not finish before its deadline"), stage_id=None
+            )
+
+    def _on_requests_lost(self, stage_id: int, request_ids: list[str], reason: str) -> None:
+        for rid in request_ids:
+            self._finish_with_error(rid, StageDeadError(reason, stage_id=stage_id), stage_id)
+        self._refresh_status()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid in list(self._requests):
+            self._finish_with_error(rid, exc, None)
+
+    def _refresh_status(self) -> None:
+        self._status = {sid: p.status() for sid, p in self.pools.items()}
+
+    # ------------------------------------------------------------------ control calls
+
+    async def _rpc(self, msg: EngineRpc) -> None:
+        stage_ids = msg.stage_ids if msg.stage_ids is not None else list(self.pools)
+        results = []
+        for res in await asyncio.gather(
+            *(
+                self.pools[sid].rpc(msg.method, list(msg.args), dict(msg.kwargs), msg.timeout)
+                for sid in stage_ids
+                if sid in self.pools
+            )
+        ):
+            results.extend(res)
+        self._refresh_status()
+        self._out.sync_q.put_nowait(EngineRpcResult(call_id=msg.call_id, results=results))
+
+
+def _load_func(spec: str):
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,274 @@
+"""StageClient: the orchestrator's handle on one stage replica. Runs in the orchestrator thread.
+
+One small interface, two implementations:
+
+* :class:`ZmqStageClient` starts the replica as its own process (``python -m
+  omni_runtime.stage.process``) and talks to it over two ZMQ sockets (ipc in a private 0700
+  directory, or loopback TCP). Process death is noticed through a pidfd on the event loop, not by
+  polling.
+* :class:`InProcStageClient` runs the same :class:`~omni_runtime.stage.worker.StageWorker` on the
+  orchestrator's own loop, with no socket: the unit-test seam and ``runtime.process: false``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from omni_runtime.config import StageConfig
+from omni_runtime.exceptions import StageStartupError
+from omni_runtime.messages import StageReady, StageRpcResult, StageShutdown
+
+logger = logging.getLogger(__name__)
+
+OnMessage = Callable[["StageClient", Any], None]
+OnDead = Callable[["StageClient", str], None]
+
+
+class StageClient(ABC):
+    """Sends messages to one replica; delivers what it says to ``on_message``."""
+
+    def __init__(self, stage: StageConfig, replica_id: int, on_message: OnMessage, on_dead: OnDead) -> None:
+        self.stage = stage
+        self.stage_id = stage.stage_id
+        self.replica_id = replica_id
+        self._on_message = on_message
+        self._on_dead = on_dead
+        self.ready: StageReady | None = None
+        self.alive = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.ready.pid if self.ready else None
+
+    @abstractmethod
+    async def start(self) -> StageReady:
+        """Start the replica and wait for READY; StageStartupError on failure or time-out."""
+
+    @abstractmethod
+    def send(self, msg: Any) -> None:
+        """Send one message; never blocks."""
+
+    @abstractmethod
+    async def close(self, timeout: float = 5.0) -> None:
+        """Stop the replica (gracefully, then by force after ``timeout``) and free its resources."""
+
+
+class InProcStageClient(StageClient):
+    """The worker on the orchestrator's loop (its forward still runs in an executor thread)."""
+
+    def __init__(self, stage: StageConfig, replica_id: int, on_message: OnMessage, on_dead: OnDead) -> None:
+        super().__init__(stage, replica_id, on_message, on_dead)
+        self._worker = None
+
+    async def start(self) -> StageReady:
+        from omni_runtime.stage.worker import StageWorker
+
+        loop = asyncio.get_running_loop()
+        # Delivered on the next loop turn, as a socket would, so handlers never re-enter each other.
+        self._worker = StageWorker(
+            self.stage, self.replica_id, send=lambda msg: loop.call_soon(self._on_message, self, msg)
+        )
+        try:
+            self.ready = await self._worker.start()
+        except Exception as e:
+            raise StageStartupError(f"stage {self.stage_id} failed to load: {type(e).__name__}: {e}") from e
+        self.alive = True
+        return self.ready
+
+    def send(self, msg: Any) -> None:
+        if self._worker is not None and self.alive:
+            self._worker.handle(msg)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        self.alive = False
+        if self._worker is not None:
+            await self._worker.close()
+
+
+class ZmqStageClient(StageClient):
+    """A replica in its own process, reached over ZMQ PUSH/PULL sockets."""
+
+    def __init__(
+        self,
+        stage: StageConfig,
+        replica_id: int,
+        on_message: OnMessage,
+        on_dead: OnDead,
+        *,
+        zmq_context: Any,
+        ipc_dir: Path,
+        torch_threads: int,
+        generation: int = 0,
+    ) -> None:
+        super().__init__(stage, replica_id, on_message, on_dead)
+        self._zctx = zmq_context
+        self._ipc_dir = ipc_dir
+        self._torch_threads = torch_threads
+        self._generation = generation
+        self._proc: subprocess.Popen | None = None
+        self._pidfd: int | None = None
+        self._push = self._pull = None
+        self._reader: asyncio.Task | None = None
+        self._ready_fut: asyncio.Future | None = None
+        self._closing = False
+        from omni_runtime.serialization import Encoder, outbound_decoder
+
+        self._encoder, self._decoder = Encoder(), outbound_decoder()
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        return self._proc
+
+    def _bind(self, sock: Any, name: str) -> str:
+        if self.stage.runtime.transport == "tcp":
+            sock.bind("tcp://127.0.0.1:*")
+            return sock.getsockopt_string(__import__("zmq").LAST_ENDPOINT)
+        addr = f"ipc://{self._ipc_dir}/s{self.stage_id}r{self.replica_id}g{self._generation}-{name}"
+        sock.bind(addr)
+        return addr
+
+    async def start(self) -> StageReady:
+        import zmq
+
+        from omni_runtime.stage.process import StageProcessArgs
+
+        loop = asyncio.get_running_loop()
+        # 1) bind both sockets here, so the child only connects (no race on who is first).
+        self._push = self._zctx.socket(zmq.PUSH)
+        self._pull = self._zctx.socket(zmq.PULL)
+        for sock in (self._push, self._pull):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # admission is bounded upstream; never block here
+            sock.setsockopt(zmq.RCVHWM, 0)
+        in_addr, out_addr = self._bind(self._push, "in"), self._bind(self._pull, "out")
+        args = StageProcessArgs(
+            stage=msgspec.to_builtins(self.stage),
+            replica_id=self.replica_id,
+            inbound_addr=in_addr,
+            outbound_addr=out_addr,
+            torch_threads=self._torch_threads,
+            log_level=logging.getLogger("omni_runtime").getEffectiveLevel() or logging.INFO,
+        )
+        # 2) start the process; its arguments go on stdin as msgpack (nothing is pickled), and it
+        #    sees this process's import path so custom runner modules resolve the same way.
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "omni_runtime.stage.process"], stdin=subprocess.PIPE, env=env, close_fds=True
+        )
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(msgspec.msgpack.encode(args))
+        self._proc.stdin.close()
+        # 3) death sentinel: a pidfd becomes readable when the process exits.
+        self._pidfd = os.pidfd_open(self._proc.pid)
+        loop.add_reader(self._pidfd, self._on_exit)
+        self.alive = True
+        self._ready_fut = loop.create_future()
+        self._reader = loop.create_task(self._read(), name=f"stage{self.stage_id}.{self.replica_id}-reader")
+        # 4) READY handshake with a time-out.
+        try:
+            self.ready = await asyncio.wait_for(asyncio.shield(self._ready_fut), self.stage.runtime.startup_timeout_s)
+        except TimeoutError:
+            await self.close(timeout=1.0)
+            raise StageStartupError(
+                f"stage {self.stage_id} replica {self.replica_id} did not say READY "
+                f"within {self.stage.runtime.startup_timeout_s:g} s"
+            ) from None
+        except StageStartupError:
+            await self.close(timeout=1.0)
+            raise
+        return self.ready
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._pull.recv_multipart(copy=False)
+            try:
+                msg = self._decoder.decode(frames)
+            except msgspec.DecodeError as e:
+                logger.warning("stage %d: dropped a malformed message: %s", self.stage_id, e)
+                continue
+            if self._ready_fut is not None and not self._ready_fut.done():
+                if isinstance(msg, StageReady):
+                    self._ready_fut.set_result(msg)
+                    continue
+                if isinstance(msg, StageRpcResult) and msg.call_id == -1 and msg.error:
+                    self._ready_fut.set_exception(StageStartupError(msg.error.message))
+                    continue
+            self._on_message(self, msg)
+
+    def _on_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._pidfd)
+        code = self._proc.wait()  # reaps it: no zombie
+        os.close(self._pidfd)
+        self._pidfd = None
+        was_alive, self.alive = self.alive, False
+        reason = f"stage {self.stage_id} replica {self.replica_id} (pid {self._proc.pid}) exited with code {code}"
+        if self._ready_fut is not None and not self._ready_fut.done():
+            self._ready_fut.set_exception(StageStartupError(f"{reason} before READY"))
+            return
+        if was_alive and not self._closing:
+            logger.error("%s", reason)
+            self._on_dead(self, reason)
+
+    def send(self, msg: Any) -> None:
+        if self.alive and self._push is not None:
+            self._push.send_multipart(self._encoder.encode(msg), copy=False)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        self._closing = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            # 1) ask politely, 2) SIGTERM, 3) SIGKILL: each bounded, so close() always returns.
+            self.send(StageShutdown())
+            for step in (proc.terminate, proc.kill, None):
+                if await _wait_exit(proc, timeout):
+                    break
+                if step is None:
+                    break
+                step()
+                timeout = 2.0
+        self.alive = False
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if proc is not None and proc.returncode is None:
+            proc.wait()
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+
+
+async def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
+    """Wait for ``proc`` to exit without blocking the loop: a pidfd wakes us, no polling."""
+    if proc.poll() is not None:
+        return True
+    loop = asyncio.get_running_loop()
+    fd = os.pidfd_open(proc.pid)
+    fut = loop.create_future()
+    loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+    try:
+        await asyncio.wait_for(fut, timeout)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)

@@ -1,0 +1,129 @@
+"""Entry point of a stage replica process (spawned): ``run_stage_process``.
+
+The parent binds two ZMQ sockets in a private directory (or on loopback) and passes their
+addresses; this process connects, loads the model, says READY, then serves until it is told to
+shut down or its parent dies (``PR_SET_PDEATHSIG``: no orphans even if the parent is SIGKILLed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import msgspec
+
+logger = logging.getLogger("omni_runtime.stage")
+
+
+class StageProcessArgs(msgspec.Struct, kw_only=True, frozen=True):
+    """What the parent hands a new stage process (msgpack bytes: nothing is pickled)."""
+
+    stage: Any  # StageConfig as builtins
+    replica_id: int
+    inbound_addr: str
+    outbound_addr: str
+    torch_threads: int
+    log_level: int = logging.INFO
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def run_stage_process(args_bytes: bytes) -> None:
+    """Process target. Exit code 0 after a clean shutdown."""
+    _die_with_parent()
+    args = msgspec.msgpack.decode(args_bytes, type=StageProcessArgs)
+    # Ctrl-C goes to the whole process group; the parent decides how to shut stages down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Thread counts before torch is imported: several processes x all cores is several times slower.
+    threads = str(args.torch_threads)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = threads
+    logging.basicConfig(
+        level=args.log_level,
+        format=f"%(asctime)s %(levelname)s stage{args.stage['stage_id']}.{args.replica_id} %(name)s: %(message)s",
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    except ImportError:
+        pass
+    import uvloop
+
+    uvloop.run(_serve(args))
+
+
+async def _serve(args: StageProcessArgs) -> None:
+    import zmq
+    import zmq.asyncio
+
+    from omni_runtime.config import StageConfig
+    from omni_runtime.messages import StageShutdown
+    from omni_runtime.serialization import Encoder, inbound_decoder
+    from omni_runtime.stage.worker import StageWorker
+
+    ctx = zmq.asyncio.Context()
+    inbound = ctx.socket(zmq.PULL)
+    outbound = ctx.socket(zmq.PUSH)
+    inbound.connect(args.inbound_addr)
+    outbound.connect(args.outbound_addr)
+    encoder, decoder = Encoder(), inbound_decoder()
+
+    def send(msg: Any) -> None:
+        # PUSH to a connected peer with an unbounded HWM queue does not block.
+        outbound.send_multipart(encoder.encode(msg), copy=False)
+
+    stage = msgspec.convert(args.stage, StageConfig)
+    worker = StageWorker(stage, args.replica_id, send)
+    try:
+        try:
+            ready = await worker.start()
+        except Exception as e:
+            logger.exception("stage %d failed to load", stage.stage_id)
+            send(_startup_failure(e, stage.stage_id))
+            return
+        send(ready)
+        while True:
+            frames = await inbound.recv_multipart(copy=False)
+            try:
+                msg = decoder.decode(frames)
+            except msgspec.DecodeError as e:
+                logger.warning("dropped a malformed message: %s", e)
+                continue
+            if isinstance(msg, StageShutdown):
+                break
+            worker.handle(msg)
+    finally:
+        await worker.close()
+        outbound.close(linger=1000)  # flush what is queued (outputs, a start-up failure)
+        inbound.close(linger=0)
+        ctx.term()
+
+
+def _startup_failure(exc: BaseException, stage_id: int) -> Any:
+    from omni_runtime.messages import ErrorInfo, StageRpcResult
+
+    # call_id -1 is the start-up channel: the parent reads it as a failed READY.
+    return StageRpcResult(
+        call_id=-1, error=ErrorInfo(type="StageStartupError", message=f"{type(exc).__name__}: {exc}", stage_id=stage_id)
+    )
+
+
+def main() -> None:
+    """``python -m omni_runtime.stage.process``: the start-up args arrive as msgpack on stdin."""
+    run_stage_process(sys.stdin.buffer.read())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""StageWorker: one replica of a stage. Runs on an asyncio loop in the stage process, or in the
+orchestrator's process for ``runtime.process: false`` (the in-process client).
+
+Transport-agnostic: messages come in through :meth:`StageWorker.handle`, and everything it says
+goes out through the ``send`` callback. The runner's ``execute`` runs in a single executor
+thread, so aborts and control calls are answered while a forward is running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from omni_runtime.config import StageConfig
+from omni_runtime.exceptions import (
+    InvalidRequestError,
+    OmniError,
+    RpcError,
+    StageAsleepError,
+    StageExecutionError,
+)
+from omni_runtime.messages import (
+    ErrorInfo,
+    StageAbort,
+    StageOutput,
+    StageReady,
+    StageRequest,
+    StageRpc,
+    StageRpcResult,
+    StageShutdown,
+)
+from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, runner_class
+from omni_runtime.stage.scheduler import RequestScheduler, Wave
+
+logger = logging.getLogger(__name__)
+
+
+class StageWorker:
+    """Owns a runner and a scheduler; turns stage messages into fused forwards."""
+
+    def __init__(self, stage: StageConfig, replica_id: int, send: Callable[[Any], None]) -> None:
+        self.stage = stage
+        self.stage_id = stage.stage_id
+        self.replica_id = replica_id
+        self._send = send
+        self.runner = runner_class(stage.stage_type)(stage)
+        args = stage.engine_args
+        self.scheduler = RequestScheduler(
+            max_num_seqs=args.max_num_seqs,
+            max_wait_ms=args.request_batch_max_wait_ms,
+            max_queue_len=args.max_queue_len,
+        )
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage_id}-forward")
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._released: set[str] = set()  # aborted while running: caller already answered
+        self._asleep = False
+        self._closed = False
+        self._served = 0
+        self._failed = 0
+        self._exec_counts: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> StageReady:
+        """Load the model (in the executor thread) and start the scheduling loop."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self.runner.load)
+        limit = getattr(self.runner, "max_batch_size", None)
+        if limit is not None and limit < self.scheduler.max_num_seqs:
+            self.scheduler.set_config(max_num_seqs=limit)
+        self._loop_task = asyncio.create_task(self._run(), name=f"stage{self.stage_id}-loop")
+        return StageReady(
+            stage_id=self.stage_id, replica_id=self.replica_id, pid=os.getpid(), constraints=self.runner.constraints()
+        )
+
+    async def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ inbound
+
+    def handle(self, msg: Any) -> None:
+        """Dispatch one inbound message. Never raises: a bad message is logged and dropped."""
+        try:
+            if isinstance(msg, StageRequest):
+                self._add(msg)
+            elif isinstance(msg, StageAbort):
+                for rid in msg.request_ids:
+                    self._abort(rid)
+            elif isinstance(msg, StageRpc):
+                asyncio.get_running_loop().create_task(self._rpc(msg))
+            elif isinstance(msg, StageShutdown):
+                self._closed = True
+                self._wake.set()
+            else:
+                logger.warning("stage %d: dropped unexpected message %r", self.stage_id, type(msg).__name__)
+        except Exception:
+            logger.exception("stage %d: failed to handle %s", self.stage_id, type(msg).__name__)
+
+    def _add(self, msg: StageRequest) -> None:
+        req = RunnerRequest(
+            request_id=msg.request_id, prompt=msg.prompt, params=dict(msg.params), inputs=dict(msg.inputs)
+        )
+        try:
+            if self._asleep:
+                raise StageAsleepError(f"stage {self.stage_id} is asleep; call collective_rpc('wake_up')")
+            key = self.runner.batch_key(req)
+            self.scheduler.add(msg.request_id, key, req)
+        except OmniError as e:
+            self._emit(StageOutput(request_id=msg.request_id, error=ErrorInfo.from_exception(e, self.stage_id)))
+            return
+        except Exception as e:  # batch_key choked on the params: this request's bad input
+            err = InvalidRequestError(f"stage {self.stage_id} cannot take this request: {e}")
+            self._emit(StageOutput(request_id=msg.request_id, error=ErrorInfo.from_exception(err, self.stage_id)))
+            return
+        self._wake.set()
+
+    def _abort(self, rid: str) -> None:
+        where = self.scheduler.abort(rid)
+        if where == "running":
+            # The forward notices at its next step; the caller was already answered upstream.
+            self._released.add(rid)
+        elif where == "waiting":
+            self._wake.set()
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        """1) ask the scheduler  2) wait for an arrival or the admission deadline  3) run a wave."""
+        while not self._closed:
+            self._wake.clear()
+            decision = self.scheduler.schedule()
+            if isinstance(decision, Wave):
+                await self._run_wave(decision)
+                continue
+            timeout = None if decision is None else max(0.0, decision - time.monotonic())
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    async def _run_wave(self, wave: Wave) -> None:
+        loop = asyncio.get_running_loop()
+        batch: list[RunnerRequest] = list(wave.payloads)
+        start = time.perf_counter()
+        try:
+            if self._asleep:
+                err = StageAsleepError(f"stage {self.stage_id} is asleep")
+                outputs = [RunnerOutput(error=err) for _ in batch]
+            else:
+                outputs = await self._execute(loop, batch)
+        finally:
+            self.scheduler.finish(wave.batch_id)
+        elapsed_ms = (time.perf_counter() - start) * 1000.0
+        for req, out in zip(batch, outputs, strict=True):
+            rid = req.request_id
+            if rid in self._released:
+                self._released.discard(rid)
+                continue
+            metrics = {
+                "queue_wait_ms": wave.queue_wait_ms.get(rid, 0.0),
+                "admission_wait_ms": wave.admission_wait_ms.get(rid, 0.0),
+                "batch_size": len(batch),
+                "batch_id": wave.batch_id,
+                "execution_ms": elapsed_ms,
+                "replica_id": self.replica_id,
+                **out.metrics,
+            }
+            if out.error is None:
+                self._served += 1
+            else:
+                self._failed += 1
+            self._emit(
+                StageOutput(
+                    request_id=rid,
+                    text=out.text,
+                    images=out.images,
+                    tensors=out.tensors,
+                    metrics=metrics,
+                    error=None if out.error is None else ErrorInfo.from_exception(out.error, self.stage_id),
+                )
+            )
+
+    async def _execute(self, loop: asyncio.AbstractEventLoop, batch: list[RunnerRequest]) -> list[RunnerOutput]:
+        """One fused forward; if it raises, each request again alone so only the culprit fails."""
+        ctx = ExecuteContext(
+            is_aborted=self.scheduler.is_aborted,
+            emit=lambda rid, part: loop.call_soon_threadsafe(self._emit_partial, rid, part),
+        )
+        try:
+            return await loop.run_in_executor(self._executor, self.runner.execute, batch, ctx)
+        except Exception as e:
+            if len(batch) == 1:
+                logger.warning("stage %d: request %s failed: %s", self.stage_id, batch[0].request_id, e)
+                return [RunnerOutput(error=StageExecutionError(f"{type(e).__name__}: {e}", stage_id=self.stage_id))]
+            logger.warning(
+                "stage %d: fused forward of %d failed (%s); retrying one by one", self.stage_id, len(batch), e
+            )
+        outputs = []
+        for req in batch:
+            outputs.extend(await self._execute(loop, [req]))
+        return outputs
+
+    def _emit_partial(self, rid: str, part: RunnerOutput) -> None:
+        if rid not in self._released:
+            self._emit(
+                StageOutput(
+                    request_id=rid,
+                    finished=False,
+                    text=part.text,
+                    images=part.images,
+                    tensors=part.tensors,
+                    metrics=part.metrics,
+                )
+            )
+
+    def _emit(self, msg: Any) -> None:
+        try:
+            self._send(msg)
+        except Exception:
+            logger.exception("stage %d: could not send %s", self.stage_id, type(msg).__name__)
+
+    # ------------------------------------------------------------------ control calls
+
+    async def _rpc(self, msg: StageRpc) -> None:
+        try:
+            result = await self._call(msg.method, list(msg.args), dict(msg.kwargs))
+            reply = StageRpcResult(call_id=msg.call_id, result=result)
+        except Exception as e:
+            err = e if isinstance(e, OmniError) else RpcError(f"{type(e).__name__}: {e}")
+            reply = StageRpcResult(call_id=msg.call_id, error=ErrorInfo.from_exception(err, self.stage_id))
+        self._emit(reply)
+
+    async def _call(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        if method == "ping":
+            return {"pid": os.getpid(), "stage_id": self.stage_id, "replica_id": self.replica_id}
+        if method == "get_stats":
+            return self.stats()
+        if method == "set_batching":
+            return self._set_batching(**kwargs)
+        if method == "sleep":
+            # Runs on the forward thread, so it waits for the running wave instead of racing it.
+            result = await loop.run_in_executor(self._executor, self.runner.sleep)
+            self._asleep = True
+            gc.collect()
+            return {"asleep": True, **(result or {})}
+        if method == "wake_up":
+            result = await loop.run_in_executor(self._executor, self.runner.wake_up)
+            self._asleep = False
+            return {"asleep": False, **(result or {})}
+        handler = getattr(self.runner, f"rpc_{method}", None)
+        if handler is None:
+            raise RpcError(f"unknown control method {method!r}")
+        return await loop.run_in_executor(self._executor, lambda: handler(*args, **kwargs))
+
+    def _set_batching(
+        self, max_num_seqs: int | None = None, request_batch_max_wait_ms: float | None = None
+    ) -> dict[str, Any]:
+        if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
+            raise InvalidRequestError(f"max_num_seqs: expected int >= 1, got {max_num_seqs!r}", param="max_num_seqs")
+        if request_batch_max_wait_ms is not None and (
+            not isinstance(request_batch_max_wait_ms, int | float) or request_batch_max_wait_ms < 0
+        ):
+            raise InvalidRequestError(
+                f"request_batch_max_wait_ms: expected a number >= 0, got {request_batch_max_wait_ms!r}",
+                param="request_batch_max_wait_ms",
+            )
+        self.scheduler.set_config(max_num_seqs=max_num_seqs, max_wait_ms=request_batch_max_wait_ms)
+        self._wake.set()
+        return {"max_num_seqs": self.scheduler.max_num_seqs, "request_batch_max_wait_ms": self.scheduler.max_wait_ms}
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats()
+        return {
+            "stage_id": self.stage_id,
+            "replica_id": self.replica_id,
+            "pid": os.getpid(),
+            "requests_served": self._served,
+            "requests_failed": self._failed,
+            "queue_len": s.get("num_waiting", 0),
+            "running": s.get("num_running", 0),
+            "batch_size_histogram": {str(k): v for k, v in s.get("batch_size_histogram", {}).items()},
+            "waves": s.get("waves", 0),
+            "asleep": self._asleep,
+        }
