@@ -69,7 +69,7 @@ class AsyncOmni:
                     out.metrics = {**out.metrics, **msg.metrics}
                     raise out.error
                 apply_output(out, msg)
-                yield out
+                yield out.snapshot()
         finally:
             if not done:
                 self.engine.abort(rid)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omni_runtime.exceptions import OmniError
@@ -44,6 +44,15 @@ class OmniRequestOutput:
     #: batch_size, batch_id, seed, e2e_ms...
     metrics: dict[str, Any] = field(default_factory=dict)
     outputs_by_stage: dict[int, StageResult] = field(default_factory=dict)
+
+    def snapshot(self) -> OmniRequestOutput:
+        """A copy whose containers later deliveries do not change (AsyncOmni yields these)."""
+        return replace(
+            self,
+            images=list(self.images),
+            metrics=dict(self.metrics),
+            outputs_by_stage={k: replace(v) for k, v in self.outputs_by_stage.items()},
+        )
 
     @property
     def tensors(self) -> dict[str, Any]:

@@ -1,0 +1,46 @@
+"""Runners and input functions named in test configs (``module:Class``), so they also work in a
+spawned stage process: faults are injected at the runner seam, not by patching internals."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from omni_runtime.params import EchoSamplingParams
+from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
+from omni_runtime.stage.runners.echo import EchoRunner
+
+
+class FlakyRunner(EchoRunner):
+    """Echo, but a prompt containing ``poison`` raises (failing the whole fused wave), and
+    ``crash`` kills the process mid-forward, ``hang`` blocks until aborted."""
+
+    params_cls = EchoSamplingParams
+    calls: list[int] = []
+
+    def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
+        prompts = [str(r.prompt) for r in batch]
+        if any("crash" in p for p in prompts):
+            os._exit(13)
+        if any("hang" in p for p in prompts):
+            stop = threading.Event()
+            while not all(ctx.is_aborted(r.request_id) for r in batch):
+                stop.wait(0.01)
+        if any("poison" in p for p in prompts):
+            raise RuntimeError(f"poisoned batch of {len(batch)}")
+        return super().execute(batch, ctx)
+
+    def rpc_boom(self) -> None:
+        raise ValueError("boom")
+
+    def rpc_slow(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "done"
+
+
+def shout(prompt: Any, upstream: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """A custom_process_input_func: upper-cases upstream text and tags its source stages."""
+    texts = [f"{sid}:{out['text']}" for sid, out in sorted(upstream.items())]
+    return {"prompt": " | ".join(texts).upper(), "inputs": {"original": prompt}}

@@ -1,0 +1,116 @@
+"""Deploy config loading: every error names the file and the YAML path."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_runtime.config import load_config, parse_config, with_engine_overrides
+from omni_runtime.exceptions import ConfigError
+
+pytestmark = pytest.mark.unit
+
+FINAL = {"final_output": True, "final_output_type": "image"}
+
+
+def stage(**kw):
+    return {"stage_id": 0, "stage_type": "diffusion", "model": "builtin:tiny-sd", **FINAL, **kw}
+
+
+def error_of(data, source="deploy.yaml") -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, source)
+    return str(info.value)
+
+
+def test_bundled_configs_load():
+    config = load_config("tiny-sd")
+    assert config.model == "tiny-sd"
+    assert config.stage_args[0].engine_args.max_num_seqs == 4
+    assert load_config("echo").stage_args[0].stage_type == "echo"
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (
+            {"stage_args": [stage(engine_args={"max_num_seqs": 0})]},
+            "deploy.yaml: stage_args[0].engine_args.max_num_seqs: Expected `int` >= 1, got 0",
+        ),
+        (
+            {"stage_args": [stage(engine_args={"max_num_seqs": "four"})]},
+            "deploy.yaml: stage_args[0].engine_args.max_num_seqs: Expected `int`, got `str`",
+        ),
+        (
+            {"stage_args": [stage(engine_args={"request_batch_max_wait_ms": -1})]},
+            "deploy.yaml: stage_args[0].engine_args.request_batch_max_wait_ms: Expected `float` >= 0.0, got -1",
+        ),
+        (
+            {"stage_args": [stage(runtime={"num_replicas": 0})]},
+            "deploy.yaml: stage_args[0].runtime.num_replicas: Expected `int` >= 1, got 0",
+        ),
+        ({"stage_args": [stage(bogus=1)]}, "deploy.yaml: stage_args[0].bogus: unknown key"),
+        (
+            {"stage_args": [stage(engine_args={"max_num_sqes": 2})]},
+            "deploy.yaml: stage_args[0].engine_args.max_num_sqes: unknown key",
+        ),
+        ({"stage_args": []}, "deploy.yaml: stage_args: Expected `array` of length >= 1"),
+        ({"stages": []}, "deploy.yaml: stages: unknown key"),
+        ({"stage_args": [stage(stage_type="banana")]}, "deploy.yaml: stage_args[0].stage_type: unknown stage_type"),
+        ({"stage_args": [stage(final_output_type=None)]}, "stage_args[0].final_output_type"),
+        ({"stage_args": [stage(final_output=False)]}, "no stage has final_output: true"),
+        ({"stage_args": [stage(), stage()]}, "stage_args[1].stage_id: duplicate stage_id 0"),
+        (
+            {"stage_args": [stage(engine_input_source=[7])]},
+            "stage_args[0].engine_input_source[0]: unknown upstream stage id 7",
+        ),
+        ({"stage_args": [stage(engine_input_source=[0])]}, "a stage cannot feed itself"),
+        (
+            {"stage_args": [stage(engine_input_source=[1]), stage(stage_id=1, engine_input_source=[0], **FINAL)]},
+            "has a cycle",
+        ),
+        (
+            {"stage_args": [stage(), {"stage_id": 1, "stage_type": "echo"}]},
+            "stage_args[1]: stage 1 has no path to a final output",
+        ),
+        (["not", "a", "mapping"], "expected a mapping"),
+    ],
+)
+def test_config_errors_name_file_and_path(data, expected):
+    assert expected in error_of(data)
+
+
+def test_yaml_file_errors_name_the_file(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(
+        "stage_args:\n  - stage_id: 0\n    stage_type: echo\n    final_output: true\n"
+        "    final_output_type: text\n    engine_args: {max_num_seqs: 0}\n"
+    )
+    with pytest.raises(ConfigError, match=r"^mine.yaml: stage_args\[0\].engine_args.max_num_seqs"):
+        load_config(path)
+    path.write_text("stage_args: [unclosed")
+    with pytest.raises(ConfigError, match=r"mine\.yaml: not valid YAML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_model_resolution(tmp_path):
+    with pytest.raises(ConfigError, match="unknown model 'nope'"):
+        load_config("nope")
+    with pytest.raises(ConfigError, match="not a diffusers model"):
+        load_config(tmp_path)
+    (tmp_path / "model_index.json").write_text("{}")
+    config = load_config(tmp_path)
+    assert config.stage_args[0].stage_type == "diffusion"
+    assert config.stage_args[0].model == str(tmp_path.resolve())
+    assert config.model == tmp_path.name
+
+
+def test_engine_overrides_apply_to_diffusion_stage():
+    config = with_engine_overrides(load_config("tiny-sd"), max_num_seqs=8, request_batch_max_wait_ms=5)
+    assert config.stage_args[0].engine_args.max_num_seqs == 8
+    assert config.stage_args[0].engine_args.request_batch_max_wait_ms == 5
+    with pytest.raises(ConfigError, match="max_num_seqs: Expected `int` >= 1, got 0"):
+        with_engine_overrides(config, max_num_seqs=0)
+    with pytest.raises(ConfigError, match="unknown engine argument"):
+        with_engine_overrides(config, max_seqs=3)

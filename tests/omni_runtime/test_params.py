@@ -1,0 +1,63 @@
+"""Sampling params: typed classes and plain dicts, validated before enqueue, errors naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.params import (
+    DiffusionSamplingParams,
+    TextSamplingParams,
+    check_constraints,
+    resolve_params,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def test_defaults_then_request_values_win():
+    p = resolve_params(
+        DiffusionSamplingParams,
+        {"num_inference_steps": 4, "height": 64},
+        DiffusionSamplingParams(num_inference_steps=2, seed=3),
+    )
+    assert (p.num_inference_steps, p.height, p.seed) == (2, 64, 3)
+    assert resolve_params(DiffusionSamplingParams, {}, {"seed": 5}).seed == 5
+
+
+@pytest.mark.parametrize(
+    ("params", "field", "text"),
+    [
+        ({"foo": 1}, "foo", "unknown field"),
+        ({"num_inference_steps": 0}, "num_inference_steps", ">= 1"),
+        ({"num_inference_steps": -3}, "num_inference_steps", ">= 1"),
+        ({"height": "big"}, "height", "got `str`"),
+        ({"height": 100000}, "height", "<= 4096"),
+        ({"guidance_scale": "x"}, "guidance_scale", "got `str`"),
+        ({"seed": -1}, "seed", ">= 0"),
+        ({"output_type": "gif"}, "output_type", "Invalid enum value 'gif'"),
+        ({"timeout": 0}, "timeout", "> 0"),
+    ],
+)
+def test_invalid_params_name_the_field(params, field, text):
+    with pytest.raises(InvalidRequestError) as info:
+        resolve_params(DiffusionSamplingParams, {}, params)
+    assert info.value.param == field
+    assert field in str(info.value) and text in str(info.value)
+
+
+def test_wrong_params_class_and_type():
+    with pytest.raises(InvalidRequestError, match="TextSamplingParams given to a stage that takes"):
+        resolve_params(DiffusionSamplingParams, {}, TextSamplingParams(max_tokens=3))
+    with pytest.raises(InvalidRequestError, match="must be a params object or a dict"):
+        resolve_params(DiffusionSamplingParams, {}, [1, 2])
+
+
+def test_model_constraints():
+    ok = DiffusionSamplingParams(height=64, width=48)
+    check_constraints(ok, {"size_multiple": 8, "max_pixels": 64 * 64})
+    with pytest.raises(InvalidRequestError, match="`width`: 60 is not a multiple of 8") as info:
+        check_constraints(DiffusionSamplingParams(height=64, width=60), {"size_multiple": 8})
+    assert info.value.param == "width"
+    with pytest.raises(InvalidRequestError, match="exceeds"):
+        check_constraints(DiffusionSamplingParams(height=128, width=128), {"max_pixels": 64 * 64})
