@@ -133,7 +133,7 @@ class Orchestrator:
         finally:
             self._fail_all(EngineClosedError("engine closed"))
             await self._close_pools()
-            self._zctx.term()
+            self._zctx.destroy(linger=0)  # every socket is closed by now; never block on one
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self.request_queue.shutdown(immediate=True)
 
@@ -145,6 +145,7 @@ class Orchestrator:
                 self._client_factory(stage, total_process_replicas),
                 self._on_stage_output,
                 self._on_requests_lost,
+                self._refresh_status,
             )
         await asyncio.gather(*(p.start() for p in self.pools.values()))
         self.constraints = {sid: p.constraints for sid, p in self.pools.items()}

@@ -36,12 +36,14 @@ class StagePool:
         make_client: ClientFactory,
         on_output: Callable[[int, Any], None],
         on_requests_lost: Callable[[int, list[str], str], None],
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.stage = stage
         self.stage_id = stage.stage_id
         self._make_client = make_client
         self._on_output = on_output
         self._on_requests_lost = on_requests_lost
+        self._on_change = on_change
         n = stage.runtime.num_replicas
         self.replicas: list[StageClient | None] = [None] * n
         self.inflight: list[set[str]] = [set() for _ in range(n)]
@@ -49,7 +51,7 @@ class StagePool:
         self.restarts = [0] * n
         self.constraints: dict[str, Any] = {}
         self._rpc: dict[int, tuple[int, asyncio.Future]] = {}
-        self._restart_tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -70,7 +72,7 @@ class StagePool:
 
     async def close(self, timeout: float = 5.0) -> None:
         self._closed = True
-        for task in list(self._restart_tasks):
+        for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*(c.close(timeout) for c in self.replicas if c is not None), return_exceptions=True)
         for _, fut in self._rpc.values():
@@ -127,10 +129,16 @@ class StagePool:
                 self._rpc.pop(call_id, None)
         if lost:
             self._on_requests_lost(self.stage_id, lost, reason)
+        # Free the dead replica's sockets and reader now; a restart gets fresh ones.
+        self._spawn(client.close(timeout=0.5))
         if not self._closed and self.restarts[replica] < self.stage.runtime.max_restarts:
-            task = asyncio.get_running_loop().create_task(self._restart(replica))
-            self._restart_tasks.add(task)
-            task.add_done_callback(self._restart_tasks.discard)
+            self._spawn(self._restart(replica))
+        self._on_change()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _restart(self, replica: int) -> None:
         self.restarts[replica] += 1
@@ -159,6 +167,7 @@ class StagePool:
             return
         self.replicas[replica] = client
         logger.warning("stage %d replica %d restarted (pid %s)", self.stage_id, replica, client.pid)
+        self._on_change()
 
     # ------------------------------------------------------------------ control calls
 

@@ -1,0 +1,122 @@
+"""AsyncOmni on real stage processes: abort, streaming, dead stages, restarts, backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from omni_runtime import AsyncOmni
+from omni_runtime.exceptions import (
+    DuplicateRequestError,
+    QueueFullError,
+    RequestAbortedError,
+    RequestTimeoutError,
+    StageDeadError,
+)
+from tests.conftest import echo_stage, make_config
+
+pytestmark = pytest.mark.integration
+
+SLOW = {"delay_ms": 10_000}
+
+
+@pytest.fixture(scope="module")
+async def echo():
+    config = make_config([echo_stage(engine_args={"max_num_seqs": 8},
+                                     runtime={"max_restarts": 2})], max_pending=64)
+    engine = AsyncOmni(config)
+    yield engine
+    await asyncio.get_running_loop().run_in_executor(None, engine.close)
+
+
+async def last(engine, prompt, params=None, **kw):
+    out = None
+    async for out in engine.generate(prompt, params, **kw):
+        pass
+    return out
+
+
+async def stage_pid(engine) -> int:
+    [res] = await engine.collective_rpc("ping", timeout=5)
+    return res.result["pid"]
+
+
+async def test_generate_yields_a_finished_output(echo):
+    out = await last(echo, "hello", request_id="r-hello")
+    assert out.finished and out.text == "hello" and out.request_id == "r-hello"
+
+
+async def test_abort_releases_the_caller_at_once(echo):
+    task = asyncio.create_task(last(echo, "slow", SLOW, request_id="to-abort"))
+    await asyncio.sleep(0.2)
+    start = time.monotonic()
+    await echo.abort("to-abort")
+    with pytest.raises(RequestAbortedError):
+        await task
+    assert time.monotonic() - start < 0.5
+    # The engine keeps serving.
+    assert (await last(echo, "after")).text == "after"
+
+
+async def test_cancelling_the_consumer_aborts_the_request(echo):
+    task = asyncio.create_task(last(echo, "slow", SLOW, request_id="cancelled"))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert echo.engine.num_pending == 0
+
+
+async def test_duplicate_request_id_is_rejected(echo):
+    task = asyncio.create_task(last(echo, "slow", SLOW, request_id="dup"))
+    await asyncio.sleep(0.05)
+    with pytest.raises(DuplicateRequestError):
+        await last(echo, "again", request_id="dup")
+    await echo.abort("dup")
+    with pytest.raises(RequestAbortedError):
+        await task
+
+
+async def test_deadline_aborts_and_raises_timeout(echo):
+    start = time.monotonic()
+    with pytest.raises(RequestTimeoutError):
+        await last(echo, "slow", {"delay_ms": 10_000, "timeout": 0.3})
+    assert time.monotonic() - start < 1.5
+
+
+async def test_max_pending_refuses_at_once(echo):
+    tasks = [asyncio.create_task(last(echo, f"p{i}", SLOW, request_id=f"fill-{i}")) for i in range(64)]
+    await asyncio.sleep(0.1)
+    start = time.monotonic()
+    with pytest.raises(QueueFullError):
+        await last(echo, "one too many")
+    assert time.monotonic() - start < 0.1
+    await echo.abort([f"fill-{i}" for i in range(64)])
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, RequestAbortedError) for r in results)
+
+
+async def test_sigkill_fails_in_flight_requests_fast_then_the_replica_restarts(echo):
+    pid = await stage_pid(echo)
+    tasks = [asyncio.create_task(last(echo, f"k{i}", SLOW)) for i in range(3)]
+    await asyncio.sleep(0.3)
+    start = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert time.monotonic() - start < 1.0
+    assert all(isinstance(r, StageDeadError) and r.stage_id == 0 for r in results), results
+    # While no replica is alive, a new request fails at once instead of hanging.
+    with pytest.raises(StageDeadError):
+        await last(echo, "no one home")
+    # The pool restarts the replica (backoff 0.5 s): wait for it, then serve again.
+    for _ in range(100):
+        if echo.engine.stage_status()[0]["live_replicas"] == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert echo.engine.stage_status()[0]["restarts"] == 1
+    assert await stage_pid(echo) != pid
+    assert (await last(echo, "back")).text == "back"
