@@ -76,7 +76,6 @@ class Orchestrator:
         }
         self._thread: threading.Thread | None = None
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._status: dict[int, dict[str, Any]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._ipc_dir: Path | None = None
         self._zctx = None
@@ -99,7 +98,14 @@ class Orchestrator:
 
     def status(self) -> dict[int, dict[str, Any]]:
         """A snapshot of every stage's replicas and queue depth (safe from any thread)."""
-        return dict(self._status)
+        # Read from the caller's thread: the pools' counters are plain ints and sets, and a
+        # snapshot that is a few microseconds stale is fine for health checks and metrics.
+        for _ in range(3):
+            try:
+                return {sid: p.status() for sid, p in list(self.pools.items())}
+            except RuntimeError:  # a set changed size while being read; read again
+                continue
+        return {}
 
     def _thread_main(self) -> None:
         import uvloop
@@ -145,11 +151,9 @@ class Orchestrator:
                 self._client_factory(stage, total_process_replicas),
                 self._on_stage_output,
                 self._on_requests_lost,
-                self._refresh_status,
             )
         await asyncio.gather(*(p.start() for p in self.pools.values()))
         self.constraints = {sid: p.constraints for sid, p in self.pools.items()}
-        self._refresh_status()
 
     def _client_factory(self, stage: StageConfig, total_replicas: int):
         threads = stage.runtime.torch_threads or max(1, (os.cpu_count() or 1) // max(1, total_replicas))
@@ -203,7 +207,6 @@ class Orchestrator:
         for stage in self.config.stage_args:
             if stage.stage_id in needed and not stage.engine_input_source:
                 self._submit(state, stage.stage_id, msg.prompt, {})
-        self._refresh_status()
 
     def _needed_stages(self, finals: set[int]) -> set[int]:
         needed, todo = set(), list(finals)
@@ -269,7 +272,6 @@ class Orchestrator:
                     self._finish_with_error(out.request_id, e, down)
                     return
                 self._submit(state, down, prompt, inputs)
-        self._refresh_status()
 
     def _stage_input(self, stage: StageConfig, state: _Request) -> tuple[Any, dict[str, Any]]:
         """Map upstream outputs (and the original prompt) to this stage's (prompt, inputs)."""
@@ -340,7 +342,6 @@ class Orchestrator:
         state = self._requests.pop(request_id, None)
         if state is not None and state.timer is not None:
             state.timer.cancel()
-        self._refresh_status()
 
     def _on_deadline(self, request_id: str) -> None:
         state = self._requests.get(request_id)
@@ -352,14 +353,11 @@ class Orchestrator:
     def _on_requests_lost(self, stage_id: int, request_ids: list[str], reason: str) -> None:
         for rid in request_ids:
             self._finish_with_error(rid, StageDeadError(reason, stage_id=stage_id), stage_id)
-        self._refresh_status()
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid in list(self._requests):
             self._finish_with_error(rid, exc, None)
 
-    def _refresh_status(self) -> None:
-        self._status = {sid: p.status() for sid, p in self.pools.items()}
 
     # ------------------------------------------------------------------ control calls
 
@@ -374,7 +372,6 @@ class Orchestrator:
             )
         ):
             results.extend(res)
-        self._refresh_status()
         self._out.sync_q.put_nowait(EngineRpcResult(call_id=msg.call_id, results=results))
 
 

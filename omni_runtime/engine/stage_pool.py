@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,14 +35,12 @@ class StagePool:
         make_client: ClientFactory,
         on_output: Callable[[int, Any], None],
         on_requests_lost: Callable[[int, list[str], str], None],
-        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.stage = stage
         self.stage_id = stage.stage_id
         self._make_client = make_client
         self._on_output = on_output
         self._on_requests_lost = on_requests_lost
-        self._on_change = on_change
         n = stage.runtime.num_replicas
         self.replicas: list[StageClient | None] = [None] * n
         self.inflight: list[set[str]] = [set() for _ in range(n)]
@@ -133,7 +130,6 @@ class StagePool:
         self._spawn(client.close(timeout=0.5))
         if not self._closed and self.restarts[replica] < self.stage.runtime.max_restarts:
             self._spawn(self._restart(replica))
-        self._on_change()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -167,7 +163,6 @@ class StagePool:
             return
         self.replicas[replica] = client
         logger.warning("stage %d replica %d restarted (pid %s)", self.stage_id, replica, client.pid)
-        self._on_change()
 
     # ------------------------------------------------------------------ control calls
 
@@ -214,5 +209,4 @@ class StagePool:
             "restarts": sum(self.restarts),
             "inflight": sum(len(s) for s in self.inflight),
             "per_replica_inflight": [len(s) for s in self.inflight],
-            "updated": time.time(),
         }

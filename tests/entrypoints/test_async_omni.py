@@ -35,8 +35,8 @@ async def echo():
 
 async def last(engine, prompt, params=None, **kw):
     out = None
-    async for out in engine.generate(prompt, params, **kw):
-        pass
+    async for item in engine.generate(prompt, params, **kw):
+        out = item
     return out
 
 

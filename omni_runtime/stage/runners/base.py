@@ -87,6 +87,11 @@ class StageRunner(ABC):
         """Requests with equal keys may run in one ``execute()``. The default fuses everything."""
         return ()
 
+    def runs_inline(self, batch: list[RunnerRequest]) -> bool:
+        """True if ``execute(batch)`` is so cheap (microseconds, no blocking) that the worker may
+        run it on its event loop instead of the forward thread. Models never are."""
+        return False
+
     @abstractmethod
     def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
         """Run a batch; return one output per request, in order. Raising fails the whole batch

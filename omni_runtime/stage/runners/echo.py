@@ -17,6 +17,9 @@ from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, Runner
 class EchoRunner(StageRunner):
     params_cls = EchoSamplingParams
 
+    def runs_inline(self, batch: list[RunnerRequest]) -> bool:
+        return not any(r.params.get("delay_ms") for r in batch)
+
     def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
         start = time.perf_counter()
         delay_s = max((r.params.get("delay_ms") or 0.0) for r in batch) / 1000.0
