@@ -23,7 +23,7 @@ from omni_runtime import AsyncOmni, Omni
 from omni_runtime.config import load_config
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from _common import summary, table, write_json  # noqa: E402
+from _common import summary, table, write_json
 
 _ECHO_SERVER = """
 import sys, zmq, msgspec
