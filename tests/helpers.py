@@ -44,3 +44,24 @@ def shout(prompt: Any, upstream: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """A custom_process_input_func: upper-cases upstream text and tags its source stages."""
     texts = [f"{sid}:{out['text']}" for sid, out in sorted(upstream.items())]
     return {"prompt": " | ".join(texts).upper(), "inputs": {"original": prompt}}
+
+
+def _poisonable():
+    from omni_runtime.stage.runners.diffusion import DiffusionRunner
+
+    class PoisonableDiffusion(DiffusionRunner):
+        """tiny-sd, but a prompt containing ``poison`` makes the pipeline call raise, as a model bug
+        triggered by one request's input would: the whole fused forward fails."""
+
+        def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
+            if any("poison" in str(r.prompt) for r in batch):
+                raise RuntimeError("NaN in the UNet for a poisoned prompt")
+            return super().execute(batch, ctx)
+
+    return PoisonableDiffusion
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PoisonableDiffusion":
+        return _poisonable()
+    raise AttributeError(name)
