@@ -53,6 +53,10 @@ class EngineArgs(msgspec.Struct, **_Struct):
     max_queue_len: Annotated[int, msgspec.Meta(ge=1)] = 4096
     #: torch dtype of the model weights (``float32``, ``float16``, ``bfloat16``).
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    #: Which waiting requests form the next wave: ``oldest_key`` (the oldest request's key, filled
+    #: with every waiting request of that key) or ``fifo`` (the head and the run of same-key
+    #: requests right behind it; a baseline for comparisons).
+    scheduling_policy: Literal["oldest_key", "fifo"] = "oldest_key"
     #: Largest height * width a diffusion request may ask for.
     max_pixels: Annotated[int, msgspec.Meta(ge=64)] = 2048 * 2048
 
