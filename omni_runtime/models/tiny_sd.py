@@ -1,0 +1,170 @@
+"""Builders of the ``builtin:tiny-sd`` and ``builtin:small-sd`` models.
+
+Both are Stable Diffusion pipelines with random (seeded) weights and a hand-written CLIP BPE
+vocabulary, so they are made without any download and two builds are byte-identical. They are
+written with ``save_pretrained`` and afterwards loaded like any real model, through
+``DiffusionPipeline.from_pretrained``.
+
+* ``tiny-sd``: a 1.4M-parameter UNet and a VAE with scale factor 2 (native size 64 px).
+* ``small-sd``: a 17.6M-parameter UNet and a VAE with scale factor 8 like real SD (native 256 px).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+TINY_UNET: dict[str, Any] = dict(
+    block_out_channels=(32, 64),
+    layers_per_block=2,
+    sample_size=32,
+    in_channels=4,
+    out_channels=4,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    cross_attention_dim=32,
+    norm_num_groups=32,
+)
+TINY_VAE: dict[str, Any] = dict(
+    block_out_channels=(32, 64),
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 2,
+    up_block_types=("UpDecoderBlock2D",) * 2,
+    latent_channels=4,
+    norm_num_groups=32,
+    sample_size=64,
+)
+SMALL_UNET: dict[str, Any] = dict(
+    block_out_channels=(64, 128, 256),
+    layers_per_block=2,
+    sample_size=32,
+    in_channels=4,
+    out_channels=4,
+    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=32,
+    attention_head_dim=8,
+    norm_num_groups=32,
+)
+SMALL_VAE: dict[str, Any] = dict(
+    block_out_channels=(32, 64, 64, 64),
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    latent_channels=4,
+    norm_num_groups=32,
+    sample_size=256,
+)
+TEXT_ENCODER: dict[str, Any] = dict(
+    hidden_size=32,
+    intermediate_size=37,
+    num_attention_heads=4,
+    num_hidden_layers=5,
+    layer_norm_eps=1e-5,
+    max_position_embeddings=77,
+    projection_dim=32,
+    vocab_size=522,
+    bos_token_id=520,
+    eos_token_id=521,
+    pad_token_id=521,
+)
+SCHEDULER: dict[str, Any] = dict(
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    clip_sample=False,
+    set_alpha_to_one=False,
+    steps_offset=1,
+)
+#: A few common English pairs: enough for the BPE model to be a real one; ids 512..519.
+MERGES = ("t h", "i n", "e r", "o n", "a n", "r e", "th e</w>", "in g</w>")
+SEED = 0
+
+
+def _byte_alphabet() -> list[str]:
+    """The 256 printable characters GPT-2/CLIP byte-level BPE maps the bytes 0..255 to."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def write_clip_vocab(directory: Path) -> None:
+    """Write a 522-entry CLIP ``vocab.json`` and ``merges.txt`` (ids match TEXT_ENCODER)."""
+    alphabet = _byte_alphabet()
+    tokens = alphabet + [c + "</w>" for c in alphabet] + [m.replace(" ", "") for m in MERGES]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    assert len(tokens) == TEXT_ENCODER["vocab_size"]
+    (directory / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
+    (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(MERGES) + "\n")
+
+
+def _finish_tokenizer(tokenizer_dir: Path) -> None:
+    """Make the saved tokenizer folder load anywhere, offline, with any transformers version.
+
+    transformers 5 saves only ``tokenizer.json`` and records the ``local_files_only`` flag of
+    the load in ``tokenizer_config.json``; the slow-format vocab files are added back and the
+    load-time flag removed so the folder does not depend on how it was written.
+    """
+    write_clip_vocab(tokenizer_dir)
+    config_file = tokenizer_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    for key in ("local_files_only", "is_local", "name_or_path", "_commit_hash"):
+        config.pop(key, None)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _build(path: Path, unet_config: dict[str, Any], vae_config: dict[str, Any]) -> None:
+    import torch
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    path = Path(path)
+    # Each component is seeded on its own, so a change to one leaves the others' weights alone.
+    torch.manual_seed(SEED)
+    unet = UNet2DConditionModel(**unet_config)
+    torch.manual_seed(SEED)
+    vae = AutoencoderKL(**vae_config)
+    torch.manual_seed(SEED)
+    text_encoder = CLIPTextModel(CLIPTextConfig(**TEXT_ENCODER))
+    with tempfile.TemporaryDirectory() as vocab_dir:
+        write_clip_vocab(Path(vocab_dir))
+        tokenizer = CLIPTokenizer.from_pretrained(vocab_dir, model_max_length=77, local_files_only=True)
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=DDIMScheduler(**SCHEDULER),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    # The shard-writing progress bar is noise for a 10 MB model written at first use.
+    bars_were_on = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        pipe.save_pretrained(path, safe_serialization=True)
+    finally:
+        if bars_were_on:
+            transformers_logging.enable_progress_bar()
+    _finish_tokenizer(path / "tokenizer")
+
+
+def build_tiny_sd(path: Path) -> None:
+    """Write ``tiny-sd`` (64 px native, VAE scale 2) into the empty directory ``path``."""
+    _build(path, TINY_UNET, TINY_VAE)
+
+
+def build_small_sd(path: Path) -> None:
+    """Write ``small-sd`` (256 px native, VAE scale 8) into the empty directory ``path``."""
+    _build(path, SMALL_UNET, SMALL_VAE)

@@ -1,0 +1,254 @@
+"""The diffusion runner: text-to-image with any diffusers pipeline, one forward per fused batch.
+
+It runs in the stage worker; ``execute()`` is called in the worker's executor thread. A batch
+holds requests with equal :meth:`DiffusionRunner.batch_key`, so one pipeline call serves all of
+them, each request with its own generators: its result does not depend on its batch-mates
+(equal within float tolerance; batched kernels are not bitwise equal to batch-1 ones).
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import logging
+import math
+import secrets
+import time
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_runtime.config import StageConfig
+from omni_runtime.exceptions import ConfigError, RequestAbortedError, StageAsleepError
+from omni_runtime.models.builtin import resolve_model
+from omni_runtime.params import DiffusionSamplingParams
+from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
+
+logger = logging.getLogger(__name__)
+
+
+class _WaveAborted(Exception):
+    """Raised from the step callback to leave the denoising loop once every request is aborted."""
+
+
+def accepts_batched_inputs(signature: inspect.Signature) -> bool:
+    """Whether a pipeline ``__call__`` takes a list of prompts and a list of generators.
+
+    An unannotated parameter is given the benefit of the doubt; one annotated without any list
+    type (e.g. ``prompt: str``) is not.
+    """
+
+    def takes_list(name: str) -> bool:
+        param = signature.parameters.get(name)
+        if param is None:
+            return False
+        annotation = param.annotation
+        if annotation is inspect.Parameter.empty:
+            return True
+        text = annotation if isinstance(annotation, str) else repr(annotation)
+        return any(word in text for word in ("list", "List", "Sequence", "Iterable"))
+
+    return takes_list("prompt") and takes_list("generator")
+
+
+class DiffusionRunner(StageRunner):
+    """Text-to-image runner over a diffusers pipeline loaded from a local directory.
+
+    Lives in the stage worker process; ``execute`` runs in its executor thread.
+    """
+
+    params_cls = DiffusionSamplingParams
+
+    def __init__(self, stage: StageConfig) -> None:
+        super().__init__(stage)
+        self.pipe: Any = None
+        #: Most requests one ``execute`` may fuse; ``None`` = no limit of the runner's own.
+        self.max_batch_size: int | None = None
+        self._model_dir: str | None = None
+        self._call_params: dict[str, inspect.Parameter] = {}
+        self._batched_inputs = True
+        # Facts about the pipeline kept across sleep(), when the pipeline itself is gone.
+        self._native_size: tuple[int | None, int | None] = (None, None)
+        self._size_multiple = 8
+        self._scheduler_name = ""
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def load(self) -> None:
+        if not self.stage.model:
+            raise ConfigError(f"stage {self.stage.stage_id}: a diffusion stage needs `model:`")
+        self._model_dir = resolve_model(self.stage.model)
+        self._load_pipeline()
+        pipe = self.pipe
+        signature = inspect.signature(type(pipe).__call__)
+        self._call_params = dict(signature.parameters)
+        self._batched_inputs = accepts_batched_inputs(signature)
+        if not self._batched_inputs:
+            self.max_batch_size = 1
+            logger.warning(
+                "%s does not take list prompts and generator lists; running requests one at a time",
+                type(pipe).__name__,
+            )
+        scale = int(getattr(pipe, "vae_scale_factor", None) or 8)
+        denoiser = getattr(pipe, "unet", None)
+        if denoiser is None:
+            denoiser = getattr(pipe, "transformer", None)
+        config = getattr(denoiser, "config", None)
+        # A patchifying transformer also needs the latent to be a multiple of its patch size, and
+        # the SD-family pipelines reject sizes that are not multiples of 8 whatever their VAE.
+        self._size_multiple = math.lcm(8, scale * int(getattr(config, "patch_size", None) or 1))
+        native = getattr(pipe, "default_sample_size", None) or getattr(config, "sample_size", None)
+        if isinstance(native, list | tuple):
+            self._native_size = (int(native[0]) * scale, int(native[1]) * scale)
+        elif native:
+            self._native_size = (int(native) * scale, int(native) * scale)
+        self._scheduler_name = type(pipe.scheduler).__name__ if hasattr(pipe, "scheduler") else ""
+
+    def _load_pipeline(self) -> None:
+        from diffusers import DiffusionPipeline
+
+        # local_files_only: a model directory is complete on disk; never reach for a hub.
+        pipe = DiffusionPipeline.from_pretrained(
+            self._model_dir, torch_dtype=getattr(torch, self.stage.engine_args.dtype), local_files_only=True
+        )
+        pipe = pipe.to(self.device)
+        pipe.set_progress_bar_config(disable=True)
+        self.pipe = pipe
+
+    def sleep(self) -> dict[str, Any]:
+        self.pipe = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"released": True}
+
+    def wake_up(self) -> dict[str, Any]:
+        if self.pipe is not None:
+            return {"reloaded": False}
+        self._load_pipeline()
+        return {"reloaded": True}
+
+    # ------------------------------------------------------------------ scheduling
+
+    def constraints(self) -> dict[str, Any]:
+        return {"size_multiple": self._size_multiple, "max_pixels": self.stage.engine_args.max_pixels}
+
+    def _default(self, name: str, fallback: Any = None) -> Any:
+        param = self._call_params.get(name)
+        if param is None or param.default is inspect.Parameter.empty:
+            return fallback
+        return param.default
+
+    def batch_key(self, request: RunnerRequest) -> Hashable:
+        """Shape- and guidance-sensitive params with defaults resolved; never prompt or seed."""
+        p = request.params
+        return (
+            p.get("height") or self._native_size[0],
+            p.get("width") or self._native_size[1],
+            p.get("num_inference_steps") or self._default("num_inference_steps"),
+            float(p.get("guidance_scale", self._default("guidance_scale")) or 0.0),
+            p.get("negative_prompt") is not None,
+            p.get("num_images_per_prompt") or 1,
+            p.get("output_type") or "pil",
+            self._scheduler_name,
+        )
+
+    # ------------------------------------------------------------------ execution
+
+    def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
+        if self.max_batch_size is not None and len(batch) > self.max_batch_size:
+            # A pipeline that cannot batch still serves a worker that ignored max_batch_size.
+            size = self.max_batch_size
+            return [out for i in range(0, len(batch), size) for out in self.execute(batch[i : i + size], ctx)]
+        if self.pipe is None:
+            raise StageAsleepError("the diffusion stage is asleep; call wake_up first")
+        ids = [r.request_id for r in batch]
+        first = batch[0].params  # equal batch keys: the shape params of one stand for all
+        per_prompt = int(first.get("num_images_per_prompt") or 1)
+        output_type = first.get("output_type") or "pil"
+
+        # 1) Seeds: the request's own, or a fresh one reported back so the image can be redone.
+        seeds = [int(r.params["seed"]) if r.params.get("seed") is not None else secrets.randbelow(2**32) for r in batch]
+        metrics = [{"seed": s, "batch_size": len(batch)} for s in seeds]
+
+        def aborted_outputs(ms: float) -> list[RunnerOutput]:
+            return [
+                RunnerOutput(error=RequestAbortedError(f"request {rid} was aborted"), metrics={**m, "execution_ms": ms})
+                for rid, m in zip(ids, metrics, strict=True)
+            ]
+
+        if all(ctx.is_aborted(rid) for rid in ids):  # everyone left before the wave started
+            return aborted_outputs(0.0)
+
+        # 2) One generator per output image, in the pipeline's prompt-major order (req0's k images,
+        #    then req1's...); image j of a request uses seed + j, whatever its batch-mates.
+        generators = [
+            torch.Generator(device=self.device).manual_seed(seed + j) for seed in seeds for j in range(per_prompt)
+        ]
+
+        # 3) Call arguments; absent params are left out so the pipeline's own defaults apply.
+        # "" is what pipelines use for a missing negative prompt, so a list may mix both.
+        negatives: list[str] | None = [r.params.get("negative_prompt") or "" for r in batch]
+        if not any(negatives):
+            negatives = None
+        batched = self._batched_inputs
+        kwargs: dict[str, Any] = {
+            "prompt": [r.prompt for r in batch] if batched else batch[0].prompt,
+            "generator": generators if batched else generators[0],
+            "negative_prompt": negatives if batched or negatives is None else negatives[0],
+            "num_images_per_prompt": per_prompt,
+            "height": first.get("height"),
+            "width": first.get("width"),
+            "num_inference_steps": first.get("num_inference_steps"),
+            "guidance_scale": first.get("guidance_scale"),
+            # Decode to floats once; uint8 images are made here, identically for every pipeline.
+            "output_type": "latent" if output_type == "latent" else "np",
+        }
+        kwargs = {k: v for k, v in kwargs.items() if v is not None and k in self._call_params}
+
+        # 4) Abort while running: leave the loop only when no one is waiting for this wave; a wave
+        #    with a live request finishes (the worker drops the aborted ones' outputs).
+        def check_abort() -> None:
+            if all(ctx.is_aborted(rid) for rid in ids):
+                raise _WaveAborted
+
+        if "callback_on_step_end" in self._call_params:
+
+            def on_step_end(pipe: Any, step: int, timestep: Any, callback_kwargs: dict) -> dict:
+                check_abort()
+                return callback_kwargs
+
+            kwargs["callback_on_step_end"] = on_step_end
+        elif "callback" in self._call_params and "callback_steps" in self._call_params:
+            kwargs["callback"] = lambda step, timestep, latents: check_abort()
+            kwargs["callback_steps"] = 1
+
+        # 5) The forward, timed alone; a pipeline error propagates for the worker to isolate.
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                result = self.pipe(**kwargs)
+        except _WaveAborted:
+            return aborted_outputs((time.perf_counter() - start) * 1e3)
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        images = result.images if hasattr(result, "images") else result[0]
+
+        # 6) Split back per request, k consecutive outputs each.
+        outputs = []
+        for i, m in enumerate(metrics):
+            part = images[i * per_prompt : (i + 1) * per_prompt]
+            out = RunnerOutput(metrics={**m, "execution_ms": elapsed_ms})
+            if output_type == "latent":
+                # float() first: numpy has no bfloat16.
+                latents = part.detach().float().cpu() if torch.is_tensor(part) else part
+                out.tensors["latents"] = np.asarray(latents, dtype=np.float32)
+            else:
+                floats = np.asarray(part, dtype=np.float32)
+                if output_type == "np":
+                    out.tensors["images"] = floats
+                else:
+                    out.images = [(x * 255).round().astype(np.uint8) for x in floats]
+            outputs.append(out)
+        return outputs

@@ -1,0 +1,114 @@
+"""The builtin tiny Stable Diffusion builders: seeded, offline, loadable like a real model."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+
+from omni_runtime.models.builtin import CACHE_VERSION
+from omni_runtime.models.tiny_sd import TEXT_ENCODER, build_tiny_sd, write_clip_vocab
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.unit
+def test_clip_vocab_matches_the_text_encoder(tmp_path: Path) -> None:
+    write_clip_vocab(tmp_path)
+    vocab = json.loads((tmp_path / "vocab.json").read_text())
+    assert len(vocab) == TEXT_ENCODER["vocab_size"]
+    assert sorted(vocab.values()) == list(range(TEXT_ENCODER["vocab_size"]))
+    assert vocab["<|startoftext|>"] == TEXT_ENCODER["bos_token_id"]
+    assert vocab["<|endoftext|>"] == TEXT_ENCODER["eos_token_id"]
+    merges = (tmp_path / "merges.txt").read_text().splitlines()
+    assert merges[0] == "#version: 0.2"
+    assert all(a + b in vocab for a, b in (m.split() for m in merges[1:]))
+
+
+@pytest.mark.integration
+def test_two_builds_are_identical_and_fast(tmp_path: Path) -> None:
+    build_tiny_sd(tmp_path / "a")  # the first build also pays for lazy imports
+    start = time.perf_counter()
+    build_tiny_sd(tmp_path / "b")
+    assert time.perf_counter() - start < 1.0  # typically 0.1 s
+    a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
+    assert a.keys() == b.keys()
+    assert {"model_index.json", "unet/diffusion_pytorch_model.safetensors", "tokenizer/vocab.json"} <= a.keys()
+    assert a == b
+    tokenizer_config = json.loads(a["tokenizer/tokenizer_config.json"])
+    assert "local_files_only" not in tokenizer_config
+
+
+@pytest.mark.integration
+def test_loads_offline_and_makes_a_small_image_quickly(tmp_path: Path) -> None:
+    import torch
+    from diffusers import DiffusionPipeline
+
+    build_tiny_sd(tmp_path)
+    pipe = DiffusionPipeline.from_pretrained(tmp_path, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.tokenizer("the running cat").input_ids[0] == TEXT_ENCODER["bos_token_id"]
+
+    def generate():
+        return pipe(
+            "a cup",
+            height=64,
+            width=64,
+            num_inference_steps=4,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+        ).images
+
+    # One thread and the best of three: a neighbour's load on a shared machine must not fail it.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert generate().shape == (1, 64, 64, 3)  # also the warm-up
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            generate()
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    assert min(times) < 1.0
+
+
+def _ensure_in_child(barrier, results) -> None:
+    """Spawned child: build (or wait for) tiny-sd, then load it with the hub switched off."""
+    import huggingface_hub.constants
+    from diffusers import DiffusionPipeline
+
+    from omni_runtime.models.builtin import ensure_builtin
+
+    assert huggingface_hub.constants.HF_HUB_OFFLINE
+    barrier.wait(timeout=120)
+    path = ensure_builtin("tiny-sd")
+    pipe = DiffusionPipeline.from_pretrained(path)
+    results.put((str(path), type(pipe).__name__, pipe.unet.config.sample_size))
+
+
+@pytest.mark.integration
+def test_ensure_builtin_from_two_processes_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Spawned children inherit the environment: a private cache, and the hub switched off.
+    monkeypatch.setenv("OMNI_RUNTIME_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_ensure_in_child, args=(barrier, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    target = tmp_path / f"tiny-sd-{CACHE_VERSION}"
+    assert outcomes == [(str(target), "StableDiffusionPipeline", 32)] * 2
+    # One published build and no half-written leftovers.
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [target.name]
+    assert (target / "model_index.json").is_file()
