@@ -108,11 +108,11 @@ def write_clip_vocab(directory: Path) -> None:
 
 
 def _finish_tokenizer(tokenizer_dir: Path) -> None:
-    """Make the saved tokenizer folder load anywhere, offline, with any transformers version.
+    """Make the saved tokenizer folder independent of how it was loaded before saving.
 
-    transformers 5 saves only ``tokenizer.json`` and records the ``local_files_only`` flag of
-    the load in ``tokenizer_config.json``; the slow-format vocab files are added back and the
-    load-time flag removed so the folder does not depend on how it was written.
+    transformers 5 saves only ``tokenizer.json`` and records load-time flags (``local_files_only``,
+    ``is_local``) in ``tokenizer_config.json``; the vocab files are added back (for loaders that
+    read the slow format) and those flags removed.
     """
     write_clip_vocab(tokenizer_dir)
     config_file = tokenizer_dir / "tokenizer_config.json"
@@ -129,13 +129,15 @@ def _build(path: Path, unet_config: dict[str, Any], vae_config: dict[str, Any]) 
     from transformers.utils import logging as transformers_logging
 
     path = Path(path)
-    # Each component is seeded on its own, so a change to one leaves the others' weights alone.
-    torch.manual_seed(SEED)
-    unet = UNet2DConditionModel(**unet_config)
-    torch.manual_seed(SEED)
-    vae = AutoencoderKL(**vae_config)
-    torch.manual_seed(SEED)
-    text_encoder = CLIPTextModel(CLIPTextConfig(**TEXT_ENCODER))
+    # Each component is seeded on its own, so a change to one leaves the others' weights alone;
+    # fork_rng keeps the caller's global random state as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        unet = UNet2DConditionModel(**unet_config)
+        torch.manual_seed(SEED)
+        vae = AutoencoderKL(**vae_config)
+        torch.manual_seed(SEED)
+        text_encoder = CLIPTextModel(CLIPTextConfig(**TEXT_ENCODER))
     with tempfile.TemporaryDirectory() as vocab_dir:
         write_clip_vocab(Path(vocab_dir))
         tokenizer = CLIPTokenizer.from_pretrained(vocab_dir, model_max_length=77, local_files_only=True)

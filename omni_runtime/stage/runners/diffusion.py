@@ -111,7 +111,7 @@ class DiffusionRunner(StageRunner):
 
         # local_files_only: a model directory is complete on disk; never reach for a hub.
         pipe = DiffusionPipeline.from_pretrained(
-            self._model_dir, torch_dtype=getattr(torch, self.stage.engine_args.dtype), local_files_only=True
+            self._model_dir, dtype=getattr(torch, self.stage.engine_args.dtype), local_files_only=True
         )
         pipe = pipe.to(self.device)
         pipe.set_progress_bar_config(disable=True)

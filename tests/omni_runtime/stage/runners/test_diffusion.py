@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+import torch
 
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import RequestAbortedError
@@ -26,8 +27,6 @@ def req(rid: str, prompt: str = "a cup of coffee", **params: Any) -> RunnerReque
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DiffusionRunner]:
-    import torch
-
     # The worker sets the thread count; one thread keeps these tests steady on a busy machine
     # (intra-op threads that wait for each other slow down badly under contention).
     threads = torch.get_num_threads()
@@ -83,7 +82,7 @@ def test_load_facts(runner: DiffusionRunner) -> None:
 
 @pytest.mark.integration
 def test_output_types_and_sizes(runner: DiffusionRunner) -> None:
-    pil, np_out, latent = run(runner, req("a", seed=1, output_type="pil"))[0], None, None
+    pil = run(runner, req("a", seed=1, output_type="pil"))[0]
     assert len(pil.images) == 1
     assert pil.images[0].shape == (64, 64, 3) and pil.images[0].dtype == np.uint8
     np_out = run(runner, req("b", seed=1, output_type="np", height=32, width=48))[0]
@@ -117,13 +116,10 @@ def test_a_batch_equals_each_request_run_alone(runner: DiffusionRunner, output_t
         if output_type == "np":
             np.testing.assert_allclose(floats(out), floats(solo), rtol=0, atol=1e-4)
         else:
-            diff = np.abs(out.images[0].astype(int) - solo.images[0].astype(int))
-            assert diff.max() <= 1
+            assert np.abs(out.images[0].astype(int) - solo.images[0].astype(int)).max() <= 1
     # Distinct prompts and seeds: the outputs were really split per request.
-    assert not np.array_equal(
-        fused[0].images[0] if output_type == "pil" else floats(fused[0]),
-        fused[1].images[0] if output_type == "pil" else floats(fused[1]),
-    )
+    first, second = (o.images[0] if output_type == "pil" else floats(o) for o in fused[:2])
+    assert not np.array_equal(first, second)
 
 
 @pytest.mark.integration
@@ -230,3 +226,20 @@ def test_sleep_and_wake_up(runner: DiffusionRunner) -> None:
     assert runner.wake_up() == {"reloaded": False}
     after = floats(run(runner, req("b", seed=11, output_type="np"))[0])
     assert np.array_equal(before, after)
+
+
+@pytest.mark.integration
+def test_engine_dtype_is_applied_and_outputs_stay_float32(runner: DiffusionRunner) -> None:
+    stage = msgspec.convert(
+        {"stage_id": 1, "stage_type": "diffusion", "model": "builtin:tiny-sd", "engine_args": {"dtype": "bfloat16"}},
+        StageConfig,
+    )
+    half = DiffusionRunner(stage)
+    half.load()
+    assert half.pipe.unet.dtype == half.pipe.text_encoder.dtype == torch.bfloat16
+    latent, _ = run(
+        half,
+        req("a", seed=1, output_type="latent", height=32, width=32, num_inference_steps=1),
+        req("b", seed=2, output_type="latent", height=32, width=32, num_inference_steps=1),
+    )
+    assert latent.tensors["latents"].dtype == np.float32 and latent.tensors["latents"].shape == (1, 4, 16, 16)
