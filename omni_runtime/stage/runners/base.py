@@ -71,6 +71,9 @@ class StageRunner(ABC):
 
     #: Sampling-params class of this stage type; validated in the caller's thread.
     params_cls: ClassVar[type[msgspec.Struct]] = GenericSamplingParams
+    #: Most requests one ``execute()`` can take (None: only ``max_num_seqs`` limits it). A
+    #: pipeline that cannot take list inputs sets 1, and the worker caps its waves.
+    max_batch_size: int | None = None
 
     def __init__(self, stage: StageConfig) -> None:
         self.stage = stage
