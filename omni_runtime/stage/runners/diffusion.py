@@ -109,9 +109,11 @@ class DiffusionRunner(StageRunner):
     def _load_pipeline(self) -> None:
         from diffusers import DiffusionPipeline
         from diffusers.utils import logging as diffusers_logging
+        from transformers.utils import logging as transformers_logging
 
         # A stage process has no terminal to draw on: loading bars are only noise in server logs.
         diffusers_logging.disable_progress_bar()
+        transformers_logging.disable_progress_bar()
         # local_files_only: a model directory is complete on disk; never reach for a hub.
         pipe = DiffusionPipeline.from_pretrained(
             self._model_dir, dtype=getattr(torch, self.stage.engine_args.dtype), local_files_only=True
