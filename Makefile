@@ -24,10 +24,10 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) benchmarks/overhead.py
-	$(PY) benchmarks/batching.py
-	$(PY) benchmarks/transfer.py
-	$(PY) benchmarks/http.py
+	$(PY) -m benchmarks.overhead
+	$(PY) -m benchmarks.batching
+	$(PY) -m benchmarks.transfer
+	$(PY) -m benchmarks.http
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

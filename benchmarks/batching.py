@@ -8,7 +8,7 @@ For each config, side by side and interleaved over rounds:
 Then a mixed workload (two resolutions interleaved, Poisson arrivals) comparing the
 oldest-key-first policy with strict FIFO on throughput and p99 latency.
 
-    python benchmarks/batching.py [--n 4] [--rounds 3] [--quick] [--json out.json]
+    python -m benchmarks.batching [--n 4] [--rounds 3] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -16,17 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import uvloop
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import summary, table, write_json
-
+from benchmarks._common import summary, table, write_json
 from omni_runtime import AsyncOmni
 from omni_runtime.config import parse_config
 from omni_runtime.models.builtin import ensure_builtin

@@ -4,7 +4,7 @@
     trip to another process (msgspec-encoded message), measured in the same run;
 (b) throughput with N requests in flight through AsyncOmni.
 
-    python benchmarks/overhead.py [--sequential 2000] [--inflight 1000] [--rounds 3] [--json out.json]
+    python -m benchmarks.overhead [--sequential 2000] [--inflight 1000] [--rounds 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ import msgspec
 import uvloop
 import zmq
 
+from benchmarks._common import summary, table, write_json
 from omni_runtime import AsyncOmni, Omni
 from omni_runtime.config import load_config
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from _common import summary, table, write_json
 
 _ECHO_SERVER = """
 import sys, zmq, msgspec
