@@ -76,7 +76,10 @@ class InProcStageClient(StageClient):
         loop = asyncio.get_running_loop()
         # Delivered on the next loop turn, as a socket would, so handlers never re-enter each other.
         self._worker = StageWorker(
-            self.stage, self.replica_id, send=lambda msg: loop.call_soon(self._on_message, self, msg)
+            self.stage,
+            self.replica_id,
+            send=lambda msg: loop.call_soon(self._on_message, self, msg),
+            on_fatal=self._on_worker_fatal,
         )
         try:
             self.ready = await self._worker.start()
@@ -84,6 +87,12 @@ class InProcStageClient(StageClient):
             raise StageStartupError(f"stage {self.stage_id} failed to load: {type(e).__name__}: {e}") from e
         self.alive = True
         return self.ready
+
+    def _on_worker_fatal(self, exc: BaseException) -> None:
+        # The in-process twin of a replica process exiting: its requests fail, the pool restarts it.
+        if self.alive:
+            self.alive = False
+            self._on_dead(self, f"stage {self.stage_id} replica {self.replica_id}: worker loop died: {exc!r}")
 
     def send(self, msg: Any) -> None:
         if self._worker is not None and self.alive:

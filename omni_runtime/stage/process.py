@@ -7,6 +7,7 @@ shut down or its parent dies (``PR_SET_PDEATHSIG``: no orphans even if the paren
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import os
@@ -61,10 +62,10 @@ def run_stage_process(args_bytes: bytes) -> None:
         pass
     import uvloop
 
-    uvloop.run(_serve(args))
+    sys.exit(uvloop.run(_serve(args)))
 
 
-async def _serve(args: StageProcessArgs) -> None:
+async def _serve(args: StageProcessArgs) -> int:
     import zmq
     import zmq.asyncio
 
@@ -84,15 +85,23 @@ async def _serve(args: StageProcessArgs) -> None:
         # PUSH to a connected peer with an unbounded HWM queue does not block.
         outbound.send_multipart(encoder.encode(msg), copy=False)
 
+    # A worker whose scheduling loop died would take requests and never answer them: exit
+    # non-zero instead, so the parent fails what it held with StageDeadError and restarts it.
+    main, fatal = asyncio.current_task(), []
+
+    def on_fatal(exc: BaseException) -> None:
+        fatal.append(exc)
+        main.cancel()
+
     stage = msgspec.convert(args.stage, StageConfig)
-    worker = StageWorker(stage, args.replica_id, send)
+    worker = StageWorker(stage, args.replica_id, send, on_fatal=on_fatal)
     try:
         try:
             ready = await worker.start()
         except Exception as e:
             logger.exception("stage %d failed to load", stage.stage_id)
             send(_startup_failure(e, stage.stage_id))
-            return
+            return 0
         send(ready)
         while True:
             frames = await inbound.recv_multipart(copy=False)
@@ -104,11 +113,15 @@ async def _serve(args: StageProcessArgs) -> None:
             if isinstance(msg, StageShutdown):
                 break
             worker.handle(msg)
+    except asyncio.CancelledError:
+        if not fatal:
+            raise
     finally:
         await worker.close()
         outbound.close(linger=1000)  # flush what is queued (outputs, a start-up failure)
         inbound.close(linger=0)
         ctx.term()
+    return 70 if fatal else 0  # EX_SOFTWARE
 
 
 def _startup_failure(exc: BaseException, stage_id: int) -> Any:

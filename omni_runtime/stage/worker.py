@@ -45,11 +45,20 @@ logger = logging.getLogger(__name__)
 class StageWorker:
     """Owns a runner and a scheduler; turns stage messages into fused forwards."""
 
-    def __init__(self, stage: StageConfig, replica_id: int, send: Callable[[Any], None]) -> None:
+    def __init__(
+        self,
+        stage: StageConfig,
+        replica_id: int,
+        send: Callable[[Any], None],
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.stage = stage
         self.stage_id = stage.stage_id
         self.replica_id = replica_id
         self._send = send
+        #: Called if the scheduling loop dies (a bug, e.g. a runner returning too few outputs):
+        #: a replica that still answers pings but never runs a wave again must be replaced.
+        self._on_fatal = on_fatal
         self.runner = runner_class(stage.stage_type)(stage)
         args = stage.engine_args
         self.scheduler = RequestScheduler(
@@ -77,6 +86,7 @@ class StageWorker:
         if limit is not None and limit < self.scheduler.max_num_seqs:
             self.scheduler.set_config(max_num_seqs=limit)
         self._loop_task = asyncio.create_task(self._run(), name=f"stage{self.stage_id}-loop")
+        self._loop_task.add_done_callback(self._on_loop_done)
         return StageReady(
             stage_id=self.stage_id, replica_id=self.replica_id, pid=os.getpid(), constraints=self.runner.constraints()
         )
@@ -88,9 +98,17 @@ class StageWorker:
             self._loop_task.cancel()
             try:
                 await self._loop_task
-            except asyncio.CancelledError:
-                pass
+            except (asyncio.CancelledError, Exception):
+                pass  # a loop that died was reported by _on_loop_done
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _on_loop_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        logger.critical("stage %d: the scheduling loop died", self.stage_id, exc_info=exc)
+        if self._on_fatal is not None:
+            self._on_fatal(exc)
 
     # ------------------------------------------------------------------ inbound
 
@@ -199,7 +217,9 @@ class StageWorker:
     async def _execute(self, loop: asyncio.AbstractEventLoop, batch: list[RunnerRequest]) -> list[RunnerOutput]:
         """One fused forward; if it raises, each request again alone so only the culprit fails."""
         ctx = ExecuteContext(
-            is_aborted=self.scheduler.is_aborted,
+            # Closing aborts everything: the forward thread must stop for the process to exit, even
+            # after close() has cancelled the wave's bookkeeping under it.
+            is_aborted=lambda rid: self._closed or self.scheduler.is_aborted(rid),
             emit=lambda rid, part: loop.call_soon_threadsafe(self._emit_partial, rid, part),
         )
         try:
