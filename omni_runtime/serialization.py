@@ -109,8 +109,8 @@ class Decoder:
         self._frames = [f.buffer if hasattr(f, "buffer") else f for f in frames]
         try:
             return self._decoder.decode(self._frames[0])
-        except (IndexError, ValueError, TypeError) as e:
-            raise msgspec.DecodeError(f"malformed message: {e}") from None
+        except Exception as e:  # whatever a corrupt header makes numpy raise (np.dtype(",") is a SyntaxError)
+            raise msgspec.DecodeError(f"malformed message: {type(e).__name__}: {e}") from None
         finally:
             self._frames = []
 

@@ -213,7 +213,10 @@ class ZmqStageClient(StageClient):
                 if isinstance(msg, StageRpcResult) and msg.call_id == -1 and msg.error:
                     self._ready_fut.set_exception(StageStartupError(msg.error.message))
                     continue
-            self._on_message(self, msg)
+            try:
+                self._on_message(self, msg)
+            except Exception:  # a bug in routing one message must not leave this replica unheard
+                logger.exception("stage %d: failed to handle %s", self.stage_id, type(msg).__name__)
 
     def _on_exit(self) -> None:
         loop = asyncio.get_running_loop()

@@ -16,7 +16,14 @@ from typing import Any
 from omni_runtime.config import StageConfig
 from omni_runtime.engine.stage_client import StageClient
 from omni_runtime.exceptions import RpcError, StageDeadError
-from omni_runtime.messages import RpcReplicaResult, StageAbort, StageRequest, StageRpc, StageRpcResult
+from omni_runtime.messages import (
+    RpcReplicaResult,
+    StageAbort,
+    StageOutput,
+    StageRequest,
+    StageRpc,
+    StageRpcResult,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +119,9 @@ class StagePool:
             entry = self._rpc.pop(msg.call_id, None)
             if entry is not None and not entry[1].done():
                 entry[1].set_result(msg)
+            return
+        if not isinstance(msg, StageOutput):  # e.g. a second READY: nothing to route
+            logger.warning("stage %d: dropped unexpected %s", self.stage_id, type(msg).__name__)
             return
         self._on_output(self.stage_id, msg)
 
