@@ -134,11 +134,15 @@ class StagePool:
             if rep == replica and not fut.done():
                 fut.set_exception(RpcError(reason))
                 self._rpc.pop(call_id, None)
+        # Count the restart before anyone hears of the death, so status() is never behind the errors.
+        restart = not self._closed and self.restarts[replica] < self.stage.runtime.max_restarts
+        if restart:
+            self.restarts[replica] += 1
         if lost:
             self._on_requests_lost(self.stage_id, lost, reason)
         # Free the dead replica's sockets and reader now; a restart gets fresh ones.
         self._spawn(client.close(timeout=0.5))
-        if not self._closed and self.restarts[replica] < self.stage.runtime.max_restarts:
+        if restart:
             self._spawn(self._restart(replica))
 
     def _spawn(self, coro: Any) -> None:
@@ -147,8 +151,7 @@ class StagePool:
         task.add_done_callback(self._tasks.discard)
 
     async def _restart(self, replica: int) -> None:
-        self.restarts[replica] += 1
-        attempt = self.restarts[replica]
+        attempt = self.restarts[replica]  # counted by the caller
         delay = min(0.5 * 2 ** (attempt - 1), 30.0)
         logger.warning(
             "stage %d replica %d: restart %d/%d in %.1f s",
@@ -166,6 +169,7 @@ class StagePool:
             logger.error("stage %d replica %d: restart failed: %s", self.stage_id, replica, e)
             await client.close(timeout=1.0)
             if not self._closed and self.restarts[replica] < self.stage.runtime.max_restarts:
+                self.restarts[replica] += 1
                 await self._restart(replica)
             return
         if self._closed:
@@ -204,10 +208,10 @@ class StagePool:
                 )
             return RpcReplicaResult(stage_id=self.stage_id, replica_id=client.replica_id, result=reply.result)
 
-        results = list(await asyncio.gather(*(one(c) for c in self.live)))
-        for i, c in enumerate(self.replicas):
-            if c is None or not c.alive:
-                results.append(RpcReplicaResult(stage_id=self.stage_id, replica_id=i, error="replica is not alive"))
+        asked = self.live  # fixed now: a replica that dies during the call answers once, with its death
+        results = list(await asyncio.gather(*(one(c) for c in asked)))
+        for i in sorted(set(range(len(self.replicas))) - {c.replica_id for c in asked}):
+            results.append(RpcReplicaResult(stage_id=self.stage_id, replica_id=i, error="replica is not alive"))
         return sorted(results, key=lambda r: r.replica_id)
 
     def status(self) -> dict[str, Any]:
