@@ -72,6 +72,11 @@ class AsyncOmniEngine:
         self._orchestrator.start()
         self._finalizer = weakref.finalize(self, _stop_orchestrator, self._orchestrator)
         self._streams: dict[str, asyncio.Queue] = {}
+        # Caller's request id -> the id it has inside the engine, unique per admission: a caller may
+        # reuse an id once its request ended (aborted, timed out), and a late output of the old one
+        # must neither reach the new one nor collide with it in a stage's queue.
+        self._wire_ids: dict[str, str] = {}
+        self._admissions = itertools.count(1)
         self._rpcs: dict[int, asyncio.Future] = {}
         self._rpc_ids = itertools.count(1)
         self._dispatcher: asyncio.Task | None = None
@@ -178,8 +183,9 @@ class AsyncOmniEngine:
             raise QueueFullError(f"{len(self._streams)} requests pending (max_pending={self.max_pending}); retry later")
         timeout = next((p["timeout"] for p in params.values() if p.get("timeout")), self.default_timeout)
         now = time.monotonic()
+        wire_id = f"{request_id}#{next(self._admissions)}"
         msg = EngineRequest(
-            request_id=request_id,
+            request_id=wire_id,
             prompt=prompt,
             params=params,
             final_stage_ids=finals,
@@ -189,10 +195,11 @@ class AsyncOmniEngine:
         self._start_dispatcher()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
+        self._wire_ids[request_id] = wire_id
         try:
             self._orchestrator.request_queue.sync_q.put_nowait(msg)
         except janus.SyncQueueFull:
-            del self._streams[request_id]
+            del self._streams[request_id], self._wire_ids[request_id]
             raise QueueFullError("the engine's request queue is full; retry later") from None
         return request_id, stream
 
@@ -206,10 +213,11 @@ class AsyncOmniEngine:
             self._streams.pop(rid).put_nowait(
                 EngineOutput(request_id=rid, stage_id=-1, finished=True, error=ErrorInfo.from_exception(err))
             )
+        wire_ids = [self._wire_ids.pop(rid) for rid in live]
         if live and self.is_running:
             try:
                 self._orchestrator.request_queue.sync_q.put_nowait(
-                    EngineAbort(request_ids=live, reason=ErrorInfo.from_exception(err))
+                    EngineAbort(request_ids=wire_ids, reason=ErrorInfo.from_exception(err))
                 )
             except janus.SyncQueueFull:
                 logger.warning("request queue full: abort of %s will reach the stages late", live)
@@ -269,11 +277,12 @@ class AsyncOmniEngine:
             except janus.AsyncQueueShutDown:
                 return
             if isinstance(msg, EngineOutput):
-                stream = self._streams.get(msg.request_id)
-                if stream is None:
-                    continue  # aborted by the caller meanwhile
+                rid = msg.request_id.rpartition("#")[0]
+                if self._wire_ids.get(rid) != msg.request_id:
+                    continue  # aborted by the caller meanwhile (and its id perhaps reused since)
+                stream = self._streams[rid]
                 if msg.finished:
-                    del self._streams[msg.request_id]
+                    del self._streams[rid], self._wire_ids[rid]
                 stream.put_nowait(msg)
             elif isinstance(msg, EngineRpcResult):
                 fut = self._rpcs.get(msg.call_id)
@@ -297,6 +306,7 @@ class AsyncOmniEngine:
         for rid, stream in list(self._streams.items()):
             stream.put_nowait(EngineOutput(request_id=rid, stage_id=-1, finished=True, error=err))
         self._streams.clear()
+        self._wire_ids.clear()
         for fut in self._rpcs.values():
             if not fut.done():
                 fut.set_exception(EngineClosedError("engine closed"))
