@@ -1,0 +1,84 @@
+"""Helpers shared by the reliability tests: engines on fault-injecting runners, outcomes, memory."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import time
+from collections.abc import Awaitable, Callable
+
+import psutil
+
+from omni_runtime import AsyncOmni
+from tests.conftest import echo_stage, make_config
+
+FAULTS = "tests.reliability.runners:FaultRunner"
+
+
+def fault_stage(stage_id: int = 0, *, replicas: int = 1, max_restarts: int = 3, **engine_args: object) -> dict:
+    """An echo-compatible stage on :class:`~tests.reliability.runners.FaultRunner`."""
+    return echo_stage(
+        stage_id,
+        stage_type=FAULTS,
+        runtime={"num_replicas": replicas, "max_restarts": max_restarts},
+        engine_args={"max_num_seqs": 8, **engine_args},
+    )
+
+
+def start(*stages: dict, **top: object) -> AsyncOmni:
+    return AsyncOmni(make_config(list(stages), **top))
+
+
+async def close(engine: AsyncOmni) -> None:
+    await asyncio.get_running_loop().run_in_executor(None, engine.close)
+
+
+async def last(engine: AsyncOmni, prompt: str, params: dict | None = None, **kw: object):
+    out = None
+    async for item in engine.generate(prompt, params, **kw):
+        out = item
+    return out
+
+
+async def pids(engine: AsyncOmni, stage_id: int = 0) -> dict[int, int]:
+    """replica id -> pid of every live replica, asked over the control channel."""
+    results = await engine.collective_rpc("ping", stage_ids=[stage_id], timeout=5)
+    return {r.replica_id: r.result["pid"] for r in results if r.ok}
+
+
+async def stats(engine: AsyncOmni, stage_id: int = 0) -> dict[int, dict]:
+    results = await engine.collective_rpc("get_stats", stage_ids=[stage_id], timeout=5)
+    return {r.replica_id: r.result for r in results if r.ok}
+
+
+async def eventually(
+    predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "condition"
+) -> float:
+    """Wait until ``predicate()`` (a bool, or a coroutine giving one) holds; returns the seconds it took."""
+    start = time.monotonic()
+    while not await _value(predicate()):
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{what} not reached within {timeout:g} s")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+async def _value(x: bool | Awaitable[bool]) -> bool:
+    return await x if inspect.isawaitable(x) else x
+
+
+def status(engine: AsyncOmni, stage_id: int = 0) -> dict:
+    return engine.engine.stage_status()[stage_id]
+
+
+def tree_rss() -> int:
+    """Resident memory of this process and every descendant (the engine's whole process tree)."""
+    me = psutil.Process(os.getpid())
+    total = 0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
