@@ -1,0 +1,115 @@
+"""Prometheus metrics of the HTTP server, in a registry of its own (one per app).
+
+A per-app :class:`CollectorRegistry` keeps two apps in one process (tests, embedding) from
+colliding on metric names. Request-level histograms are fed from the metrics the engine reports
+with each output (``e2e_ms``, ``queue_wait_ms``, ``batch_size``); engine gauges (queue depth,
+live replicas, restarts) are read from ``stage_status()`` at scrape time, so they are never stale
+and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from omni_runtime.outputs import OmniRequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
+
+
+class _EngineCollector(Collector):
+    """Engine gauges read at scrape time; nothing is exported before the engine has started."""
+
+    def __init__(self, engine: Callable[[], Any]) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine()
+        if engine is None:
+            return
+        pending = GaugeMetricFamily("omni_engine_pending_requests", "Requests admitted and not yet finished.")
+        pending.add_metric([], engine.num_pending)
+        limit = GaugeMetricFamily("omni_engine_max_pending", "Admission limit; past it requests get 429.")
+        limit.add_metric([], engine.max_pending)
+        running = GaugeMetricFamily("omni_engine_running", "1 while the engine serves, 0 once it stopped.")
+        running.add_metric([], 1 if engine.is_running else 0)
+        depth = GaugeMetricFamily(
+            "omni_stage_queue_depth", "Requests inside a stage (waiting or running).", labels=["stage"]
+        )
+        live = GaugeMetricFamily("omni_stage_live_replicas", "Live replicas of a stage.", labels=["stage"])
+        replicas = GaugeMetricFamily("omni_stage_replicas", "Configured replicas of a stage.", labels=["stage"])
+        restarts = CounterMetricFamily("omni_stage_restarts", "Replica restarts of a stage.", labels=["stage"])
+        for sid, status in sorted(engine.stage_status().items()):
+            label = [str(sid)]
+            depth.add_metric(label, status.get("inflight", 0))
+            live.add_metric(label, status.get("live_replicas", 0))
+            replicas.add_metric(label, status.get("replicas", 0))
+            restarts.add_metric(label, status.get("restarts", 0))
+        yield from (pending, limit, running, depth, live, replicas, restarts)
+
+
+class ServerMetrics:
+    """Every metric the server exports. ``engine`` returns the running AsyncOmniEngine or None."""
+
+    def __init__(self, engine: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter(
+            "omni_http_requests", "HTTP requests by route and status code.", ["route", "method", "status"], registry=r
+        )
+        self.http_latency = Histogram(
+            "omni_http_request_duration_seconds",
+            "HTTP request latency, first byte in to last byte out.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "omni_request_e2e_seconds",
+            "Engine end-to-end latency of a finished request (output metrics e2e_ms).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "omni_request_queue_wait_seconds",
+            "Time a request waited in a stage's queue before its wave ran (output metrics queue_wait_ms).",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "omni_stage_batch_size",
+            "Size of the fused wave each request ran in (output metrics batch_size).",
+            ["stage"],
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.aborted = Counter(
+            "omni_requests_aborted", "Engine requests aborted by the server, by reason.", ["reason"], registry=r
+        )
+        self.images = Counter("omni_images_generated", "Images returned to clients.", registry=r)
+        r.register(_EngineCollector(engine))
+
+    def observe_output(self, out: OmniRequestOutput | None) -> None:
+        """Record the engine metrics of one finished request (every final stage it went through)."""
+        if out is None:
+            return
+        e2e = out.metrics.get("e2e_ms")
+        if isinstance(e2e, int | float):
+            self.e2e.observe(e2e / 1000.0)
+        for sid, result in out.outputs_by_stage.items():
+            wait, size = result.metrics.get("queue_wait_ms"), result.metrics.get("batch_size")
+            if isinstance(wait, int | float):
+                self.queue_wait.labels(str(sid)).observe(wait / 1000.0)
+            if isinstance(size, int | float):
+                self.batch_size.labels(str(sid)).observe(size)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,384 @@
+"""The HTTP schema: pydantic request and response models of the OpenAI-style server.
+
+Request models forbid unknown fields, so a typo is a 400 naming the field instead of a silently
+ignored option. The fields that the official ``openai`` client (or common OpenAI callers) send but
+that this runtime has no use for are declared explicitly and ignored; fields that would change the
+meaning of a request (``tools``, ``logprobs``, ``response_format`` on chat...) are not declared, so
+they are rejected rather than half-honoured.
+
+Bounds live here, so absurd input (a 100000x100000 size, n=1000, a megabyte prompt) is refused
+before anything reaches the engine. So does the error ladder, :func:`error_body`: the one place
+where every exception (pydantic validation, the engine's typed errors, the server's own) becomes
+a status code and the OpenAI error shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException
+
+from omni_runtime.engine.async_engine import MAX_PROMPT_CHARS
+from omni_runtime.exceptions import (
+    EngineError,
+    InvalidRequestError,
+    OmniError,
+    QueueFullError,
+    RequestAbortedError,
+    RequestTimeoutError,
+    StageAsleepError,
+    StageDeadError,
+)
+from omni_runtime.outputs import OmniRequestOutput
+
+logger = logging.getLogger(__name__)
+
+#: Smallest and largest image side accepted by the HTTP layer (the engine checks the model's own
+#: limits, e.g. the VAE multiple and max_pixels, on top of these).
+MIN_SIDE, MAX_SIDE = 8, 4096
+#: Most images one images request may ask for (each is its own engine request).
+MAX_IMAGES = 10
+#: Most chat messages in one request: only the last user message is used.
+MAX_MESSAGES = 1024
+
+_SIZE_RE = re.compile(r"^(\d{1,6})x(\d{1,6})$")
+
+Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
+#: A per-request deadline in seconds (an extension: OpenAI has none in the body).
+Timeout = Annotated[float, Field(gt=0, le=86_400)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def parse_size(value: str) -> tuple[int, int]:
+    """``"WxH"`` -> (width, height), each within [MIN_SIDE, MAX_SIDE]; ValueError otherwise."""
+    m = _SIZE_RE.match(value.strip().lower())
+    if not m:
+        raise ValueError(f"size must look like '512x512' (WIDTHxHEIGHT), got {value[:40]!r}")
+    width, height = int(m.group(1)), int(m.group(2))
+    for side in (width, height):
+        if not MIN_SIDE <= side <= MAX_SIDE:
+            raise ValueError(f"each side of size must be between {MIN_SIDE} and {MAX_SIDE} pixels, got {value!r}")
+    return width, height
+
+
+# --------------------------------------------------------------------------- images
+
+
+class ImageGenerationRequest(_Request):
+    """``POST /v1/images/generations``."""
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_IMAGES)
+    #: ``WxH``; ``auto`` or unset uses the stage's default size.
+    size: str | None = None
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    #: JPEG / WebP quality (0-100).
+    output_compression: int | None = Field(None, ge=0, le=100)
+    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    num_inference_steps: int | None = Field(None, ge=1, le=1000)
+    guidance_scale: float | None = Field(None, ge=0, le=100)
+    #: Seed of the first image; image i gets ``seed + i``.
+    seed: Seed | None = None
+    timeout: Timeout | None = None
+    # Sent by OpenAI callers; no meaning for this runtime.
+    user: str | None = Field(None, max_length=256)
+    quality: str | None = Field(None, max_length=32)
+    style: str | None = Field(None, max_length=32)
+    background: str | None = Field(None, max_length=32)
+    moderation: str | None = Field(None, max_length=32)
+    #: Image streaming is not offered: only ``false`` is accepted.
+    stream: Literal[False] | None = None
+
+    @field_validator("size")
+    @classmethod
+    def _check_size(cls, value: str | None) -> str | None:
+        if value is None or value.strip().lower() == "auto":
+            return None
+        parse_size(value)
+        return value
+
+    def dimensions(self) -> tuple[int, int] | None:
+        return None if self.size is None else parse_size(self.size)
+
+
+class ImageData(BaseModel):
+    b64_json: str | None = None
+    url: str | None = None
+    revised_prompt: str | None = None
+    seed: int | None = None
+
+
+class ImageGenerationResponse(BaseModel):
+    created: int = Field(default_factory=lambda: int(time.time()))
+    data: list[ImageData]
+    output_format: str | None = None
+    size: str | None = None
+
+
+# --------------------------------------------------------------------------- chat
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content. Only ``text`` parts feed the prompt; other part types
+    (``image_url``, ``input_audio``...) are accepted and ignored, as their shapes vary."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field(max_length=64)
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # Messages carry name / tool_calls / tool_call_id / refusal... depending on the role; none of
+    # them matters here, and rejecting them would break replaying an OpenAI conversation.
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        if not self.content:
+            return ""
+        return "\n".join(p.text for p in self.content if p.type == "text" and p.text)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Request):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    model: str | None = None
+    #: Which outputs to return: ``["text"]``, ``["image"]`` or both (default: every final output).
+    modalities: list[Literal["text", "image"]] | None = Field(None, min_length=1, max_length=2)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1, le=8192)
+    max_completion_tokens: int | None = Field(None, ge=1, le=8192)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    #: Only one choice is produced per request.
+    n: Literal[1] | None = None
+    timeout: Timeout | None = None
+    # Sent by OpenAI callers; no meaning for this runtime.
+    user: str | None = Field(None, max_length=256)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = Field(None, max_length=32)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 4 or any(len(s) > 256 for s in stops):
+            raise ValueError("stop takes at most 4 sequences of at most 256 characters")
+        return value
+
+    def prompt(self) -> tuple[str, str]:
+        """The last user message's text and its field path; ValueError if there is none."""
+        for i in range(len(self.messages) - 1, -1, -1):
+            if self.messages[i].role == "user":
+                text = self.messages[i].text()
+                if not text.strip():
+                    raise ValueError(f"messages[{i}] (the last user message) has no text content")
+                return text, f"messages[{i}].content"
+        raise ValueError("messages contains no user message")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    #: A string for text-only answers; content parts when images are included.
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    finish_reason: Literal["stop", "length"] | None = "stop"
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage = Field(default_factory=Usage)
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+# --------------------------------------------------------------------------- models, control, errors
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "omni_runtime"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class CollectiveRpcRequest(_Request):
+    """``POST /v1/omni/collective_rpc``: a control call on every replica of the chosen stages."""
+
+    method: str = Field(min_length=1, max_length=128)
+    args: list[Any] = Field(default_factory=list, max_length=64)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    stage_ids: list[int] | None = Field(None, max_length=256)
+    timeout: Timeout | None = None
+
+
+class ReplicaResult(BaseModel):
+    stage_id: int
+    replica_id: int
+    ok: bool
+    result: Any = None
+    error: str | None = None
+
+
+def usage_of(out: OmniRequestOutput, resolved: dict[int, dict[str, Any]]) -> tuple[Usage, Literal["stop", "length"]]:
+    """Token usage from the text stages' output metrics, and ``length`` if one hit max_tokens."""
+    prompt_tokens = completion_tokens = 0
+    finish: Literal["stop", "length"] = "stop"
+    for sid, result in out.outputs_by_stage.items():
+        prompt_tokens += int(result.metrics.get("prompt_tokens", 0) or 0)
+        done = int(result.metrics.get("completion_tokens", 0) or 0)
+        completion_tokens += done
+        limit = resolved.get(sid, {}).get("max_tokens")
+        if limit and done >= limit:
+            finish = "length"
+    total = prompt_tokens + completion_tokens
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=total), finish
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ApiError(Exception):
+    """An error the HTTP layer itself raises (auth, unknown model, shutting down...)."""
+
+    def __init__(
+        self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str
+    ) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type, param, code
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection; its engine requests were aborted."""
+
+
+def _validation_param(loc: Sequence[Any]) -> str | None:
+    parts = [p for p in loc if p != "body"]
+    if not parts or not isinstance(parts[0], str):
+        return None  # the body as a whole (missing, or not JSON)
+    text = parts[0]
+    for p in parts[1:]:
+        text += f"[{p}]" if isinstance(p, int) else f".{p}"
+    return text
+
+
+def classify_error(exc: BaseException) -> tuple[int, str, str | None, str | None, str]:
+    """(status, type, param, code, message) for any exception: the one place errors are mapped."""
+    if isinstance(exc, ApiError):
+        return exc.status, exc.type, exc.param, exc.code, str(exc)
+    if isinstance(exc, RequestValidationError):
+        errors = list(exc.errors())
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        param = _validation_param(first.get("loc", ()))
+        if first.get("type") == "json_invalid":
+            return 400, "invalid_request_error", None, "invalid_json", f"malformed JSON body: {first.get('msg')}"
+        if param is None and first.get("type") == "missing":
+            return 400, "invalid_request_error", None, "invalid_request", "a JSON request body is required"
+        if first.get("type") == "extra_forbidden":
+            message = f"unknown field `{param}`"
+        else:
+            message = f"invalid value for `{param}`: {first.get('msg')}" if param else str(first.get("msg"))
+        return 400, "invalid_request_error", param, "invalid_value", message
+    if isinstance(exc, HTTPException):
+        code = "not_found" if exc.status_code == 404 else "http_error"
+        return exc.status_code, "invalid_request_error", None, code, str(exc.detail)
+    if isinstance(exc, ClientDisconnected):
+        return 499, "client_disconnected", None, "client_disconnected", "the client closed the connection"
+    if isinstance(exc, QueueFullError):
+        return 429, "rate_limit_error", None, "queue_full", str(exc)
+    if isinstance(exc, InvalidRequestError):
+        return 400, "invalid_request_error", exc.param, "invalid_value", str(exc)
+    if isinstance(exc, RequestTimeoutError):
+        return 504, "timeout_error", None, "request_timeout", str(exc)
+    if isinstance(exc, StageDeadError | StageAsleepError | RequestAbortedError | EngineError):
+        return 503, "service_unavailable", None, _snake(type(exc).__name__), str(exc)
+    if isinstance(exc, OmniError):
+        return 500, "server_error", None, _snake(type(exc).__name__), str(exc)
+    logger.error("unexpected error", exc_info=exc)
+    return 500, "server_error", None, "internal_error", f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _snake(name: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_").removesuffix("_error")
+
+
+def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    status, type_, param, code, message = classify_error(exc)
+    detail = ErrorDetail(message=message, type=type_, param=param, code=code)
+    return status, ErrorResponse(error=detail).model_dump()

@@ -1,0 +1,623 @@
+"""The OpenAI-style HTTP server: a FastAPI app over :class:`AsyncOmni`. Runs on uvicorn's event loop.
+
+``create_app(model)`` validates the deploy config at once; the engine itself starts in the app's
+lifespan (stage processes load their models) and is closed when the app shuts down. Every error,
+from pydantic validation to a dead stage, becomes the OpenAI error shape in one place,
+:func:`error_response`.
+
+Each image of an ``n``-image request, and each chat completion, is its own engine request, so they
+batch with everyone else's. A client that disconnects has its requests aborted at once: the
+handler awaits ``http.disconnect`` on the ASGI channel beside the generation (no polling), and a
+streaming response is cancelled by Starlette when the peer goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import io
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from omni_runtime.config import DeployConfig
+from omni_runtime.engine.async_engine import MAX_PROMPT_CHARS, params_class
+from omni_runtime.exceptions import EngineError, InvalidRequestError, OmniError, QueueFullError, RequestAbortedError
+from omni_runtime.outputs import OmniRequestOutput
+
+from ..async_omni import AsyncOmni, build_config
+from . import protocol as proto
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import ApiError, ClientDisconnected, error_body
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: Largest request body; a 1 MB prompt still reaches validation (and gets a 400 naming the field).
+MAX_BODY_BYTES = 8 * 1024 * 1024
+#: Images larger than this are encoded in a worker thread, off the event loop.
+_INLINE_ENCODE_PIXELS = 512 * 512
+#: Scope key set when the client went away, so the request is counted as status 499.
+_DISCONNECTED = "omni.client_disconnected"
+_MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body = error_body(exc)
+    headers = {}
+    if isinstance(exc, QueueFullError):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    elif status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _handle(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(exc)
+
+
+# --------------------------------------------------------------------------- images and files
+
+
+def encode_image(image: Any, fmt: str, quality: int | None) -> bytes:
+    buf = io.BytesIO()
+    if fmt == "png":
+        image.save(buf, format="PNG")
+    else:  # JPEG has no alpha channel
+        image.convert("RGB").save(buf, format=fmt.upper(), quality=90 if quality is None else quality)
+    return buf.getvalue()
+
+
+async def encode_images(images: Sequence[Any], fmt: str, quality: int | None) -> list[bytes]:
+    if sum(img.width * img.height for img in images) <= _INLINE_ENCODE_PIXELS:
+        return [encode_image(img, fmt, quality) for img in images]
+    return await asyncio.to_thread(lambda: [encode_image(img, fmt, quality) for img in images])
+
+
+class FileStore:
+    """Generated files behind ``/v1/files/{id}``: in memory, each kept ``ttl_s`` seconds, at most
+    ``max_bytes`` in all (oldest dropped first). Expiry is checked on access, so nothing polls."""
+
+    def __init__(self, ttl_s: float, max_bytes: int) -> None:
+        self.ttl_s, self.max_bytes = ttl_s, max_bytes
+        self._files: OrderedDict[str, tuple[float, str, bytes]] = OrderedDict()
+        self._bytes = 0
+
+    def _drop_oldest(self) -> None:
+        _, (_, _, data) = self._files.popitem(last=False)
+        self._bytes -= len(data)
+
+    def put(self, data: bytes, media_type: str) -> str:
+        if len(data) > self.max_bytes:
+            raise ApiError(
+                413, "the image is larger than the file store; use response_format=b64_json",
+                param="response_format", code="file_too_large",
+            )  # fmt: skip
+        now = time.monotonic()
+        # Every file lives ttl_s, so insertion order is expiry order.
+        while self._files and (next(iter(self._files.values()))[0] <= now or self._bytes + len(data) > self.max_bytes):
+            self._drop_oldest()
+        file_id = "file-" + secrets.token_urlsafe(18)
+        self._files[file_id] = (now + self.ttl_s, media_type, data)
+        self._bytes += len(data)
+        return file_id
+
+    def get(self, file_id: str) -> tuple[str, bytes, float] | None:
+        entry = self._files.get(file_id)
+        if entry is None:
+            return None
+        expires, media_type, data = entry
+        left = expires - time.monotonic()
+        if left <= 0:
+            self._bytes -= len(self._files.pop(file_id)[2])
+            return None
+        return media_type, data, left
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+# --------------------------------------------------------------------------- server state
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class ServerState:
+    """What the routes share: the engine, metrics, files, in-flight request ids, drain state."""
+
+    def __init__(
+        self,
+        config: DeployConfig,
+        *,
+        api_key: str | None,
+        max_pending: int | None,
+        default_timeout: float | None,
+        file_ttl_s: float,
+        file_store_bytes: int,
+    ) -> None:
+        self.config = config
+        self.api_key = api_key.encode() if api_key else None
+        self._engine_kwargs = {"max_pending": max_pending, "default_timeout": default_timeout}
+        self.omni: AsyncOmni | None = None
+        self._closed = False
+        self.metrics = ServerMetrics(lambda: self.omni.engine if self.omni is not None else None)
+        self.files = FileStore(file_ttl_s, file_store_bytes)
+        self.inflight: set[str] = set()
+        self.draining = False
+        self.created = int(time.time())
+        self.model_name = config.model or "omni"
+        finals = [s for s in config.stage_args if s.final_output]
+        self.image_stage = next((s.stage_id for s in finals if s.final_output_type == "image"), None)
+        self._fields = {s.stage_id: set(params_class(s).__struct_fields__) for s in config.stage_args}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        # Stage processes load their models here: off the loop, which still answers signals.
+        self.omni = await loop.run_in_executor(None, lambda: AsyncOmni(self.config, **self._engine_kwargs))
+        self.model_name = self.omni.model_name
+
+    async def close(self) -> None:
+        """Close the engine (idempotent): stage processes exit, pending requests end with 503."""
+        if self.omni is not None and not self._closed:
+            self._closed = True
+            await asyncio.get_running_loop().run_in_executor(None, self.omni.close)
+
+    def abort_all(self, reason: str) -> None:
+        """Abort every in-flight engine request; their handlers answer 503 with ``reason``."""
+        ids = list(self.inflight)
+        if ids and self.omni is not None:
+            self.metrics.aborted.labels("shutdown").inc(len(ids))
+            self.omni.engine.abort(ids, reason=RequestAbortedError(reason))
+
+    @property
+    def engine(self) -> Any:
+        if self.omni is None:
+            raise EngineError("the engine has not started")
+        return self.omni.engine
+
+    def check_request(self, model: str | None) -> AsyncOmni:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        if self.omni is None:
+            raise EngineError("the engine has not started")
+        return self.omni
+
+    def check_auth(self, scope: Scope) -> None:
+        if self.api_key is None:
+            return
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
+                    return
+                break
+        raise ApiError(
+            401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+            type="authentication_error", code="invalid_api_key",
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ running requests
+
+    def stage_params(self, by_stage: dict[int, dict[str, Any]], shared: dict[str, Any]) -> list[dict | None]:
+        """One params entry per stage: ``by_stage`` as given, ``shared`` where the stage takes it."""
+        params: list[dict | None] = []
+        for stage in self.config.stage_args:
+            entry = dict(by_stage.get(stage.stage_id, {}))
+            entry.update({k: v for k, v in shared.items() if v is not None and k in self._fields[stage.stage_id]})
+            params.append(entry or None)
+        return params
+
+    async def collect(
+        self, omni: AsyncOmni, prompt: str, params: Any, request_id: str, modalities: list[str] | None
+    ) -> OmniRequestOutput:
+        """Run one engine request to its end; its metrics go to Prometheus."""
+        last = None
+        self.inflight.add(request_id)
+        try:
+            async for out in omni.generate(prompt, params, request_id, modalities=modalities):
+                last = out
+        finally:
+            self.inflight.discard(request_id)
+        self.metrics.observe_output(last)
+        assert last is not None  # generate always yields a finished output or raises
+        return last
+
+    async def until_disconnect(self, request: Request, ids: Sequence[str], work: Awaitable[T]) -> T:
+        """Await ``work``; if the client disconnects first, abort ``ids`` and raise ClientDisconnected."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+        try:
+            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            request.scope[_DISCONNECTED] = True
+            live = [rid for rid in ids if rid in self.inflight]
+            self.metrics.aborted.labels("client_disconnect").inc(len(live))
+            await self.omni.abort(live)
+            raise ClientDisconnected()
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                # Let the generators run their clean-up before the caller moves on.
+                await asyncio.wait((task,))
+
+
+async def _gather_or_abort(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """All results, or the first error with the other requests aborted (cancelling ``generate``
+    aborts its request)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+# --------------------------------------------------------------------------- middleware
+
+
+class _HttpMiddleware:
+    """Pure ASGI (so handlers keep the raw ``receive`` for disconnect detection): the API key on
+    /v1 routes, the body-size limit, and per-route request counts and latency."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, routes: Sequence[BaseRoute]) -> None:
+        self.app, self.state, self.routes = app, state, routes
+
+    def _match(self, scope: Scope) -> BaseRoute | None:
+        return next((r for r in self.routes if r.matches(scope)[0] is Match.FULL), None)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            try:
+                if scope["path"].startswith("/v1/"):
+                    self.state.check_auth(scope)
+                length = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
+                if length.isdigit() and int(length) > MAX_BODY_BYTES:
+                    raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
+            except ApiError as e:
+                await error_response(e)(scope, receive, send_and_record)
+                return
+            await self.app(scope, receive, send_and_record)
+        finally:
+            route = scope.get("route") or self._match(scope)  # requests refused here never reached routing
+            label = getattr(route, "path", None) or "unmatched"
+            if scope.get(_DISCONNECTED):
+                status = 499
+            m = self.state.metrics
+            m.http_requests.labels(label, scope["method"], str(status)).inc()
+            m.http_latency.labels(label).observe(time.perf_counter() - start)
+
+
+# --------------------------------------------------------------------------- the app
+
+
+def create_app(
+    model: str | Path | DeployConfig = "tiny-sd",
+    *,
+    api_key: str | None = None,
+    max_pending: int | None = None,
+    default_timeout: float | None = None,
+    engine_args: dict[str, Any] | None = None,
+    file_ttl_s: float = 600.0,
+    file_store_bytes: int = 256 * 1024 * 1024,
+) -> FastAPI:
+    """The FastAPI app for ``model`` (a config name, YAML path, model dir or DeployConfig).
+
+    The config is validated here (ConfigError at once); the engine starts with the app's lifespan.
+    ``app.state.omni`` is the :class:`ServerState`.
+    """
+    config = build_config(model, dict(engine_args or {}))
+    state = ServerState(
+        config,
+        api_key=api_key,
+        max_pending=max_pending,
+        default_timeout=default_timeout,
+        file_ttl_s=file_ttl_s,
+        file_store_bytes=file_store_bytes,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.close()
+
+    app = FastAPI(title="omni_runtime", lifespan=lifespan, max_body_size=MAX_BODY_BYTES)
+    app.state.omni = state
+    app.add_middleware(_HttpMiddleware, state=state, routes=app.router.routes)
+    for exc_class in (Exception, OmniError, ApiError, ClientDisconnected, RequestValidationError):
+        app.add_exception_handler(exc_class, _handle)
+    app.add_exception_handler(HTTPException, _handle)
+    _add_routes(app, state)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        engine = state.engine
+        dead = sorted(sid for sid, s in engine.stage_status().items() if s.get("live_replicas", 0) == 0)
+        if not engine.is_running or dead:
+            return JSONResponse({"status": "unhealthy", "dead_stages": dead}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        engine = state.engine
+        stages = [
+            {k: s.get(k) for k in ("stage_id", "stage_type", "replicas", "live_replicas", "restarts", "inflight")}
+            | {"queue_depth": s.get("inflight", 0), "per_replica_inflight": s.get("per_replica_inflight", [])}
+            for _, s in sorted(engine.stage_status().items())
+        ]
+        ready = engine.is_running and not state.draining and all(s["live_replicas"] for s in stages)
+        body = {
+            "ready": ready,
+            "draining": state.draining,
+            "model": state.model_name,
+            "pending": engine.num_pending,
+            "max_pending": engine.max_pending,
+            "stages": stages,
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        card = proto.ModelCard(id=state.model_name, created=state.created)
+        return JSONResponse(proto.ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> JSONResponse:
+        state.check_request(model_id)
+        return JSONResponse(proto.ModelCard(id=state.model_name, created=state.created).model_dump())
+
+    @app.get("/v1/files/{file_id}")
+    async def get_file(file_id: str) -> Response:
+        found = state.files.get(file_id)
+        if found is None:
+            raise ApiError(404, f"file `{file_id}` does not exist or has expired", param="file_id", code="not_found")
+        media_type, data, left = found
+        return Response(data, media_type=media_type, headers={"Cache-Control": f"private, max-age={int(left)}"})
+
+    @app.post("/v1/images/generations")
+    async def create_images(body: proto.ImageGenerationRequest, request: Request) -> JSONResponse:
+        omni = state.check_request(body.model)
+        if state.image_stage is None:
+            raise ApiError(400, f"the model `{state.model_name}` has no image output", param="model", code="no_image")
+        size = body.dimensions()
+        image: dict[str, Any] = {
+            "negative_prompt": body.negative_prompt,
+            "num_inference_steps": body.num_inference_steps,
+            "guidance_scale": body.guidance_scale,
+            "timeout": body.timeout,
+        }
+        if size is not None:
+            image["width"], image["height"] = size
+        image = {k: v for k, v in image.items() if v is not None}
+
+        def params(i: int) -> list[dict | None]:
+            seed = {} if body.seed is None else {"seed": body.seed + i}
+            return state.stage_params({state.image_stage: image | seed}, {})
+
+        try:  # validate once, before any of the n requests is admitted
+            omni.engine.resolve_params(params(body.n - 1))
+        except InvalidRequestError as e:
+            if e.param in ("height", "width"):
+                e.param = "size"
+            raise
+        base = f"img-{uuid.uuid4().hex}"
+        ids = [f"{base}-{i}" for i in range(body.n)]
+        outs = await state.until_disconnect(
+            request,
+            ids,
+            _gather_or_abort([state.collect(omni, body.prompt, params(i), ids[i], ["image"]) for i in range(body.n)]),
+        )
+        images = [(img, out) for out in outs for img in out.images]
+        encoded = await encode_images([img for img, _ in images], body.output_format, body.output_compression)
+        data = []
+        for (_, out), blob in zip(images, encoded, strict=True):
+            seed = out.outputs_by_stage.get(state.image_stage)
+            item = proto.ImageData(seed=seed.metrics.get("seed") if seed else None)
+            if body.response_format == "url":
+                file_id = state.files.put(blob, _MEDIA_TYPES[body.output_format])
+                item.url = f"{str(request.base_url).rstrip('/')}/v1/files/{file_id}"
+            else:
+                item.b64_json = base64.b64encode(blob).decode()
+            data.append(item)
+        state.metrics.images.inc(len(data))
+        size_text = f"{images[0][0].width}x{images[0][0].height}" if images else None
+        resp = proto.ImageGenerationResponse(data=data, output_format=body.output_format, size=size_text)
+        return JSONResponse(resp.model_dump(exclude_none=True), headers={"X-Request-Id": base})
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: proto.ChatCompletionRequest, request: Request) -> Response:
+        omni = state.check_request(body.model)
+        try:
+            prompt, where = body.prompt()
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="messages") from None
+        if len(prompt) > MAX_PROMPT_CHARS:
+            message = f"the prompt is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}"
+            raise InvalidRequestError(message, param=where)
+        shared = {
+            "max_tokens": body.max_completion_tokens or body.max_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
+            "seed": body.seed,
+            "timeout": body.timeout,
+        }
+        params = state.stage_params({}, shared)
+        resolved = omni.engine.resolve_params(params)
+        modalities = list(body.modalities) if body.modalities else None
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await _stream_chat(state, omni, request, rid, prompt, params, modalities, resolved, include_usage)
+        out = await state.until_disconnect(request, [rid], state.collect(omni, prompt, params, rid, modalities))
+        texts = [r.text for _, r in sorted(out.outputs_by_stage.items()) if r.text is not None]
+        content: str | list[dict[str, Any]]
+        if out.images:
+            content = [{"type": "text", "text": t} for t in texts] + await _image_parts(out.images)
+        else:
+            content = "\n".join(texts)
+        usage, finish = proto.usage_of(out, resolved)
+        choice = proto.ChatChoice(message=proto.ResponseMessage(content=content), finish_reason=finish)
+        resp = proto.ChatCompletionResponse(id=rid, model=state.model_name, choices=[choice], usage=usage)
+        return JSONResponse(resp.model_dump(exclude_none=True), headers={"X-Request-Id": rid})
+
+    @app.post("/v1/omni/collective_rpc")
+    async def collective_rpc(body: proto.CollectiveRpcRequest) -> JSONResponse:
+        omni = state.check_request(None)
+        # A default deadline, so a hung replica cannot hold an HTTP request forever.
+        timeout = body.timeout if body.timeout is not None else 30.0
+        results = await omni.collective_rpc(body.method, body.args, body.kwargs, body.stage_ids, timeout)
+        out = [
+            proto.ReplicaResult(
+                stage_id=r.stage_id,
+                replica_id=r.replica_id,
+                ok=r.ok,
+                result=msgspec.to_builtins(r.result, enc_hook=repr),
+                error=r.error,
+            ).model_dump()
+            for r in results
+        ]
+        return JSONResponse(out)
+
+
+async def _image_parts(images: Sequence[Any]) -> list[dict[str, Any]]:
+    blobs = await encode_images(images, "png", None)
+    return [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b).decode()}}
+        for b in blobs
+    ]
+
+
+async def _stream_chat(
+    state: ServerState,
+    omni: AsyncOmni,
+    request: Request,
+    rid: str,
+    prompt: str,
+    params: Any,
+    modalities: list[str] | None,
+    resolved: dict[int, dict[str, Any]],
+    include_usage: bool,
+) -> StreamingResponse:
+    agen = omni.generate(prompt, params, rid, modalities=modalities)
+    state.inflight.add(rid)
+    try:
+        # Wait for the first output before sending headers, so that admission errors (429, 400,
+        # 503) keep their status code instead of arriving inside a 200 stream.
+        first = await state.until_disconnect(request, [rid], agen.__anext__())
+    except BaseException:
+        state.inflight.discard(rid)
+        await agen.aclose()
+        raise
+    created = int(time.time())
+
+    def chunk(delta: proto.DeltaMessage | None, finish: str | None = None, usage: proto.Usage | None = None) -> str:
+        choices = [] if delta is None else [proto.ChunkChoice(delta=delta, finish_reason=finish)]
+        c = proto.ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=choices, usage=usage)
+        return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
+
+    async def events() -> AsyncIterator[str]:
+        sent: dict[int, int] = {}  # characters of each stage's text already streamed
+        imaged: set[int] = set()
+        finished = False
+        try:
+            yield chunk(proto.DeltaMessage(role="assistant", content=""))
+            out = first
+            while True:
+                for delta in await _deltas(out, sent, imaged):
+                    yield chunk(delta)
+                if out.finished:
+                    break
+                out = await agen.__anext__()
+            finished = True
+            state.metrics.observe_output(out)
+            usage, finish = proto.usage_of(out, resolved)
+            yield chunk(proto.DeltaMessage(), finish)
+            if include_usage:
+                yield chunk(None, usage=usage)
+        except OmniError as e:
+            finished = True
+            yield f"data: {json.dumps(error_body(e)[1])}\n\n"
+        except asyncio.CancelledError:
+            # Starlette cancels the stream when the client disconnects.
+            request.scope[_DISCONNECTED] = True
+            state.metrics.aborted.labels("client_disconnect").inc()
+            raise
+        finally:
+            state.inflight.discard(rid)
+            if not finished:
+                await omni.abort(rid)
+            await agen.aclose()
+        yield "data: [DONE]\n\n"
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": rid}
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+async def _deltas(out: OmniRequestOutput, sent: dict[int, int], imaged: set[int]) -> list[proto.DeltaMessage]:
+    """What ``out`` adds to the stream: a streamed text piece, or the rest of a finished stage's
+    text (a stage that does not stream), then its images as content parts."""
+    sid = out.stage_id
+    if out.text_delta is not None:
+        sent[sid] = sent.get(sid, 0) + len(out.text_delta)
+        return [proto.DeltaMessage(content=out.text_delta)] if out.text_delta else []
+    result = out.outputs_by_stage.get(sid)
+    if result is None:
+        return []
+    deltas = []
+    if result.text and len(result.text) > sent.get(sid, 0):
+        deltas.append(proto.DeltaMessage(content=result.text[sent.get(sid, 0) :]))
+        sent[sid] = len(result.text)
+    if result.images and sid not in imaged:
+        imaged.add(sid)
+        deltas.append(proto.DeltaMessage(content=await _image_parts(result.images)))
+    return deltas

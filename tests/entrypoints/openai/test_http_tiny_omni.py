@@ -1,0 +1,51 @@
+"""Chat over the bundled tiny-omni pipeline (a tiny LM that streams tokens, then tiny-sd): real
+text deltas arrive as separate SSE chunks, and the chat params reach the text stage."""
+
+from __future__ import annotations
+
+import pytest
+
+from .server_process import REPO, start_server, stop_server
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        not (REPO / "stage_configs" / "tiny-omni.yaml").is_file(), reason="stage_configs/tiny-omni.yaml not present"
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    import openai
+
+    srv = start_server("tiny-omni", log=tmp_path_factory.mktemp("omni") / "server.log")
+    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+    stop_server(srv)
+
+
+def ask(client, stream: bool, **kw):
+    return client.chat.completions.create(
+        model="tiny-omni", messages=[{"role": "user", "content": "a fox"}], stream=stream, **kw
+    )
+
+
+def test_text_streams_token_by_token_and_matches_the_whole_answer(client):
+    params = {"modalities": ["text"], "seed": 11, "max_tokens": 8, "temperature": 0.8}
+    whole = ask(client, False, **params)
+    chunks = list(ask(client, True, stream_options={"include_usage": True}, **params))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 2  # several deltas, not one final blob
+    assert "".join(pieces) == whole.choices[0].message.content  # same seed, same text
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == whole.usage.completion_tokens <= 8 and usage.prompt_tokens > 0
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    assert (whole.choices[0].finish_reason == "length") == (whole.usage.completion_tokens == 8)
+
+
+def test_text_then_image_from_both_stages(client):
+    resp = ask(client, False, seed=2, max_tokens=4)
+    parts = resp.choices[0].message.content
+    assert [p["type"] for p in parts] == ["text", "image_url"]
+    assert parts[1]["image_url"]["url"].startswith("data:image/png;base64,")
