@@ -1,0 +1,619 @@
+"""``omni-runtime``: the command line. One entry point, argparse subcommands.
+
+``serve`` runs the HTTP server; ``generate`` runs prompts in process; ``validate`` checks a deploy
+YAML; ``models`` lists what is bundled; ``rpc`` and ``bench`` talk to a running server.
+Every bad argument is a message on stderr and a non-zero exit (2 for usage, 1 for failures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from omni_runtime.exceptions import ConfigError, OmniError
+
+
+class CliError(Exception):
+    """A failure to report as ``error: ...`` with exit code 1."""
+
+
+# --------------------------------------------------------------------------- argument types
+
+
+def _int(minimum: int, maximum: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bounds = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+            raise argparse.ArgumentTypeError(f"expected an integer {bounds}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int(1)
+
+
+def _float(minimum: float, *, strict: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+            raise argparse.ArgumentTypeError(f"expected a number {'>' if strict else '>='} {minimum:g}, got {text}")
+        return value
+
+    return parse
+
+
+def _size(text: str) -> tuple[int, int]:
+    from .openai.protocol import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _json_value(kind: type):
+    def parse(text: str) -> Any:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text[:80]!r}") from None
+        if not isinstance(value, kind):
+            raise argparse.ArgumentTypeError(f"expected a JSON {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    return parse
+
+
+def _url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {text!r}")
+    return text.rstrip("/")
+
+
+# --------------------------------------------------------------------------- serve
+
+
+def _make_server(config: Any, state: Any, shutdown_timeout: float) -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn with the runtime's shutdown: drain, then abort what is left, then close the engine.
+
+        1) the first SIGTERM/SIGINT stops accepting and lets in-flight requests finish
+        2) after ``shutdown_timeout`` the rest are aborted (their clients get a 503 saying why)
+        3) the engine is closed, so no stage process outlives the server
+        A second signal skips the wait (in-flight requests are aborted at once), not step 3.
+        """
+
+        loop: asyncio.AbstractEventLoop | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn re-raises a captured signal after shutdown, which would end the process by
+            # the signal's default action (exit status -15) after a clean shutdown; exit 0 instead.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                self.should_exit = True
+                return
+            self.force_exit = True
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(state.abort_all, "the server was stopped before the request finished")
+
+        async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                host, port = sockets[0].getsockname()[:2] if sockets else (config.host, config.port)
+                logging.getLogger("uvicorn.error").info("Serving %s on http://%s:%d", state.model_name, host, port)
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            state.draining = True  # new requests on open connections get a 503
+            reason = f"the server shut down; the request did not finish within the {shutdown_timeout:g} s grace period"
+            timer = asyncio.get_running_loop().call_later(shutdown_timeout, state.abort_all, reason)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+                await state.close()  # first: a forced exit skips the lifespan shutdown below
+                if self.force_exit:
+                    await self.lifespan.shutdown()  # ends the app's lifespan task instead of cancelling it
+
+    return Server(config)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .openai.server import create_app
+
+    app = create_app(
+        args.model,
+        api_key=args.api_key,
+        max_pending=args.max_pending,
+        default_timeout=args.default_timeout,
+        engine_args={"max_num_seqs": args.max_num_seqs, "request_batch_max_wait_ms": args.request_batch_max_wait_ms},
+        file_ttl_s=args.file_ttl,
+        file_store_bytes=int(args.file_store_mb * 1024 * 1024),
+    )
+    # Bind before the engine starts: a busy port is a clear error, not a model load and a crash.
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        sock.close()
+        raise CliError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        lifespan="on",
+        # A backstop only: requests still running at shutdown_timeout are aborted by the server.
+        timeout_graceful_shutdown=args.shutdown_timeout + 10.0,
+    )
+    server = _make_server(config, app.state.omni, args.shutdown_timeout)
+    try:
+        server.run(sockets=[sock])
+    except SystemExit as e:  # uvicorn exits this way when the app fails to start
+        if e.code:
+            raise CliError("the server failed to start (see the log above)") from None
+    finally:
+        sock.close()
+        omni = app.state.omni.omni
+        if omni is not None:
+            omni.close()
+    return 0
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from .async_omni import AsyncOmni, build_config
+
+    config = build_config(args.model, {"max_num_seqs": args.max_num_seqs})
+    image_stage = next((s.stage_id for s in config.stage_args if s.final_output_type == "image"), None)
+    if image_stage is None:
+        raise CliError(f"the model {args.model!r} has no image output")
+    image: dict[str, Any] = {"num_inference_steps": args.steps, "guidance_scale": args.guidance_scale}
+    if args.size is not None:
+        image["width"], image["height"] = args.size
+    jobs = []  # (prompt, seed) for every image: each is its own request, so they batch together
+    for prompt in args.prompts:
+        jobs.extend((prompt, None if args.seed is None else args.seed + i) for i in range(args.n))
+
+    def params(seed: int | None) -> list[dict | None]:
+        entry = {k: v for k, v in {**image, "seed": seed}.items() if v is not None}
+        return [entry if s.stage_id == image_stage else None for s in config.stage_args]
+
+    async def run() -> tuple[list[Any], float]:
+        async with AsyncOmni(config) as omni:
+            omni.engine.resolve_params(params(jobs[-1][1]))  # bad params fail before anything runs
+            bar = tqdm(total=len(jobs), desc="generate", unit="img", disable=args.quiet)
+
+            async def one(prompt: str, seed: int | None) -> Any:
+                last = None
+                try:
+                    async for out in omni.generate(prompt, params(seed), modalities=["image"]):
+                        last = out
+                    return last
+                except OmniError as e:
+                    return e
+                finally:
+                    bar.update(1)
+
+            start = time.perf_counter()
+            results = await asyncio.gather(*(one(p, s) for p, s in jobs))
+            wall = time.perf_counter() - start
+            bar.close()
+            return results, wall
+
+    results, wall = asyncio.run(run())
+    args.out.mkdir(parents=True, exist_ok=True)
+    records, images = [], 0
+    for i, ((prompt, _), res) in enumerate(zip(jobs, results, strict=True)):
+        record: dict[str, Any] = {"index": i, "prompt": prompt}
+        if isinstance(res, Exception):
+            record["error"] = f"{type(res).__name__}: {res}"
+        else:
+            seed = res.outputs_by_stage[image_stage].metrics.get("seed")
+            files = []
+            for j, img in enumerate(res.images):
+                path = args.out / f"image-{i:03d}{f'-{j}' if j else ''}.png"
+                img.save(path)
+                files.append(str(path))
+            images += len(files)
+            record.update(request_id=res.request_id, seed=seed, files=files, metrics=res.metrics)
+        records.append(record)
+    report = {
+        "model": config.model,
+        "params": image,
+        "requests": len(jobs),
+        "images": images,
+        "failed": sum("error" in r for r in records),
+        "wall_s": round(wall, 4),
+        "images_per_s": round(images / wall, 3) if wall > 0 else None,
+        "results": records,
+    }
+    report_path = args.out / "report.json"
+    report_path.write_text(json.dumps(report, indent=2, default=str))
+    print(f"{images} image(s) in {wall:.2f} s -> {args.out}/ (report: {report_path})")
+    for r in records:
+        if "error" in r:
+            print(f"error: request {r['index']} ({r['prompt'][:40]!r}): {r['error']}", file=sys.stderr)
+    return 1 if report["failed"] else 0
+
+
+# --------------------------------------------------------------------------- validate, models
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    import msgspec
+    import yaml
+
+    from omni_runtime.config import load_config
+
+    config = load_config(args.config)
+    data = msgspec.to_builtins(config)
+    print(json.dumps(data, indent=2) if args.format == "json" else yaml.safe_dump(data, sort_keys=False).rstrip())
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from omni_runtime.config import bundled_config_names, load_config
+    from omni_runtime.models.builtin import builtin_names
+
+    configs = []
+    for name in bundled_config_names():
+        try:
+            config = load_config(name)
+            stages = [s.stage_type + (f"->{s.final_output_type}" if s.final_output else "") for s in config.stage_args]
+            configs.append({"name": name, "model": config.model, "stages": stages})
+        except ConfigError as e:
+            configs.append({"name": name, "error": str(e)})
+    builtins = builtin_names()
+    if args.json:
+        print(json.dumps({"configs": configs, "builtin_models": builtins}, indent=2))
+        return 0
+    print("Bundled configs (omni-runtime serve NAME):")
+    for c in configs:
+        print(f"  {c['name']:<16} {c.get('error') or ', '.join(c['stages'])}")
+    print("Builtin models (model: builtin:NAME in a deploy YAML):")
+    for name in builtins:
+        print(f"  {name}")
+    return 0
+
+
+# --------------------------------------------------------------------------- rpc
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def cmd_rpc(args: argparse.Namespace) -> int:
+    import httpx
+
+    body: dict[str, Any] = {"method": args.method, "args": args.args, "kwargs": args.kwargs}
+    if args.stage_ids:
+        body["stage_ids"] = args.stage_ids
+    if args.timeout is not None:
+        body["timeout"] = args.timeout
+    try:
+        resp = httpx.post(
+            f"{args.url}/v1/omni/collective_rpc",
+            json=body,
+            headers=_headers(args.api_key),
+            timeout=(args.timeout or 30.0) + 10.0,
+        )
+    except httpx.HTTPError as e:
+        raise CliError(f"cannot reach {args.url}: {e}") from None
+    if resp.status_code != 200:
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = resp.text[:500]
+        raise CliError(f"HTTP {resp.status_code}: {message}")
+    results = resp.json()
+    print(json.dumps(results, indent=2))
+    failed = [r for r in results if not r.get("ok")]
+    for r in failed:
+        print(f"error: stage {r['stage_id']} replica {r['replica_id']}: {r['error']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+# --------------------------------------------------------------------------- bench
+
+
+@dataclass
+class Sample:
+    """One request of a load run; times in seconds from the start of the run."""
+
+    start: float
+    latency: float
+    status: int
+    error: str | None = None
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+async def run_http_load(
+    url: str,
+    path: str,
+    payload: dict[str, Any],
+    *,
+    concurrency: int,
+    total: int,
+    rate: float | None = None,
+    api_key: str | None = None,
+    timeout: float = 600.0,
+    seed: int = 0,
+) -> tuple[list[Sample], float]:
+    """Send ``total`` requests with at most ``concurrency`` in flight; with ``rate``, arrivals are a
+    Poisson process of that many requests per second (open loop), else back to back (closed loop).
+    Returns the samples and the wall time."""
+    import httpx
+
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in range(total):
+        arrivals.append(t)
+        if rate:
+            t += rng.expovariate(rate)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    samples: list[Sample] = []
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout, headers=_headers(api_key)) as client:
+        begin = time.perf_counter()
+
+        async def one(at: float) -> None:
+            if rate:
+                await asyncio.sleep(max(0.0, begin + at - time.perf_counter()))
+            async with gate:
+                start = time.perf_counter()
+                try:
+                    resp = await client.post(path, json=payload)
+                    error = None if resp.status_code == 200 else resp.text[:200]
+                    status = resp.status_code
+                except httpx.HTTPError as e:
+                    status, error = 0, f"{type(e).__name__}: {e}"
+                end = time.perf_counter()
+                samples.append(Sample(start - begin, end - start, status, error))
+
+        await asyncio.gather(*(one(at) for at in arrivals))
+        wall = time.perf_counter() - begin
+    return sorted(samples, key=lambda s: s.start), wall
+
+
+def summarize(samples: Sequence[Sample], wall: float, images_per_request: int = 1) -> dict[str, Any]:
+    ok = [s.latency * 1000.0 for s in samples if s.error is None]
+    return {
+        "requests": len(samples),
+        "ok": len(ok),
+        "errors": len(samples) - len(ok),
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(len(ok) / wall, 3) if wall > 0 else 0.0,
+        "images_per_s": round(len(ok) * images_per_request / wall, 3) if wall > 0 else 0.0,
+        "latency_ms": {
+            "mean": round(sum(ok) / len(ok), 2) if ok else None,
+            **{f"p{q}": _round(percentile(ok, q)) for q in (50, 90, 99)},
+            "max": _round(max(ok)) if ok else None,
+        },
+    }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def print_table(rows: Sequence[tuple[str, dict[str, Any]]]) -> None:
+    head = f"{'run':<22}{'ok/total':>10}{'wall s':>9}{'req/s':>9}{'img/s':>9}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}"
+    print(head)
+    print("-" * len(head))
+    for name, s in rows:
+        lat = s["latency_ms"]
+        cells = [lat[k] if lat[k] is not None else float("nan") for k in ("p50", "p90", "p99")]
+        print(
+            f"{name:<22}{s['ok']:>5}/{s['requests']:<4}{s['wall_s']:>9.2f}{s['requests_per_s']:>9.2f}"
+            f"{s['images_per_s']:>9.2f}{cells[0]:>10.1f}{cells[1]:>10.1f}{cells[2]:>10.1f}"
+        )
+
+
+def plot_run(samples: Sequence[Sample], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a server
+    import matplotlib.pyplot as plt
+
+    done = [s for s in samples if s.error is None]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    ax1.scatter([s.start + s.latency for s in done], [s.latency * 1000 for s in done], s=8)
+    failed = [s for s in samples if s.error is not None]
+    if failed:
+        ax1.scatter([s.start + s.latency for s in failed], [s.latency * 1000 for s in failed], s=8, c="red")
+    ax1.set_ylabel("latency (ms)")
+    ax1.set_title(title)
+    end = max((s.start + s.latency for s in samples), default=1.0)
+    width = max(end / 30, 0.25)  # about 30 bins, none shorter than 250 ms
+    bins = [0] * (int(end / width) + 1)
+    for s in done:
+        bins[int((s.start + s.latency) / width)] += 1
+    ax2.bar([i * width for i in range(len(bins))], [b / width for b in bins], width=width, align="edge")
+    ax2.set_ylabel("completed requests / s")
+    ax2.set_xlabel("time since start (s)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.endpoint == "images":
+        path = "/v1/images/generations"
+        payload: dict[str, Any] = {"prompt": args.prompt, "n": args.n}
+        if args.size is not None:
+            payload["size"] = f"{args.size[0]}x{args.size[1]}"
+        if args.steps is not None:
+            payload["num_inference_steps"] = args.steps
+    else:
+        path, payload = "/v1/chat/completions", {"messages": [{"role": "user", "content": args.prompt}]}
+    if args.model:
+        payload["model"] = args.model
+    samples, wall = asyncio.run(
+        run_http_load(
+            args.url,
+            path,
+            payload,
+            concurrency=args.concurrency,
+            total=args.total,
+            rate=args.rate,
+            api_key=args.api_key,
+            timeout=args.timeout,
+        )
+    )
+    summary = summarize(samples, wall, args.n if args.endpoint == "images" else 1)
+    if summary["ok"] == 0 and samples and samples[0].error:
+        print(f"error: every request failed; first: HTTP {samples[0].status}: {samples[0].error}", file=sys.stderr)
+    print_table([(f"{args.endpoint} c={args.concurrency}", summary)])
+    if args.json:
+        report = {"url": args.url, "endpoint": args.endpoint, "payload": payload, "summary": summary}
+        args.json.write_text(json.dumps(report | {"samples": [asdict(s) for s in samples]}, indent=2))
+    if args.plot:
+        plot_run(samples, args.plot, f"{args.endpoint}: concurrency {args.concurrency}, {args.total} requests")
+    return 0 if summary["errors"] == 0 else 1
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omni-runtime", description="Serve and run multi-stage generation models.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run the OpenAI-style HTTP server")
+    s.add_argument("model", nargs="?", default="tiny-sd", help="bundled config name, deploy YAML or model dir")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    s.add_argument("--port", type=_int(1, 65535), default=8000)
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route")
+    s.add_argument("--max-num-seqs", type=_positive_int, help="most requests fused into one forward")
+    s.add_argument("--request-batch-max-wait-ms", type=_float(0), help="extra admission wait for a wave (ms)")
+    s.add_argument("--max-pending", type=_positive_int, help="most requests admitted at once (then 429)")
+    s.add_argument("--default-timeout", type=_float(0, strict=True), help="deadline (s) of a request without one")
+    s.add_argument("--shutdown-timeout", type=_float(0), default=30.0, help="grace period (s) on SIGTERM")
+    s.add_argument("--file-ttl", type=_float(0, strict=True), default=600.0, help="life (s) of response_format=url")
+    s.add_argument("--file-store-mb", type=_float(0, strict=True), default=256.0, help="memory for url images")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    s.set_defaults(func=cmd_serve)
+
+    g = sub.add_parser("generate", help="generate images in process and write PNGs and a report")
+    g.add_argument("prompts", nargs="+", metavar="PROMPT")
+    g.add_argument("-n", type=_positive_int, default=1, help="images per prompt (one request each)")
+    g.add_argument("--out", type=Path, default=Path("outputs"), help="output folder (default: outputs)")
+    g.add_argument("--model", default="tiny-sd")
+    g.add_argument("--seed", type=int, help="seed of the first image; image i gets seed + i")
+    g.add_argument("--steps", type=_positive_int, help="num_inference_steps")
+    g.add_argument("--size", type=_size, help="WIDTHxHEIGHT")
+    g.add_argument("--guidance-scale", type=_float(0))
+    g.add_argument("--max-num-seqs", type=_positive_int)
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.set_defaults(func=cmd_generate)
+
+    v = sub.add_parser("validate", help="check a deploy YAML and print the resolved config")
+    v.add_argument("config", help="deploy YAML path or bundled config name")
+    v.add_argument("--format", choices=["yaml", "json"], default="yaml")
+    v.set_defaults(func=cmd_validate)
+
+    m = sub.add_parser("models", help="list bundled configs and builtin models")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_models)
+
+    r = sub.add_parser("rpc", help="run a control call on a running server's stage replicas")
+    r.add_argument("method")
+    r.add_argument("--url", type=_url, default="http://127.0.0.1:8000")
+    r.add_argument("--args", type=_json_value(list), default=[], help="JSON list of positional args")
+    r.add_argument("--kwargs", type=_json_value(dict), default={}, help="JSON object of keyword args")
+    r.add_argument("--stage-ids", type=int, nargs="+", help="stages to call (default: all)")
+    r.add_argument("--timeout", type=_float(0, strict=True), help="per-replica timeout (s)")
+    r.add_argument("--api-key")
+    r.set_defaults(func=cmd_rpc)
+
+    b = sub.add_parser("bench", help="HTTP load generator against a running server")
+    b.add_argument("--url", type=_url, default="http://127.0.0.1:8000")
+    b.add_argument("--endpoint", choices=["images", "chat"], default="images")
+    b.add_argument("--concurrency", type=_positive_int, default=16)
+    b.add_argument("--total", type=_positive_int, default=64)
+    b.add_argument("--rate", type=_float(0, strict=True), help="Poisson arrivals per second (default: closed loop)")
+    b.add_argument("--prompt", default="a red fox in the snow")
+    b.add_argument("-n", type=_positive_int, default=1, help="images per request")
+    b.add_argument("--size", type=_size)
+    b.add_argument("--steps", type=_positive_int)
+    b.add_argument("--model")
+    b.add_argument("--api-key")
+    b.add_argument("--timeout", type=_float(0, strict=True), default=600.0, help="per-request timeout (s)")
+    b.add_argument("--json", type=Path, help="write the summary and every sample here")
+    b.add_argument("--plot", type=Path, help="write latency-over-time and throughput charts (PNG)")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (CliError, ConfigError, OmniError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

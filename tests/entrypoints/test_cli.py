@@ -1,0 +1,160 @@
+"""Every ``omni-runtime`` subcommand through a subprocess, and its bad arguments."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+
+import pytest
+import yaml
+from PIL import Image
+
+from tests.entrypoints.openai.server_process import CLI, REPO, start_server, stop_server, write_config
+
+pytestmark = pytest.mark.e2e
+
+KEY = "sk-cli"
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def echo_server(tmp_path_factory):
+    srv = start_server("echo", "--api-key", KEY, log=tmp_path_factory.mktemp("cli") / "server.log")
+    yield srv
+    stop_server(srv)
+
+
+def test_validate_prints_the_resolved_config():
+    out = run("validate", "tiny-sd")
+    assert out.returncode == 0, out.stderr
+    config = yaml.safe_load(out.stdout)
+    stage = config["stage_args"][0]
+    assert stage["stage_type"] == "diffusion" and stage["engine_args"]["max_num_seqs"] == 4
+    assert stage["runtime"]["max_restarts"] == 3  # defaults are filled in: the resolved config
+    as_json = run("validate", str(REPO / "stage_configs" / "echo.yaml"), "--format", "json")
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)["model"] == "echo"
+
+
+def test_validate_reports_the_bad_key(tmp_path):
+    bad = write_config(
+        tmp_path / "bad.yaml",
+        {"stage_args": [{"stage_id": 0, "stage_type": "echo", "engine_args": {"max_num_seqs": 0}}]},
+    )
+    out = run("validate", str(bad))
+    assert out.returncode == 1 and out.stdout == ""
+    assert "stage_args[0].engine_args.max_num_seqs" in out.stderr and out.stderr.startswith("error:")
+    missing = run("validate", str(tmp_path / "nope.yaml"))
+    assert missing.returncode == 1 and "not found" in missing.stderr
+
+
+def test_models_lists_bundled_configs_and_builtins():
+    out = run("models")
+    assert out.returncode == 0
+    assert "tiny-sd" in out.stdout and "echo" in out.stdout and "tiny-lm" in out.stdout
+    data = json.loads(run("models", "--json").stdout)
+    assert {"tiny-sd", "echo"} <= {c["name"] for c in data["configs"]}
+    assert "tiny-sd" in data["builtin_models"]
+
+
+def test_generate_writes_pngs_and_a_report(tmp_path):
+    out = run(
+        "generate",
+        "a cat",
+        "a dog",
+        "-n",
+        "2",
+        "--seed",
+        "7",
+        "--steps",
+        "2",
+        "--size",
+        "32x40",
+        "--out",
+        str(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "generate" in out.stderr  # the tqdm progress bar
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["requests"] == 4 and report["images"] == 4 and report["failed"] == 0
+    assert [r["seed"] for r in report["results"]] == [7, 8, 7, 8]
+    assert [r["prompt"] for r in report["results"]] == ["a cat", "a cat", "a dog", "a dog"]
+    for r in report["results"]:
+        assert r["metrics"]["e2e_ms"] > 0 and r["metrics"]["batch_size"] >= 1
+        (path,) = r["files"]
+        assert Image.open(path).size == (32, 40)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "required"),
+        (("serve", "--port", "70000"), "between 1 and 65535"),
+        (("serve", "--max-num-seqs", "0"), ">= 1"),
+        (("serve", "--shutdown-timeout", "soon"), "expected a number"),
+        (("generate", "x", "-n", "0"), ">= 1"),
+        (("generate", "x", "--size", "10x"), "size must look like"),
+        (("rpc", "ping", "--kwargs", "{bad"), "not valid JSON"),
+        (("rpc", "ping", "--kwargs", "[1]"), "expected a JSON dict"),
+        (("rpc", "ping", "--url", "localhost:8000"), "http://"),
+        (("bench", "--concurrency", "-2"), ">= 1"),
+        (("bench", "--rate", "0"), "> 0"),
+    ],
+)
+def test_bad_arguments_are_a_message_and_exit_2(args, message):
+    out = run(*args, timeout=30)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_serve_fails_clearly_on_an_unknown_model_or_a_busy_port():
+    out = run("serve", "no-such-model", timeout=30)
+    assert out.returncode == 1 and "unknown model 'no-such-model'" in out.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        out = run("serve", "echo", "--port", str(busy.getsockname()[1]), timeout=30)
+    assert out.returncode == 1 and "cannot listen on 127.0.0.1" in out.stderr
+
+
+def test_rpc_against_a_running_server(echo_server):
+    ok = run("rpc", "get_stats", "--url", echo_server.url, "--api-key", KEY, "--stage-ids", "0", "--timeout", "5")
+    assert ok.returncode == 0, ok.stderr
+    (result,) = json.loads(ok.stdout)
+    assert result["ok"] and result["result"]["stage_id"] == 0
+    unknown = run("rpc", "frobnicate", "--url", echo_server.url, "--api-key", KEY)
+    assert unknown.returncode == 1 and "frobnicate" in unknown.stderr
+    denied = run("rpc", "ping", "--url", echo_server.url)
+    assert denied.returncode == 1 and "HTTP 401" in denied.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    unreachable = run("rpc", "ping", "--url", f"http://127.0.0.1:{closed}")
+    assert unreachable.returncode == 1 and "cannot reach" in unreachable.stderr
+
+
+def test_bench_against_a_running_server(echo_server, tmp_path):
+    args = ["bench", "--url", echo_server.url, "--api-key", KEY, "--endpoint", "chat", "--total", "12"]
+    out = run(
+        *args,
+        "--concurrency",
+        "3",
+        "--rate",
+        "50",
+        "--json",
+        str(tmp_path / "b.json"),
+        "--plot",
+        str(tmp_path / "b.png"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "p50 ms" in out.stdout and "12/12" in out.stdout.replace(" ", "")
+    report = json.loads((tmp_path / "b.json").read_text())
+    summary = report["summary"]
+    assert summary["ok"] == 12 and summary["errors"] == 0 and summary["requests_per_s"] > 0
+    assert summary["latency_ms"]["p50"] <= summary["latency_ms"]["p99"]
+    assert len(report["samples"]) == 12
+    assert Image.open(tmp_path / "b.png").size[0] > 100
+    denied = run("bench", "--url", echo_server.url, "--endpoint", "chat", "--total", "2")
+    assert denied.returncode == 1 and "401" in denied.stderr
