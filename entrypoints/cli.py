@@ -210,6 +210,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
+    from omni_runtime.engine.async_engine import params_class
+    from omni_runtime.params import DiffusionSamplingParams
+
     from .async_omni import AsyncOmni, build_config
 
     config = build_config(args.model, {"max_num_seqs": args.max_num_seqs})
@@ -225,7 +228,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     def params(seed: int | None) -> list[dict | None]:
         entry = {k: v for k, v in {**image, "seed": seed}.items() if v is not None}
-        return [entry if s.stage_id == image_stage else None for s in config.stage_args]
+        # Every stage that takes image params gets them: in a split pipeline the denoiser owns
+        # seed and size, the encoder the negative prompt.
+        return [entry if issubclass(params_class(s), DiffusionSamplingParams) else None for s in config.stage_args]
 
     async def run() -> tuple[list[Any], float]:
         async with AsyncOmni(config) as omni:

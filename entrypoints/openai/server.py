@@ -40,6 +40,7 @@ from omni_runtime.config import DeployConfig
 from omni_runtime.engine.async_engine import MAX_PROMPT_CHARS, params_class
 from omni_runtime.exceptions import EngineError, InvalidRequestError, OmniError, QueueFullError, RequestAbortedError
 from omni_runtime.outputs import OmniRequestOutput
+from omni_runtime.params import DiffusionSamplingParams
 
 from ..async_omni import AsyncOmni, build_config
 from . import protocol as proto
@@ -168,6 +169,11 @@ class ServerState:
         finals = [s for s in config.stage_args if s.final_output]
         self.image_stage = next((s.stage_id for s in finals if s.final_output_type == "image"), None)
         self._fields = {s.stage_id: set(params_class(s).__struct_fields__) for s in config.stage_args}
+        #: Stages that take image params: the image stage itself, and in a split pipeline the
+        #: denoiser that owns seed/size/steps and the encoder that owns the negative prompt.
+        self.image_param_stages = [
+            s.stage_id for s in config.stage_args if issubclass(params_class(s), DiffusionSamplingParams)
+        ]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -441,7 +447,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
         def params(i: int) -> list[dict | None]:
             seed = {} if body.seed is None else {"seed": body.seed + i}
-            return state.stage_params({state.image_stage: image | seed}, {})
+            return state.stage_params({sid: image | seed for sid in state.image_param_stages}, {})
 
         try:  # validate once, before any of the n requests is admitted
             omni.engine.resolve_params(params(body.n - 1))

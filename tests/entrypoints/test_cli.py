@@ -88,6 +88,28 @@ def test_generate_writes_pngs_and_a_report(tmp_path):
         assert Image.open(path).size == (32, 40)
 
 
+def test_generate_sends_image_params_to_every_stage_that_takes_them(tmp_path):
+    # In the split pipeline the seed and size belong to the denoiser, not the final decoder.
+    out = run(
+        "generate",
+        "a cat",
+        "--model",
+        "tiny-sd-split",
+        "--seed",
+        "11",
+        "--size",
+        "32x48",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr
+    [result] = json.loads((tmp_path / "report.json").read_text())["results"]
+    assert result["seed"] == 11
+    assert Image.open(result["files"][0]).size == (32, 48)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
