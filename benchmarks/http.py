@@ -38,7 +38,7 @@ from typing import Any  # noqa: E402
 
 import httpx  # noqa: E402
 from omni_runtime.entrypoints.async_omni import AsyncOmni  # noqa: E402
-from omni_runtime.entrypoints.cli import percentile, run_http_load  # noqa: E402
+from omni_runtime.entrypoints.loadgen import percentile, run_http_load  # noqa: E402
 
 THROUGHPUT_TARGET = 0.9
 OVERHEAD_TARGET_MS = 5.0
