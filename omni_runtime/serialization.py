@@ -6,6 +6,12 @@ tensor of at least ``INLINE_MAX`` bytes travels as a frame of its own, sent with
 shape and frame index. Small arrays are inlined in the ``Ext`` itself (one frame less is cheaper
 than a copy of a few bytes). The receiver rebuilds arrays with ``np.frombuffer`` over the frame's
 memory: no copy on this side either.
+
+Over ``ipc``, an encoder given a :class:`~omni_runtime.shm.ShmPool` puts arrays of at least
+``SHM_MIN_BYTES`` in shared memory instead, and the ``Ext`` carries only the handle; see
+:mod:`omni_runtime.shm` for who releases it and when. A stage worker's decoder maps such arrays
+in place (released once the worker drops them); the orchestrator's (``shm_refs=True``) returns
+:class:`~omni_runtime.shm.ShmRef`\\ s that it copies out or forwards to another stage unchanged.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from omni_runtime import shm
 from omni_runtime.messages import WorkerInbound, WorkerOutbound
 
 #: Arrays below this many bytes are inlined in the header.
@@ -22,6 +29,7 @@ INLINE_MAX = 1024
 
 _EXT_ARRAY_FRAME = 1  # payload: (dtype, shape, frame index, is_torch)
 _EXT_ARRAY_INLINE = 2  # payload: (dtype, shape, bytes, is_torch)
+_EXT_ARRAY_SHM = 3  # payload: ShmHandle fields (name, offset, nbytes, gen, dtype, shape, is_torch)
 
 _meta_encoder = msgspec.msgpack.Encoder()
 _meta_decoder = msgspec.msgpack.Decoder(tuple)
@@ -60,43 +68,84 @@ def _rebuild(dtype: str, shape: tuple[int, ...], buf: Any, is_torch: bool) -> An
 
 
 class Encoder:
-    """Encodes one message at a time into frames (not thread-safe: one per socket owner)."""
+    """Encodes one message at a time into frames (not thread-safe: one per socket owner).
 
-    def __init__(self) -> None:
+    With a ``shm_pool``, large arrays go through shared memory and :class:`~omni_runtime.shm.ShmRef`\\ s
+    are handed off as they are; ``handles`` lists what the last message carried, so the sender
+    can release them if the receiver dies before it reads them. Without one, refs are copied out
+    and sent as frames.
+    """
+
+    def __init__(self, shm_pool: shm.ShmPool | None = None, shm_min_bytes: int = shm.SHM_MIN_BYTES) -> None:
         self._frames: list[Any] = []
+        self._pool = shm_pool
+        self._shm_min = shm_min_bytes
+        self.handles: list[shm.ShmHandle] = []
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
 
     def _enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, shm.ShmRef):
+            if self._pool is not None and obj.can_hand_off():
+                return self._shm_ext(obj.hand_off())
+            obj = obj.take()  # the receiver cannot map it: copy it out once, here
         found = _as_numpy(obj)
         if found is None:
             raise NotImplementedError(f"cannot send objects of type {type(obj).__name__} on a stage socket")
         arr, dtype, is_torch = found
+        if arr.dtype.hasobject:
+            raise NotImplementedError("cannot send arrays of Python objects on a stage socket")
         if arr.nbytes < INLINE_MAX:
             return msgspec.msgpack.Ext(
                 _EXT_ARRAY_INLINE, _meta_encoder.encode((dtype, arr.shape, arr.tobytes(), is_torch))
             )
+        if self._pool is not None and arr.nbytes >= self._shm_min:
+            handle = self._pool.put(arr, dtype, is_torch)
+            if handle is not None:
+                return self._shm_ext(handle)
         self._frames.append(memoryview(arr).cast("B"))
         return msgspec.msgpack.Ext(
             _EXT_ARRAY_FRAME, _meta_encoder.encode((dtype, arr.shape, len(self._frames), is_torch))
         )
 
+    def _shm_ext(self, handle: shm.ShmHandle) -> msgspec.msgpack.Ext:
+        self.handles.append(handle)
+        return msgspec.msgpack.Ext(_EXT_ARRAY_SHM, _meta_encoder.encode(tuple(handle)))
+
     def encode(self, msg: Any) -> list[Any]:
         self._frames = []
+        self.handles = []
         try:
             header = self._encoder.encode(msg)
             return [header, *self._frames]
+        except BaseException:
+            # Nothing was sent: slots filled for this message go back to their producers.
+            for handle in self.handles:
+                shm.release(handle)
+            self.handles = []
+            raise
         finally:
             self._frames = []
 
 
 class Decoder:
-    """Decodes frames into one of ``msg_type``'s tagged Structs (not thread-safe)."""
+    """Decodes frames into one of ``msg_type``'s tagged Structs (not thread-safe).
 
-    def __init__(self, msg_type: Any) -> None:
+    Shared-memory arrays are accepted only from segments named under ``shm_prefix`` (this
+    engine's), so a stray message cannot make this process write into foreign memory. A handle
+    whose segment is gone becomes a :class:`~omni_runtime.shm.ShmLostError` carrying the rest of
+    the message, so the receiver can fail that one request.
+    """
+
+    def __init__(self, msg_type: Any, *, shm_prefix: str | None = None, shm_refs: bool = False) -> None:
         self._frames: list[Any] = []
+        self._shm_prefix = shm_prefix
+        self._shm_refs = shm_refs
+        self._lost: list[str] = []
         self._decoder = msgspec.msgpack.Decoder(msg_type, ext_hook=self._ext_hook)
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code == _EXT_ARRAY_SHM:
+            return self._shm_array(data)
         dtype, shape, ref, is_torch = _meta_decoder.decode(data)
         if code == _EXT_ARRAY_INLINE:
             return _rebuild(dtype, tuple(shape), ref, is_torch)
@@ -104,20 +153,41 @@ class Decoder:
             return _rebuild(dtype, tuple(shape), self._frames[ref], is_torch)
         raise msgspec.DecodeError(f"unknown extension type {code}")
 
+    def _shm_array(self, data: memoryview) -> Any:
+        name, offset, nbytes, gen, dtype, shape, is_torch = _meta_decoder.decode(data)
+        if self._shm_prefix is None or not name.startswith(self._shm_prefix + "-"):
+            raise msgspec.DecodeError(f"shared-memory segment {name!r} is not this engine's")
+        handle = shm.ShmHandle(name, offset, nbytes, gen, dtype, tuple(shape), bool(is_torch))
+        try:
+            if self._shm_refs:
+                return shm.ShmRef(handle, shm.attach(name))
+            return shm.map_array(handle)
+        except FileNotFoundError:
+            self._lost.append(f"shared-memory segment {name} is gone (its stage died)")
+        except shm.ShmLostError as e:
+            self._lost.append(str(e))
+        return None
+
     def decode(self, frames: list[Any]) -> Any:
         """Raises msgspec.DecodeError / ValidationError for a malformed or foreign message."""
         self._frames = [f.buffer if hasattr(f, "buffer") else f for f in frames]
+        self._lost = []
         try:
-            return self._decoder.decode(self._frames[0])
+            msg = self._decoder.decode(self._frames[0])
         except Exception as e:  # whatever a corrupt header makes numpy raise (np.dtype(",") is a SyntaxError)
             raise msgspec.DecodeError(f"malformed message: {type(e).__name__}: {e}") from None
         finally:
             self._frames = []
+        if self._lost:
+            raise shm.ShmLostError("; ".join(self._lost), msg)
+        return msg
 
 
-def inbound_decoder() -> Decoder:
-    return Decoder(WorkerInbound)
+def inbound_decoder(shm_prefix: str | None = None) -> Decoder:
+    """The stage worker's decoder: shared-memory arrays are mapped in place, released when dropped."""
+    return Decoder(WorkerInbound, shm_prefix=shm_prefix)
 
 
-def outbound_decoder() -> Decoder:
-    return Decoder(WorkerOutbound)
+def outbound_decoder(shm_prefix: str | None = None) -> Decoder:
+    """The orchestrator's decoder: shared-memory arrays stay mapped as ShmRefs until routed."""
+    return Decoder(WorkerOutbound, shm_prefix=shm_prefix, shm_refs=shm_prefix is not None)
