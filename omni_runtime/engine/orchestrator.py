@@ -5,6 +5,12 @@ stage sockets (through the stage clients). No polling loops, no sleeps: an idle 
 ``epoll``. It routes each request through the stage graph (``engine_input_source``), builds each
 stage's input from its upstream outputs, delivers final outputs to the caller's output queue, and
 runs control calls as tasks of their own so they never hold up request intake.
+
+Large arrays between stage processes travel through shared memory (:mod:`omni_runtime.shm`). A
+stage's output arrives here as :class:`~omni_runtime.shm.ShmRef`\\ s, still in that stage's pool.
+When the output goes to exactly one downstream process stage over ipc (and nowhere else: not to
+the caller, no custom input function), the refs are handed to that stage unchanged and it
+releases them; otherwise they are copied out here once and released (see ``_on_stage_output``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 
 import janus
 
+from omni_runtime import shm
 from omni_runtime.config import DeployConfig, StageConfig
 from omni_runtime.engine.stage_client import InProcStageClient, StageClient, ZmqStageClient
 from omni_runtime.engine.stage_pool import StagePool
@@ -79,6 +86,9 @@ class Orchestrator:
         self._tasks: set[asyncio.Task] = set()
         self._ipc_dir: Path | None = None
         self._zctx = None
+        #: Name prefix of every shared-memory segment of this engine (None: no ipc stage).
+        self.shm_prefix: str | None = None
+        self._shm_pool: shm.ShmPool | None = None
 
     # ------------------------------------------------------------------ lifecycle (caller thread)
 
@@ -125,6 +135,11 @@ class Orchestrator:
         # 1) sockets live in a private directory (mkdtemp makes it 0700).
         self._ipc_dir = Path(tempfile.mkdtemp(prefix="omni_runtime-ipc-"))
         self._zctx = zmq.asyncio.Context()
+        if any(_passes_shm(s) for s in self.config.stage_args):
+            # Segments of engines that were killed before they could clean up go first.
+            shm.sweep_dead_engines()
+            self.shm_prefix = shm.engine_prefix()
+            self._shm_pool = shm.ShmPool(shm.orchestrator_prefix(self.shm_prefix))
         try:
             # 2) start every stage's replicas concurrently; any failure fails start().
             try:
@@ -141,6 +156,9 @@ class Orchestrator:
             await self._close_pools()
             self._zctx.destroy(linger=0)  # every socket is closed by now; never block on one
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            if self.shm_prefix is not None:
+                self._shm_pool.close()
+                shm.unlink_prefix(self.shm_prefix + "-")  # whatever a replica could not unlink
             self.request_queue.shutdown(immediate=True)
 
     async def _start_pools(self) -> None:
@@ -170,6 +188,8 @@ class Orchestrator:
                 ipc_dir=self._ipc_dir,
                 torch_threads=threads,
                 generation=generation,
+                shm_engine=self.shm_prefix,
+                shm_pool=self._shm_pool,
             )
 
         return make
@@ -244,21 +264,26 @@ class Orchestrator:
             return
         if not out.finished:  # a streamed delta: pass it on if the caller asked for this stage
             if stage_id in state.msg.final_stage_ids:
-                self._deliver(state, stage_id, out, finished=False, stage_finished=False)
+                self._deliver(state, stage_id, shm.materialize(out), finished=False, stage_finished=False)
             return
         self.pools[stage_id].done(out.request_id)
         state.running.discard(stage_id)
+        deliver = stage_id in state.finals_left
+        state.finals_left.discard(stage_id)
+        needed = self._needed_stages(state.finals_left)
+        consumers = [d for d in self._downstream[stage_id] if d in needed]
+        if deliver or not self._can_hand_off(consumers):
+            # Shared-memory arrays have one owner: the caller, or several stages, each get a copy.
+            out = shm.materialize(out)
         state.done[stage_id] = out
-        if stage_id in state.finals_left:
-            state.finals_left.discard(stage_id)
+        if deliver:
             finished = not state.finals_left
             self._deliver(state, stage_id, out, finished=finished, stage_finished=True)
             if finished:
                 self._forget(out.request_id)
                 return
         # Forward to each needed downstream stage whose inputs are all here.
-        needed = self._needed_stages(state.finals_left)
-        for down in self._downstream[stage_id]:
+        for down in consumers:
             stage = self.config.stage(down)
             if (
                 down in needed
@@ -272,6 +297,14 @@ class Orchestrator:
                     self._finish_with_error(out.request_id, e, down)
                     return
                 self._submit(state, down, prompt, inputs)
+
+    def _can_hand_off(self, consumers: list[int]) -> bool:
+        """Whether an output's shared-memory arrays may go to its consumer without a copy here."""
+        if len(consumers) != 1:
+            return False
+        stage = self.config.stage(consumers[0])
+        # A custom input function gets plain arrays; in-process and tcp stages cannot map them.
+        return _passes_shm(stage) and stage.stage_id not in self._input_funcs
 
     def _stage_input(self, stage: StageConfig, state: _Request) -> tuple[Any, dict[str, Any]]:
         """Map upstream outputs (and the original prompt) to this stage's (prompt, inputs)."""
@@ -358,7 +391,6 @@ class Orchestrator:
         for rid in list(self._requests):
             self._finish_with_error(rid, exc, None)
 
-
     # ------------------------------------------------------------------ control calls
 
     async def _rpc(self, msg: EngineRpc) -> None:
@@ -373,6 +405,10 @@ class Orchestrator:
         ):
             results.extend(res)
         self._out.sync_q.put_nowait(EngineRpcResult(call_id=msg.call_id, results=results))
+
+
+def _passes_shm(stage: StageConfig) -> bool:
+    return stage.runtime.process and stage.runtime.transport == "ipc"
 
 
 def _load_func(spec: str):

@@ -5,7 +5,9 @@ One small interface, two implementations:
 * :class:`ZmqStageClient` starts the replica as its own process (``python -m
   omni_runtime.stage.process``) and talks to it over two ZMQ sockets (ipc in a private 0700
   directory, or loopback TCP). Process death is noticed through a pidfd on the event loop, not by
-  polling.
+  polling. Over ipc, large arrays travel through shared memory (:mod:`omni_runtime.shm`): this
+  client remembers the handles it sent until the replica releases them, releases them itself if
+  the replica dies first, and unlinks the replica's own segments once its process has exited.
 * :class:`InProcStageClient` runs the same :class:`~omni_runtime.stage.worker.StageWorker` on the
   orchestrator's own loop, with no socket: the unit-test seam and ``runtime.process: false``.
 """
@@ -24,9 +26,10 @@ from typing import Any
 
 import msgspec
 
+from omni_runtime import shm
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import StageStartupError
-from omni_runtime.messages import StageReady, StageRpcResult, StageShutdown
+from omni_runtime.messages import ErrorInfo, StageOutput, StageReady, StageRpcResult, StageShutdown
 
 logger = logging.getLogger(__name__)
 
@@ -118,12 +121,20 @@ class ZmqStageClient(StageClient):
         ipc_dir: Path,
         torch_threads: int,
         generation: int = 0,
+        shm_engine: str | None = None,
+        shm_pool: shm.ShmPool | None = None,
     ) -> None:
         super().__init__(stage, replica_id, on_message, on_dead)
         self._zctx = zmq_context
         self._ipc_dir = ipc_dir
         self._torch_threads = torch_threads
         self._generation = generation
+        # Shared memory only over ipc, and only with the engine's pool for what we send.
+        use_shm = stage.runtime.transport == "ipc" and shm_engine is not None
+        self._shm_engine = shm_engine if use_shm else None
+        self.shm_prefix = shm.replica_prefix(shm_engine, self.stage_id, replica_id, generation) if use_shm else None
+        self._sent: list[shm.ShmHandle] = []  # handles this replica has not released yet (maybe)
+        self._sent_check_at = 256
         self._proc: subprocess.Popen | None = None
         self._pidfd: int | None = None
         self._push = self._pull = None
@@ -132,7 +143,8 @@ class ZmqStageClient(StageClient):
         self._closing = False
         from omni_runtime.serialization import Encoder, outbound_decoder
 
-        self._encoder, self._decoder = Encoder(), outbound_decoder()
+        self._encoder = Encoder(shm_pool if use_shm else None)
+        self._decoder = outbound_decoder(self._shm_engine)
 
     @property
     def process(self) -> subprocess.Popen | None:
@@ -167,6 +179,8 @@ class ZmqStageClient(StageClient):
             outbound_addr=out_addr,
             torch_threads=self._torch_threads,
             log_level=logging.getLogger("omni_runtime").getEffectiveLevel() or logging.INFO,
+            shm_prefix=self.shm_prefix,
+            shm_engine=self._shm_engine,
         )
         # 2) start the process; its arguments go on stdin as msgpack (nothing is pickled), and it
         #    sees this process's import path so custom runner modules resolve the same way.
@@ -203,9 +217,15 @@ class ZmqStageClient(StageClient):
             frames = await self._pull.recv_multipart(copy=False)
             try:
                 msg = self._decoder.decode(frames)
+            except shm.ShmLostError as e:
+                msg = self._lost_output(e)
+                if msg is None:
+                    continue
             except msgspec.DecodeError as e:
                 logger.warning("stage %d: dropped a malformed message: %s", self.stage_id, e)
                 continue
+            if not isinstance(msg, StageOutput):
+                msg = shm.materialize(msg)  # only stage outputs are routed on as refs
             if self._ready_fut is not None and not self._ready_fut.done():
                 if isinstance(msg, StageReady):
                     self._ready_fut.set_result(msg)
@@ -233,9 +253,39 @@ class ZmqStageClient(StageClient):
             logger.error("%s", reason)
             self._on_dead(self, reason)
 
+    def _lost_output(self, exc: shm.ShmLostError) -> StageOutput | None:
+        logger.warning("stage %d: %s", self.stage_id, exc)
+        if not isinstance(exc.message, StageOutput):
+            return None
+        err = ErrorInfo(type="StageExecutionError", message=f"output lost: {exc}", stage_id=self.stage_id)
+        return StageOutput(request_id=exc.message.request_id, error=err)
+
     def send(self, msg: Any) -> None:
         if self.alive and self._push is not None:
             self._push.send_multipart(self._encoder.encode(msg), copy=False)
+            if self._encoder.handles:
+                self._track(self._encoder.handles)
+
+    @property
+    def unreleased(self) -> list[shm.ShmHandle]:
+        """Shared-memory handles sent to this replica that it may not have released yet."""
+        return list(self._sent)
+
+    def _track(self, handles: list[shm.ShmHandle]) -> None:
+        self._sent.extend(handles)
+        if len(self._sent) >= self._sent_check_at:
+            # Amortised: forget what the replica has released since (a word read per handle).
+            self._sent = [h for h in self._sent if shm.pending(h)]
+            self._sent_check_at = max(256, 2 * len(self._sent))
+
+    def _release_unread(self) -> None:
+        """Release what the (now exited) replica was sent and never read; nobody races us."""
+        released = sum(shm.release(h) for h in self._sent)
+        self._sent = []
+        if released:
+            logger.info(
+                "stage %d replica %d: released %d unread shared-memory arrays", self.stage_id, self.replica_id, released
+            )
 
     async def close(self, timeout: float = 5.0) -> None:
         self._closing = True
@@ -266,6 +316,11 @@ class ZmqStageClient(StageClient):
         for sock in (self._push, self._pull):
             if sock is not None:
                 sock.close(linger=0)
+        if proc is not None and proc.returncode is not None:
+            self._release_unread()
+            if self.shm_prefix is not None:
+                # The replica unlinks its pool on a clean exit; after a crash, its names tell us what was its.
+                shm.unlink_prefix(self.shm_prefix + "-")
 
 
 async def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:

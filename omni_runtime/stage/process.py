@@ -29,6 +29,10 @@ class StageProcessArgs(msgspec.Struct, kw_only=True, frozen=True):
     outbound_addr: str
     torch_threads: int
     log_level: int = logging.INFO
+    #: Name prefix of this replica's shared-memory pool (``ipc`` only; None: arrays as frames).
+    shm_prefix: str | None = None
+    #: The engine's segment prefix: handles in inbound messages must name segments under it.
+    shm_engine: str | None = None
 
 
 def _die_with_parent() -> None:
@@ -72,6 +76,7 @@ async def _serve(args: StageProcessArgs) -> int:
     from omni_runtime.config import StageConfig
     from omni_runtime.messages import StageShutdown
     from omni_runtime.serialization import Encoder, inbound_decoder
+    from omni_runtime.shm import ShmLostError, ShmPool
     from omni_runtime.stage.worker import StageWorker
 
     ctx = zmq.asyncio.Context()
@@ -79,7 +84,10 @@ async def _serve(args: StageProcessArgs) -> int:
     outbound = ctx.socket(zmq.PUSH)
     inbound.connect(args.inbound_addr)
     outbound.connect(args.outbound_addr)
-    encoder, decoder = Encoder(), inbound_decoder()
+    # Outputs are this replica's to place in shared memory; the pool is unlinked when it exits
+    # (or, after a crash, by the parent, which knows the prefix).
+    pool = ShmPool(args.shm_prefix) if args.shm_prefix else None
+    encoder, decoder = Encoder(pool), inbound_decoder(args.shm_engine)
 
     def send(msg: Any) -> None:
         # PUSH to a connected peer with an unbounded HWM queue does not block.
@@ -107,6 +115,9 @@ async def _serve(args: StageProcessArgs) -> int:
             frames = await inbound.recv_multipart(copy=False)
             try:
                 msg = decoder.decode(frames)
+            except ShmLostError as e:
+                _answer_lost_input(send, e, stage.stage_id)
+                continue
             except msgspec.DecodeError as e:
                 logger.warning("dropped a malformed message: %s", e)
                 continue
@@ -121,7 +132,19 @@ async def _serve(args: StageProcessArgs) -> int:
         outbound.close(linger=1000)  # flush what is queued (outputs, a start-up failure)
         inbound.close(linger=0)
         ctx.term()
+        if pool is not None:
+            pool.close()
     return 70 if fatal else 0  # EX_SOFTWARE
+
+
+def _answer_lost_input(send: Any, exc: Any, stage_id: int) -> None:
+    """A request whose input tensor vanished (its producing stage died) fails alone, at once."""
+    from omni_runtime.messages import ErrorInfo, StageOutput, StageRequest
+
+    logger.warning("%s", exc)
+    if isinstance(exc.message, StageRequest):
+        err = ErrorInfo(type="StageExecutionError", message=f"input lost: {exc}", stage_id=stage_id)
+        send(StageOutput(request_id=exc.message.request_id, error=err))
 
 
 def _startup_failure(exc: BaseException, stage_id: int) -> Any:
