@@ -65,6 +65,7 @@ class StageWorker:
             max_num_seqs=args.max_num_seqs,
             max_wait_ms=args.request_batch_max_wait_ms,
             max_queue_len=args.max_queue_len,
+            policy=args.scheduling_policy,
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage_id}-forward")
         self._wake = asyncio.Event()
