@@ -39,8 +39,9 @@ def children() -> list[psutil.Process]:
 
 
 def shm_segments() -> set[str]:
+    """This runtime's shared-memory segments (other programs' files in /dev/shm are not ours)."""
     try:
-        return set(os.listdir("/dev/shm"))
+        return {name for name in os.listdir("/dev/shm") if name.startswith(("omni", "psm_"))}
     except FileNotFoundError:
         return set()
 
