@@ -6,8 +6,14 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+import threading
+import time
+from typing import Any
 
-from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
+import numpy as np
+
+from omni_runtime.params import DiffusionSamplingParams
+from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
 from tests.helpers import FlakyRunner
 
 
@@ -42,3 +48,27 @@ class FaultRunner(FlakyRunner):
             raise SystemExit(3)
         outputs = super().execute(batch, ctx)
         return [] if any("garble" in p for p in prompts) else outputs
+
+
+class TinyImageRunner(StageRunner):
+    """An image stage without a model, for HTTP tests: it validates like the diffusion stage (its
+    params, a size multiple of 8, the pixel limit) and answers with small images (8x8, one per
+    ``num_images_per_prompt``) after ``runner_args.delay_ms``."""
+
+    params_cls = DiffusionSamplingParams
+
+    def constraints(self) -> dict[str, Any]:
+        return {"size_multiple": 8, "max_pixels": self.stage.engine_args.max_pixels}
+
+    def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
+        deadline = time.monotonic() + float(self.stage.runner_args.get("delay_ms", 0)) / 1000.0
+        idle = threading.Event()
+        while time.monotonic() < deadline and not all(ctx.is_aborted(r.request_id) for r in batch):
+            idle.wait(0.01)
+        outputs = []
+        for r in batch:
+            seed = r.params.get("seed") or 0
+            image = np.full((8, 8, 3), seed % 256, dtype=np.uint8)
+            n = r.params.get("num_images_per_prompt") or 1
+            outputs.append(RunnerOutput(images=[image] * n, metrics={"seed": seed}))
+        return outputs
