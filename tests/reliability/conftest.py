@@ -19,8 +19,8 @@ except ImportError:  # a tree without shared-memory transfer: the names it will 
 def no_leaks():
     """The suite's ``no_leaks``, exact on a machine shared with other test runs: no child process
     left, and no /dev/shm segment left of an engine of this process (every segment an engine and
-    its stage replicas make is named ``omni_rt-<engine pid>-...``). Other new names in /dev/shm
-    (``sem.mp-...`` of another run's multiprocessing) are not this process's to answer for."""
+    its stage replicas make is named ``omni_rt-<engine pid>-...``). Segments of other processes'
+    engines (another test run at the same time) are not this test's to answer for."""
     ours = f"{NAME_ROOT}-{os.getpid()}-"
     before_shm = shm_segments()
     before = {p.pid for p in children()}
