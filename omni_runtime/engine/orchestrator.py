@@ -132,8 +132,10 @@ class Orchestrator:
     async def _main(self) -> None:
         import zmq.asyncio
 
-        # 1) sockets live in a private directory (mkdtemp makes it 0700).
-        self._ipc_dir = Path(tempfile.mkdtemp(prefix="omni_runtime-ipc-"))
+        # 1) sockets live in a private directory (mkdtemp makes it 0700), named after this process
+        #    so that one left by a killed engine can be recognised and removed.
+        _remove_stale_ipc_dirs()
+        self._ipc_dir = Path(tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{os.getpid()}-"))
         self._zctx = zmq.asyncio.Context()
         if any(_passes_shm(s) for s in self.config.stage_args):
             # Segments of engines that were killed before they could clean up go first.
@@ -414,3 +416,20 @@ def _passes_shm(stage: StageConfig) -> bool:
 def _load_func(spec: str):
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+_IPC_PREFIX = "omni_runtime-ipc-"
+
+
+def _remove_stale_ipc_dirs() -> None:
+    """Remove socket directories of engines whose process is gone (killed with SIGKILL, say)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_IPC_PREFIX}*-*"):
+        pid = path.name.removeprefix(_IPC_PREFIX).split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            pass  # another user's live engine

@@ -52,6 +52,7 @@ class StagePool:
         self.replicas: list[StageClient | None] = [None] * n
         self.inflight: list[set[str]] = [set() for _ in range(n)]
         self.where: dict[str, int] = {}
+        self._turn = 0
         self.restarts = [0] * n
         self.constraints: dict[str, Any] = {}
         self._rpc: dict[int, tuple[int, asyncio.Future]] = {}
@@ -94,7 +95,10 @@ class StagePool:
         live = self.live
         if not live:
             raise StageDeadError(f"stage {self.stage_id} has no live replica", stage_id=self.stage_id)
-        client = min(live, key=lambda c: len(self.inflight[c.replica_id]))
+        # Least loaded; ties rotate, so an idle pool does not pile every request on replica 0.
+        self._turn += 1
+        n = len(self.replicas)
+        client = min(live, key=lambda c: (len(self.inflight[c.replica_id]), (c.replica_id - self._turn) % n))
         self.inflight[client.replica_id].add(msg.request_id)
         self.where[msg.request_id] = client.replica_id
         client.send(msg)

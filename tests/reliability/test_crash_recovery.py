@@ -131,29 +131,31 @@ async def test_two_replicas_one_dies_the_other_keeps_serving(no_leaks):
     try:
         before = await pids(engine)
         assert len(before) == 2 and status(engine)["live_replicas"] == 2
-        # Least-loaded routing puts one on each replica.
-        doomed = asyncio.create_task(last(engine, "on-0", {"delay_ms": 400}))
-        await eventually(lambda: status(engine)["per_replica_inflight"] == [1, 0], what="routing to replica 0")
-        survivor = asyncio.create_task(last(engine, "on-1", {"delay_ms": 400}))
-        await eventually(lambda: status(engine)["per_replica_inflight"] == [1, 1], what="routing to replica 1")
+        # Least-loaded routing puts one on each replica (which one first rotates).
+        doomed = asyncio.create_task(last(engine, "first", {"delay_ms": 400}))
+        await eventually(lambda: sum(status(engine)["per_replica_inflight"]) == 1, what="the first routed")
+        d = status(engine)["per_replica_inflight"].index(1)  # the replica that will die
+        k = 1 - d  # the one that keeps serving
+        survivor = asyncio.create_task(last(engine, "second", {"delay_ms": 400}))
+        await eventually(lambda: status(engine)["per_replica_inflight"] == [1, 1], what="one on each replica")
 
-        os.kill(before[0], signal.SIGKILL)
+        os.kill(before[d], signal.SIGKILL)
         with pytest.raises(StageDeadError):
             await asyncio.wait_for(doomed, 1.0)
         s = status(engine)
-        assert (s["live_replicas"], s["restarts"], s["per_replica_inflight"]) == (1, 1, [0, 1])
+        assert (s["live_replicas"], s["restarts"], s["per_replica_inflight"][k]) == (1, 1, 1)
 
-        # While replica 0 is down, replica 1 finishes what it held and serves new requests.
+        # While the dead replica is down, the other finishes what it held and serves new requests.
         out = await asyncio.wait_for(survivor, 2.0)
-        assert out.text == "on-1" and out.metrics["replica_id"] == 1
+        assert out.text == "second" and out.metrics["replica_id"] == k
         served = await asyncio.gather(*(last(engine, f"meanwhile-{i}") for i in range(10)))
         assert [o.text for o in served] == [f"meanwhile-{i}" for i in range(10)]
-        assert {o.metrics["replica_id"] for o in served} == {1}
-        assert status(engine)["live_replicas"] == 1, "replica 0 came back too soon to prove anything"
+        assert {o.metrics["replica_id"] for o in served} == {k}
+        assert status(engine)["live_replicas"] == 1, "the dead replica came back too soon to prove anything"
 
-        await eventually(lambda: status(engine)["live_replicas"] == 2, what="replica 0 back")
+        await eventually(lambda: status(engine)["live_replicas"] == 2, what="the dead replica back")
         after = await pids(engine)
-        assert after[1] == before[1] and after[0] != before[0]
+        assert after[k] == before[k] and after[d] != before[d]
         assert status(engine)["restarts"] == 1
         outs = await asyncio.gather(*(last(engine, f"both-{i}", {"delay_ms": 50}) for i in range(8)))
         assert {o.metrics["replica_id"] for o in outs} == {0, 1}

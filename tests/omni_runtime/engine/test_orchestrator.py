@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from omni_runtime import AsyncOmni
@@ -78,3 +80,24 @@ async def test_stage_error_fails_only_that_request_and_names_the_stage():
             await collect(engine, "poison")
         assert info.value.stage_id == 0
         assert (await collect(engine, "fine"))[-1].text == "fine"
+
+
+def test_a_killed_engines_socket_directory_is_removed_by_the_next_engine(tmp_path):
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from omni_runtime.engine.orchestrator import _IPC_PREFIX, _remove_stale_ipc_dirs
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = Path(tempfile.gettempdir()) / f"{_IPC_PREFIX}{gone.stdout.strip()}-abc"
+    alive = Path(tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{os.getppid()}-"))
+    stale.mkdir()
+    try:
+        _remove_stale_ipc_dirs()
+        assert not stale.exists() and alive.exists()
+    finally:
+        for path in (stale, alive):
+            if path.exists():
+                path.rmdir()
