@@ -79,6 +79,8 @@ class AsyncOmniEngine:
         self._admissions = itertools.count(1)
         self._rpcs: dict[int, asyncio.Future] = {}
         self._rpc_ids = itertools.count(1)
+        self._id_prefix = uuid.uuid4().hex[:12]
+        self._auto_ids = itertools.count(1)
         self._dispatcher: asyncio.Task | None = None
         self._closed = False
 
@@ -172,7 +174,8 @@ class AsyncOmniEngine:
                 f"prompt is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}", param="prompt"
             )
         if request_id is None:
-            request_id = uuid.uuid4().hex
+            # Unique per engine without a system call per request (uuid4 reads os.urandom).
+            request_id = f"{self._id_prefix}-{next(self._auto_ids)}"
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         if request_id in self._streams:

@@ -130,13 +130,13 @@ class Orchestrator:
     # ------------------------------------------------------------------ the loop (orchestrator thread)
 
     async def _main(self) -> None:
-        import zmq.asyncio
+        import zmq
 
         # 1) sockets live in a private directory (mkdtemp makes it 0700), named after this process
         #    so that one left by a killed engine can be recognised and removed.
         _remove_stale_ipc_dirs()
         self._ipc_dir = Path(tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{os.getpid()}-"))
-        self._zctx = zmq.asyncio.Context()
+        self._zctx = zmq.Context()  # plain sockets: SocketReader drains them from this loop
         if any(_passes_shm(s) for s in self.config.stage_args):
             # Segments of engines that were killed before they could clean up go first.
             shm.sweep_dead_engines()

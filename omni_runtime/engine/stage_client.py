@@ -30,6 +30,7 @@ from omni_runtime import shm
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import StageStartupError
 from omni_runtime.messages import ErrorInfo, StageOutput, StageReady, StageRpcResult, StageShutdown
+from omni_runtime.transport import SocketReader
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class ZmqStageClient(StageClient):
         self._proc: subprocess.Popen | None = None
         self._pidfd: int | None = None
         self._push = self._pull = None
-        self._reader: asyncio.Task | None = None
+        self._reader: SocketReader | None = None
         self._ready_fut: asyncio.Future | None = None
         self._closing = False
         from omni_runtime.serialization import Encoder, outbound_decoder
@@ -197,7 +198,7 @@ class ZmqStageClient(StageClient):
         loop.add_reader(self._pidfd, self._on_exit)
         self.alive = True
         self._ready_fut = loop.create_future()
-        self._reader = loop.create_task(self._read(), name=f"stage{self.stage_id}.{self.replica_id}-reader")
+        self._reader = SocketReader(self._pull, self._on_frames)
         # 4) READY handshake with a time-out.
         try:
             self.ready = await asyncio.wait_for(asyncio.shield(self._ready_fut), self.stage.runtime.startup_timeout_s)
@@ -212,31 +213,27 @@ class ZmqStageClient(StageClient):
             raise
         return self.ready
 
-    async def _read(self) -> None:
-        while True:
-            frames = await self._pull.recv_multipart(copy=False)
-            try:
-                msg = self._decoder.decode(frames)
-            except shm.ShmLostError as e:
-                msg = self._lost_output(e)
-                if msg is None:
-                    continue
-            except msgspec.DecodeError as e:
-                logger.warning("stage %d: dropped a malformed message: %s", self.stage_id, e)
-                continue
-            if not isinstance(msg, StageOutput):
-                msg = shm.materialize(msg)  # only stage outputs are routed on as refs
-            if self._ready_fut is not None and not self._ready_fut.done():
-                if isinstance(msg, StageReady):
-                    self._ready_fut.set_result(msg)
-                    continue
-                if isinstance(msg, StageRpcResult) and msg.call_id == -1 and msg.error:
-                    self._ready_fut.set_exception(StageStartupError(msg.error.message))
-                    continue
-            try:
-                self._on_message(self, msg)
-            except Exception:  # a bug in routing one message must not leave this replica unheard
-                logger.exception("stage %d: failed to handle %s", self.stage_id, type(msg).__name__)
+    def _on_frames(self, frames: list[Any]) -> None:
+        try:
+            msg = self._decoder.decode(frames)
+        except shm.ShmLostError as e:
+            msg = self._lost_output(e)
+            if msg is None:
+                return
+        except msgspec.DecodeError as e:
+            logger.warning("stage %d: dropped a malformed message: %s", self.stage_id, e)
+            return
+        if not isinstance(msg, StageOutput):
+            msg = shm.materialize(msg)  # only stage outputs are routed on as refs
+        if self._ready_fut is not None and not self._ready_fut.done():
+            if isinstance(msg, StageReady):
+                self._ready_fut.set_result(msg)
+                return
+            if isinstance(msg, StageRpcResult) and msg.call_id == -1 and msg.error:
+                self._ready_fut.set_exception(StageStartupError(msg.error.message))
+                return
+        # A bug in routing one message is logged by the reader, which keeps reading.
+        self._on_message(self, msg)
 
     def _on_exit(self) -> None:
         loop = asyncio.get_running_loop()
@@ -308,11 +305,7 @@ class ZmqStageClient(StageClient):
         if proc is not None and proc.returncode is None:
             proc.wait()
         if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
+            self._reader.close()
         for sock in (self._push, self._pull):
             if sock is not None:
                 sock.close(linger=0)

@@ -58,12 +58,8 @@ def run_stage_process(args_bytes: bytes) -> None:
         level=args.log_level,
         format=f"%(asctime)s %(levelname)s stage{args.stage['stage_id']}.{args.replica_id} %(name)s: %(message)s",
     )
-    try:
-        import torch
-
-        torch.set_num_threads(args.torch_threads)
-    except ImportError:
-        pass
+    # torch reads OMP_NUM_THREADS when a runner first imports it; a stage that never needs torch
+    # (echo, custom runners) does not pay for importing it.
     import uvloop
 
     sys.exit(uvloop.run(_serve(args)))
@@ -71,17 +67,21 @@ def run_stage_process(args_bytes: bytes) -> None:
 
 async def _serve(args: StageProcessArgs) -> int:
     import zmq
-    import zmq.asyncio
 
     from omni_runtime.config import StageConfig
     from omni_runtime.messages import StageShutdown
     from omni_runtime.serialization import Encoder, inbound_decoder
     from omni_runtime.shm import ShmLostError, ShmPool
     from omni_runtime.stage.worker import StageWorker
+    from omni_runtime.transport import SocketReader
 
-    ctx = zmq.asyncio.Context()
+    ctx = zmq.Context()
     inbound = ctx.socket(zmq.PULL)
     outbound = ctx.socket(zmq.PUSH)
+    for sock in (inbound, outbound):
+        # Unbounded queues: a send never blocks the loop (admission is bounded in the engine).
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
     inbound.connect(args.inbound_addr)
     outbound.connect(args.outbound_addr)
     # Outputs are this replica's to place in shared memory; the pool is unlinked when it exits
@@ -111,19 +111,28 @@ async def _serve(args: StageProcessArgs) -> int:
             send(_startup_failure(e, stage.stage_id))
             return 0
         send(ready)
-        while True:
-            frames = await inbound.recv_multipart(copy=False)
+        stopped = asyncio.get_running_loop().create_future()
+
+        def on_frames(frames: list[Any]) -> None:
             try:
                 msg = decoder.decode(frames)
             except ShmLostError as e:
                 _answer_lost_input(send, e, stage.stage_id)
-                continue
+                return
             except msgspec.DecodeError as e:
                 logger.warning("dropped a malformed message: %s", e)
-                continue
+                return
             if isinstance(msg, StageShutdown):
-                break
+                if not stopped.done():
+                    stopped.set_result(None)
+                return
             worker.handle(msg)
+
+        reader = SocketReader(inbound, on_frames)
+        try:
+            await stopped
+        finally:
+            reader.close()
     except asyncio.CancelledError:
         if not fatal:
             raise

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import logging
 import os
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -322,4 +323,6 @@ class StageWorker:
             "batch_size_histogram": {str(k): v for k, v in s.get("batch_size_histogram", {}).items()},
             "waves": s.get("waves", 0),
             "asleep": self._asleep,
+            # What torch really runs with (OMP_NUM_THREADS set by the stage process); None if unused.
+            "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
         }

@@ -61,6 +61,25 @@ def test_invalid_params_are_rejected_before_enqueue(sd):
     assert sd.collective_rpc("get_stats")[0].result["requests_served"] == served
 
 
+def test_stage_process_runs_torch_with_the_chosen_thread_count():
+    config = make_config(
+        [
+            {
+                "stage_id": 0,
+                "stage_type": "diffusion",
+                "model": "builtin:tiny-sd",
+                "runtime": {"torch_threads": 1},
+                "final_output": True,
+                "final_output_type": "image",
+            }
+        ]
+    )
+    with Omni(config) as omni:
+        assert omni.collective_rpc("get_stats")[0].result["torch_threads"] == 1
+    with Omni("echo") as omni:  # a stage that never needs torch does not import it
+        assert omni.collective_rpc("get_stats")[0].result["torch_threads"] is None
+
+
 def test_sleep_refuses_requests_until_wake_up(sd):
     [res] = sd.collective_rpc("sleep")
     assert res.ok and res.result["asleep"]
