@@ -163,8 +163,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=4, help="concurrent requests = max_num_seqs")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--mixed-total", type=int, default=48)
-    ap.add_argument("--mixed-rate", type=float, default=6.0, help="Poisson arrival rate, req/s")
+    ap.add_argument("--mixed-total", type=int, default=64)
+    ap.add_argument("--mixed-rate", type=float, default=15.0, help="Poisson arrival rate, req/s (above capacity)")
+    ap.add_argument("--mixed-only", action="store_true", help="skip the side-by-side tables")
     ap.add_argument("--quick", action="store_true", help="tiny-sd only, fewer rounds (CI smoke)")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -172,6 +173,8 @@ def main() -> None:
     loop = uvloop.new_event_loop()
 
     configs = [("tiny-sd", 64, 20)] if args.quick else [("tiny-sd", 64, 20), ("small-sd", 128, 20)]
+    if args.mixed_only:
+        configs = []
     rows = []
     for model, size, steps in configs:
         rows += batching_table(loop, model, size, steps, args.n, 1 if args.quick else args.rounds)
@@ -188,7 +191,8 @@ def main() -> None:
         "c_p50_ms",
         "c_p99_ms",
     ]
-    print(table(rows, cols))
+    if rows:
+        print(table(rows, cols))
     for model, _size, _steps in configs:
         mine = [r for r in rows if r["config"].startswith(f"{model} ")]
         cb = sorted(r["c/b"] for r in mine)[len(mine) // 2]
