@@ -5,20 +5,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
-import httpx
 import psutil
-import yaml
 
 from omni_runtime import AsyncOmni
-from tests.conftest import REPO, echo_stage, make_config
+from tests.conftest import echo_stage, make_config
 
 FAULTS = "tests.reliability.runners:FaultRunner"
 
@@ -123,59 +116,3 @@ def http_config(delay_ms: float = 0.0) -> dict:
             },
         ],
     }
-
-
-class Server:
-    """``omni-runtime serve`` in a subprocess on a free port; its output goes to ``log``."""
-
-    def __init__(self, config: dict, workdir: Path, *args: str) -> None:
-        path = workdir / "server.yaml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / "server.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in wait()
-        cmd = [sys.executable, "-m", "omni_runtime.entrypoints.cli", "serve", str(path), "--port", str(self.port)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([*cmd, *args], cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 120.0) -> Server:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"server not healthy after {timeout:g} s:\n{self.log()[-3000:]}")
-
-    def descendants(self) -> list[psutil.Process]:
-        try:
-            return psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self._log.close()
-
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM and wait; SIGKILL (and -9) if it does not exit."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return -9

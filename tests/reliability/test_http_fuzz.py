@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.reliability.support import Server, http_config
+from tests.entrypoints.openai.server_process import start_server, write_config
+from tests.reliability.support import http_config
 
 pytestmark = [pytest.mark.reliability, pytest.mark.e2e]
 
@@ -184,9 +185,10 @@ raw_bodies = st.one_of(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = Server(http_config(), tmp_path_factory.mktemp("http-fuzz")).wait_ready()
+    workdir = tmp_path_factory.mktemp("http-fuzz")
+    server = start_server(str(write_config(workdir / "server.yaml", http_config())), log=workdir / "server.log")
     try:
-        stages = server.descendants()
+        stages = server.children()
         yield server
     finally:
         rc = server.stop()

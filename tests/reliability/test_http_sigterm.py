@@ -23,7 +23,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.reliability.support import Server, http_config
+from tests.entrypoints.openai.server_process import start_server, write_config
+from tests.reliability.support import http_config
 
 pytestmark = [pytest.mark.reliability, pytest.mark.e2e]
 
@@ -86,9 +87,10 @@ def ipc_dirs_of(processes: list[psutil.Process]) -> set[str]:
 
 
 def test_sigterm_under_load_drains_exits_0_and_leaves_nothing(tmp_path):
-    server = Server(http_config(delay_ms=DELAY_MS), tmp_path, "--access-log").wait_ready()
+    config = write_config(tmp_path / "server.yaml", http_config(delay_ms=DELAY_MS))
+    server = start_server(str(config), "--access-log", log=tmp_path / "server.log")
     try:
-        stages = [p for p in server.descendants() if "omni_runtime.stage.process" in " ".join(p.cmdline())]
+        stages = [p for p in server.children() if "omni_runtime.stage.process" in " ".join(p.cmdline())]
         assert len(stages) == 2
         ipc_dirs = ipc_dirs_of([psutil.Process(server.proc.pid)])  # it binds the stage sockets
         assert len(ipc_dirs) == 1 and glob.glob(f"{next(iter(ipc_dirs))}/*")
