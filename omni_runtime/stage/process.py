@@ -51,6 +51,9 @@ def run_stage_process(args_bytes: bytes) -> None:
     # Ctrl-C goes to the whole process group; the parent decides how to shut stages down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Thread counts before torch is imported: several processes x all cores is several times slower.
+    # transformers warns at import about optional image backends (torchvision) a stage never
+    # uses; keep its warnings out of server logs unless the user asked for them.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     threads = str(args.torch_threads)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = threads
