@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime.config import DeployConfig
-from omni_runtime.exceptions import OmniError, StageExecutionError
+from omni_runtime.exceptions import EngineError, OmniError, StageExecutionError
 from omni_runtime.messages import RpcReplicaResult
 from omni_runtime.outputs import OmniRequestOutput
 
@@ -46,6 +46,7 @@ class Omni:
         fails has its typed error in ``output.error``; the others are unaffected. Invalid params
         raise InvalidRequestError before anything is submitted.
         """
+        _refuse_inside_event_loop("generate")
         if isinstance(prompts, str):
             prompts = [prompts]
         return self._loop.run_until_complete(self._generate(list(prompts), sampling_params_list, use_tqdm, modalities))
@@ -91,6 +92,7 @@ class Omni:
         timeout: float | None = None,
     ) -> list[RpcReplicaResult]:
         """Blocking form of :meth:`AsyncOmni.collective_rpc`."""
+        _refuse_inside_event_loop("collective_rpc")
         return self._loop.run_until_complete(self._async.collective_rpc(method, args, kwargs, stage_ids, timeout))
 
     def close(self) -> None:
@@ -106,3 +108,12 @@ class Omni:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _refuse_inside_event_loop(method: str) -> None:
+    """The blocking API would stall a running loop (and asyncio forbids nesting): say what to use."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise EngineError(f"Omni.{method}() blocks and cannot run inside an event loop; use AsyncOmni there")

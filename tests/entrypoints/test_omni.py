@@ -144,3 +144,19 @@ def test_idle_engine_uses_almost_no_cpu():
         used = cpu() - before
     # Under 2 % of one core over 2 s of idleness.
     assert used < 0.04, f"idle engine used {used:.3f} s of CPU in 2 s"
+
+
+def test_blocking_api_refuses_to_run_inside_an_event_loop():
+    import asyncio
+
+    from omni_runtime.exceptions import EngineError
+
+    config = make_config([echo_stage()])
+    with Omni(config) as omni:
+
+        async def inside():
+            with pytest.raises(EngineError, match="use AsyncOmni"):
+                omni.generate("x", use_tqdm=False)
+
+        asyncio.run(inside())
+        assert omni.generate("still fine", use_tqdm=False)[0].text == "still fine"
