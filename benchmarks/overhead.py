@@ -108,12 +108,19 @@ def main() -> None:
             full = summary(loop.run_until_complete(async_sequential(engine, args.sequential)))
             rate, lat = loop.run_until_complete(async_inflight(engine, args.inflight))
             inflight = summary(lat)
-            rows.append({"round": r, "bare_zmq_p50_ms": bare["p50_ms"], "bare_zmq_p99_ms": bare["p99_ms"],
-                         "asyncomni_p50_ms": full["p50_ms"], "asyncomni_p99_ms": full["p99_ms"],
-                         "p50_ratio": full["p50_ms"] / bare["p50_ms"],
-                         f"inflight{args.inflight}_req_s": rate, "inflight_p50_ms": inflight["p50_ms"]})
-            report["rounds"].append({"bare": bare, "asyncomni": full, "inflight_req_s": rate,
-                                     "inflight": inflight})
+            rows.append(
+                {
+                    "round": r,
+                    "bare_zmq_p50_ms": bare["p50_ms"],
+                    "bare_zmq_p99_ms": bare["p99_ms"],
+                    "asyncomni_p50_ms": full["p50_ms"],
+                    "asyncomni_p99_ms": full["p99_ms"],
+                    "p50_ratio": full["p50_ms"] / bare["p50_ms"],
+                    f"inflight{args.inflight}_req_s": rate,
+                    "inflight_p50_ms": inflight["p50_ms"],
+                }
+            )
+            report["rounds"].append({"bare": bare, "asyncomni": full, "inflight_req_s": rate, "inflight": inflight})
     with Omni(config) as omni:
         omni.generate(["warm"] * 50, use_tqdm=False)
         t = time.perf_counter()
@@ -123,8 +130,10 @@ def main() -> None:
     print(table(rows, list(rows[0])))
     print(f"\nOmni.generate (blocking API), one prompt per call: mean {omni_p_mean:.3f} ms")
     best = min(rows, key=lambda r: r["p50_ratio"])
-    print(f"median-of-rounds p50 ratio (full path / bare zmq): "
-          f"{sorted(r['p50_ratio'] for r in rows)[len(rows) // 2]:.2f}  (best {best['p50_ratio']:.2f}; target <= 2)")
+    print(
+        f"median-of-rounds p50 ratio (full path / bare zmq): "
+        f"{sorted(r['p50_ratio'] for r in rows)[len(rows) // 2]:.2f}  (best {best['p50_ratio']:.2f}; target <= 2)"
+    )
     rates = sorted(r[f"inflight{args.inflight}_req_s"] for r in rows)
     print(f"in-flight throughput median {rates[len(rates) // 2]:.0f} req/s (target >= 10000)")
     report["omni_blocking_mean_ms"] = omni_p_mean

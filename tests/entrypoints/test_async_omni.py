@@ -26,8 +26,7 @@ SLOW = {"delay_ms": 10_000}
 
 @pytest.fixture(scope="module")
 async def echo():
-    config = make_config([echo_stage(engine_args={"max_num_seqs": 8},
-                                     runtime={"max_restarts": 2})], max_pending=64)
+    config = make_config([echo_stage(engine_args={"max_num_seqs": 8}, runtime={"max_restarts": 2})], max_pending=64)
     engine = AsyncOmni(config)
     yield engine
     await asyncio.get_running_loop().run_in_executor(None, engine.close)

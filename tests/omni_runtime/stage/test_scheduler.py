@@ -457,9 +457,7 @@ def test_random_sequences_never_lose_or_duplicate_requests(
     ops: list, max_num_seqs: int, max_wait_ms: float, stable_window_ms: float | None, policy: str
 ) -> None:
     clock = FakeClock()
-    s = RequestScheduler(
-        max_num_seqs, max_wait_ms, clock=clock, stable_window_ms=stable_window_ms, policy=policy
-    )
+    s = RequestScheduler(max_num_seqs, max_wait_ms, clock=clock, stable_window_ms=stable_window_ms, policy=policy)
     waiting: list[tuple[str, str]] = []  # the model: (id, key) in arrival order
     added: list[str] = []
     dispatched: list[str] = []
