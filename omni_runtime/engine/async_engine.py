@@ -82,6 +82,7 @@ class AsyncOmniEngine:
         self._id_prefix = uuid.uuid4().hex[:12]
         self._auto_ids = itertools.count(1)
         self._dispatcher: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the caller's, where streams live
         self._closed = False
 
     # ------------------------------------------------------------------ input
@@ -270,6 +271,7 @@ class AsyncOmniEngine:
 
     def _start_dispatcher(self) -> None:
         if self._dispatcher is None or self._dispatcher.done():
+            self._loop = asyncio.get_running_loop()
             self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch(), name="omni-dispatch")
 
     async def _dispatch(self) -> None:
@@ -305,6 +307,14 @@ class AsyncOmniEngine:
         if self._closed:
             return
         self._closed = True
+        # Streams and futures belong to the caller's loop: fail them there, even when close() is
+        # called from another thread (a server closes its engine from an executor thread).
+        self._on_caller_loop(self._fail_pending)
+        self._finalizer()
+        self._orchestrator.join(timeout)
+        self._output_queue.shutdown(immediate=True)
+
+    def _fail_pending(self) -> None:
         err = ErrorInfo.from_exception(EngineClosedError("engine closed"))
         for rid, stream in list(self._streams.items()):
             stream.put_nowait(EngineOutput(request_id=rid, stage_id=-1, finished=True, error=err))
@@ -313,11 +323,19 @@ class AsyncOmniEngine:
         for fut in self._rpcs.values():
             if not fut.done():
                 fut.set_exception(EngineClosedError("engine closed"))
-        self._finalizer()
-        self._orchestrator.join(timeout)
         if self._dispatcher is not None:
             self._dispatcher.cancel()
-        self._output_queue.shutdown(immediate=True)
+
+    def _on_caller_loop(self, callback: Any) -> None:
+        loop = self._loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is None or loop is running or loop.is_closed():
+            callback()
+        else:
+            loop.call_soon_threadsafe(callback)
 
 
 def _stop_orchestrator(orchestrator: Orchestrator) -> None:
