@@ -71,6 +71,7 @@ class StageWorker:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage_id}-forward")
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self._rpc_tasks: set[asyncio.Task] = set()
         self._released: set[str] = set()  # aborted while running: caller already answered
         self._asleep = False
         self._closed = False
@@ -123,7 +124,10 @@ class StageWorker:
                 for rid in msg.request_ids:
                     self._abort(rid)
             elif isinstance(msg, StageRpc):
-                asyncio.get_running_loop().create_task(self._rpc(msg))
+                # Keep a reference: the loop holds tasks only weakly, and an RPC may take a while.
+                task = asyncio.get_running_loop().create_task(self._rpc(msg))
+                self._rpc_tasks.add(task)
+                task.add_done_callback(self._rpc_tasks.discard)
             elif isinstance(msg, StageShutdown):
                 self._closed = True
                 self._wake.set()
