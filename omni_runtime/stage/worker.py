@@ -85,7 +85,7 @@ class StageWorker:
         """Load the model (in the executor thread) and start the scheduling loop."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self.runner.load)
-        limit = getattr(self.runner, "max_batch_size", None)
+        limit = self.runner.max_batch_size
         if limit is not None and limit < self.scheduler.max_num_seqs:
             self.scheduler.set_config(max_num_seqs=limit)
         self._loop_task = asyncio.create_task(self._run(), name=f"stage{self.stage_id}-loop")
