@@ -56,12 +56,13 @@ class AsyncOmni:
         ``finished=True``. A failed request raises its typed error (StageDeadError,
         RequestTimeoutError, RequestAbortedError, StageExecutionError...) after what it delivered.
         Cancelling the consumer aborts the request."""
-        rid, stream = self.engine.add_request(prompt, sampling_params, request_id, modalities)
+        pending = self.engine.add_request(prompt, sampling_params, request_id, modalities)
+        rid = pending.request_id
         out = OmniRequestOutput(request_id=rid, stage_id=-1)
         done = False
         try:
             while not done:
-                msg: EngineOutput = await stream.get()
+                msg: EngineOutput = await pending.stream.get()
                 done = msg.finished
                 if msg.error is not None:
                     out.finished = True
@@ -90,6 +91,11 @@ class AsyncOmni:
         concurrently; one :class:`RpcReplicaResult` per replica, errors included, never a hang
         when ``timeout`` is set."""
         return await self.engine.collective_rpc(method, args, kwargs, stage_ids, timeout)
+
+    def on_dead(self, callback: Any) -> None:
+        """Call ``callback(EngineDeadError)`` once if the engine dies for good (see
+        :meth:`AsyncOmniEngine.on_dead`); a server uses it to exit and be restarted."""
+        self.engine.on_dead(callback)
 
     def close(self) -> None:
         self.engine.close()

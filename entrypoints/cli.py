@@ -135,6 +135,8 @@ def _make_server(config: Any, state: Any, shutdown_timeout: float) -> Any:
 
         async def serve(self, sockets: list[socket.socket] | None = None) -> None:
             self.loop = asyncio.get_running_loop()
+            # A dead engine cannot come back: drain (its requests have all failed) and exit.
+            state.on_dead.append(lambda error: setattr(self, "should_exit", True))
             await super().serve(sockets)
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -162,6 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .openai.server import create_app
+    from .openai.timeouts import timed_protocol
 
     app = create_app(
         args.model,
@@ -190,8 +193,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lifespan="on",
         # A backstop only: requests still running at shutdown_timeout are aborted by the server.
         timeout_graceful_shutdown=args.shutdown_timeout + 10.0,
+        # Slow clients (trickled headers, stalled bodies) are cut off; see openai/timeouts.py.
+        http=timed_protocol(args.header_timeout, args.body_timeout),
     )
-    server = _make_server(config, app.state.omni, args.shutdown_timeout)
+    state = app.state.omni
+    server = _make_server(config, state, args.shutdown_timeout)
     try:
         server.run(sockets=[sock])
     except SystemExit as e:  # uvicorn exits this way when the app fails to start
@@ -199,9 +205,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise CliError("the server failed to start (see the log above)") from None
     finally:
         sock.close()
-        omni = app.state.omni.omni
-        if omni is not None:
-            omni.close()
+        if state.omni is not None:
+            state.omni.close()
+    if state.dead is not None:
+        # Non-zero, so that a supervisor (systemd, Kubernetes) starts a fresh server.
+        raise CliError(f"the engine died, so the server stopped: {state.dead}")
     return 0
 
 
@@ -237,12 +245,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         async with AsyncOmni(config) as omni:
             omni.engine.resolve_params(params(jobs[-1][1]))  # bad params fail before anything runs
             bar = tqdm(total=len(jobs), desc="generate", unit="img", disable=args.quiet)
+            # More images than the engine admits at once are submitted as earlier ones finish.
+            slots = asyncio.Semaphore(omni.engine.max_pending)
 
             async def one(prompt: str, seed: int | None) -> Any:
                 last = None
                 try:
-                    async for out in omni.generate(prompt, params(seed), modalities=["image"]):
-                        last = out
+                    async with slots:
+                        async for out in omni.generate(prompt, params(seed), modalities=["image"]):
+                            last = out
                     return last
                 except OmniError as e:
                     return e
@@ -423,6 +434,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-pending", type=_positive_int, help="most requests admitted at once (then 429)")
     s.add_argument("--default-timeout", type=_float(0, strict=True), help="deadline (s) of a request without one")
     s.add_argument("--shutdown-timeout", type=_float(0), default=30.0, help="grace period (s) on SIGTERM")
+    s.add_argument(
+        "--header-timeout", type=_float(0, strict=True), default=10.0, help="time (s) a client has to send its headers"
+    )
+    s.add_argument(
+        "--body-timeout", type=_float(0, strict=True), default=60.0, help="time (s) a client has to send its body"
+    )
     s.add_argument("--file-ttl", type=_float(0, strict=True), default=600.0, help="life (s) of response_format=url")
     s.add_argument("--file-store-mb", type=_float(0, strict=True), default=256.0, help="memory for url images")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -3,33 +3,76 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import concurrent.futures
+import itertools
+import threading
+import uuid
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omni_runtime.config import DeployConfig
-from omni_runtime.exceptions import EngineError, OmniError, StageExecutionError
+from omni_runtime.exceptions import EngineClosedError, EngineError, OmniError, StageExecutionError
 from omni_runtime.messages import RpcReplicaResult
 from omni_runtime.outputs import OmniRequestOutput
 
 from .async_omni import AsyncOmni
 
+T = TypeVar("T")
+
 
 class Omni:
     """Blocking front of the engine: one logical request per prompt, results in input order.
 
-    It drives an :class:`AsyncOmni` on a private event loop in the caller's thread, so it must not
-    be called from inside a running event loop (use AsyncOmni there).
+    It drives an :class:`AsyncOmni` on a private event loop running in a thread of its own, so
+    any number of threads may call it at once (a web app's worker threads do); their requests
+    batch together. It must not be called from inside a running event loop (use AsyncOmni there).
+    After :meth:`close`, every call raises EngineClosedError.
     """
 
     def __init__(self, model: str | Path | DeployConfig = "tiny-sd", **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
         self._async = AsyncOmni(model, **kwargs)
         self.config = self._async.config
+        self._lock = threading.Lock()
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="omni-blocking-api", daemon=True)
+        self._thread.start()
+        # Backpressure: at most max_pending of this Omni's requests are admitted at once; the rest
+        # wait their turn in arrival order instead of failing with QueueFullError.
+        self._slots = asyncio.Semaphore(self._async.engine.max_pending)
+        self._id_prefix = f"omni-{uuid.uuid4().hex[:8]}"
+        self._ids = itertools.count(1)
+        self._calls: set[asyncio.Task] = set()  # calls in progress, from any thread
 
     @property
     def engine(self):
         return self._async.engine
+
+    def _run(self, method: str, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the private loop and wait for it in the calling thread."""
+        try:
+            _refuse_inside_event_loop(method)
+        except EngineError:
+            coro.close()
+            raise
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise EngineClosedError("the engine is closed")
+            task_future = asyncio.run_coroutine_threadsafe(_as_task(coro), self._loop)
+            task = task_future.result()  # the Task itself: it can be cancelled from here
+            self._calls.add(task)
+        try:
+            return asyncio.run_coroutine_threadsafe(_wait(task), self._loop).result()
+        except (KeyboardInterrupt, SystemExit):
+            self._loop.call_soon_threadsafe(task.cancel)  # its requests are aborted on the way out
+            raise
+        except (asyncio.CancelledError, concurrent.futures.CancelledError):
+            raise EngineClosedError("the engine was closed during the call") from None
+        finally:
+            with self._lock:
+                self._calls.discard(task)
 
     def generate(
         self,
@@ -43,42 +86,47 @@ class Omni:
 
         ``sampling_params_list``: one entry per stage (None = defaults), or a single params object
         or dict for a one-stage pipeline; the same params apply to every prompt. A request that
-        fails has its typed error in ``output.error``; the others are unaffected. Invalid params
-        raise InvalidRequestError before anything is submitted.
+        fails has its typed error in ``output.error`` (and its ``request_id``); the others are
+        unaffected. More prompts than ``max_pending`` are submitted as earlier ones finish.
+        Invalid params raise InvalidRequestError before anything is submitted.
         """
-        _refuse_inside_event_loop("generate")
         if isinstance(prompts, str):
             prompts = [prompts]
-        return self._loop.run_until_complete(self._generate(list(prompts), sampling_params_list, use_tqdm, modalities))
+        elif not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
+        return self._run("generate", self._generate(list(prompts), sampling_params_list, use_tqdm, modalities))
 
     async def _generate(
         self, prompts: list[str], params: Any, use_tqdm: bool, modalities: Sequence[str] | None
     ) -> list[OmniRequestOutput]:
         engine = self._async.engine
         engine.resolve_params(params)  # validate once, before anything is submitted
+        engine.final_stages(modalities)
         progress = None
         if use_tqdm and len(prompts) > 1:
             from tqdm.auto import tqdm
 
             progress = tqdm(total=len(prompts), desc="generate", unit="req")
 
-        async def one(prompt: str) -> OmniRequestOutput:
+        async def one(prompt: str, request_id: str) -> OmniRequestOutput:
             last = None
             try:
-                async for out in self._async.generate(prompt, params, modalities=modalities):
-                    last = out
+                async with self._slots:
+                    async for out in self._async.generate(prompt, params, request_id, modalities=modalities):
+                        last = out
             except OmniError as e:
-                last = last or OmniRequestOutput(request_id="", stage_id=-1)
+                last = last or OmniRequestOutput(request_id=request_id, stage_id=-1)
                 last.error, last.finished = e, True
             except Exception as e:  # never let one request take the batch down
-                last = last or OmniRequestOutput(request_id="", stage_id=-1)
+                last = last or OmniRequestOutput(request_id=request_id, stage_id=-1)
                 last.error, last.finished = StageExecutionError(f"{type(e).__name__}: {e}"), True
             if progress is not None:
                 progress.update(1)
             return last
 
         try:
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
+            ids = [f"{self._id_prefix}-{next(self._ids)}" for _ in prompts]
+            return list(await asyncio.gather(*(one(p, rid) for p, rid in zip(prompts, ids, strict=True))))
         finally:
             if progress is not None:
                 progress.close()
@@ -92,16 +140,32 @@ class Omni:
         timeout: float | None = None,
     ) -> list[RpcReplicaResult]:
         """Blocking form of :meth:`AsyncOmni.collective_rpc`."""
-        _refuse_inside_event_loop("collective_rpc")
-        return self._loop.run_until_complete(self._async.collective_rpc(method, args, kwargs, stage_ids, timeout))
+        return self._run("collective_rpc", self._async.collective_rpc(method, args, kwargs, stage_ids, timeout))
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
+        """Stop the engine; calls in flight in other threads return with EngineClosedError
+        outputs. Safe from any thread; closing twice is a no-op."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        # 1) every pending request and control call ends with EngineClosedError
         self._async.close()
-        # Let the dispatcher task see its cancellation before the loop goes.
-        self._loop.run_until_complete(asyncio.sleep(0))
-        self._loop.close()
+        # 2) let the calls of other threads see that and return (bounded: cancel what is left)
+        with self._lock:
+            calls = list(self._calls)
+        if calls and threading.current_thread() is not self._thread:
+            done = asyncio.run_coroutine_threadsafe(asyncio.wait(calls, timeout=10.0), self._loop)
+            _, left = done.result()
+            for task in left:
+                self._loop.call_soon_threadsafe(task.cancel)
+        # 3) stop the loop once its own tasks (the engine's output dispatcher) have ended
+        if threading.current_thread() is not self._thread:
+            asyncio.run_coroutine_threadsafe(_settle(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+            self._loop.close()
 
     def __enter__(self) -> Omni:
         return self
@@ -110,8 +174,23 @@ class Omni:
         self.close()
 
 
+async def _settle() -> None:
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=5.0)
+
+
+async def _as_task(coro: Coroutine[Any, Any, T]) -> asyncio.Task:
+    return asyncio.get_running_loop().create_task(coro)
+
+
+async def _wait(task: asyncio.Task) -> Any:
+    # shield: a caller interrupted while waiting cancels the task explicitly, not by accident.
+    return await asyncio.shield(task)
+
+
 def _refuse_inside_event_loop(method: str) -> None:
-    """The blocking API would stall a running loop (and asyncio forbids nesting): say what to use."""
+    """The blocking API would stall a running loop: say what to use instead."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:

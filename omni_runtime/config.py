@@ -39,6 +39,13 @@ class RuntimeConfig(msgspec.Struct, **_Struct):
     #: Transport to a process replica: ``ipc`` (a unix socket in a private directory) or ``tcp``
     #: (loopback). Tensors use shared memory over ipc and raw msgpack buffers over tcp.
     transport: Literal["ipc", "tcp"] = "ipc"
+    #: A replica that answers no heartbeat for this many seconds (stopped, or its event loop
+    #: blocked) is killed: its requests fail with StageDeadError and it is restarted. 0 = off.
+    heartbeat_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 10.0
+    #: A forward that makes no progress (no denoising step, no streamed token: no call of
+    #: ``ctx.is_aborted`` or ``ctx.emit``) for this many seconds is wedged, e.g. stuck in native
+    #: code; its replica is killed and restarted like a silent one. 0 = off.
+    stall_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 120.0
 
 
 class EngineArgs(msgspec.Struct, **_Struct):
@@ -153,6 +160,13 @@ def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
         if got is not msgspec.UNSET and "got" not in message:
             message = f"{message}, got {got!r}"
         raise ConfigError(message, path=path or None, source=source) from None
+    # Every stage process gets its config as msgpack: a value it cannot carry (a lone surrogate,
+    # an integer past 64 bits) is this file's error, not a failure to start a replica.
+    from omni_runtime.serialization import find_unencodable
+
+    found = find_unencodable(msgspec.to_builtins(config))
+    if found is not None:
+        raise ConfigError(found[1], path=found[0], source=source)
     validate_graph(config, source)
     return config
 

@@ -21,6 +21,9 @@ class OmniError(Exception):
 class ConfigError(OmniError, ValueError):
     """A deploy config is invalid. The message names the file and the YAML path."""
 
+    path: str | None = None
+    source: str | None = None
+
     def __init__(self, message: str, *, path: str | None = None, source: str | None = None) -> None:
         self.path = path
         self.source = source
@@ -58,8 +61,13 @@ class DuplicateRequestError(InvalidRequestError):
 class QueueFullError(RequestError):
     """Admission is full; retry later. Raised at once, never after a wait."""
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
+    #: Seconds a client should wait before retrying (HTTP ``Retry-After``).
+    retry_after_s: float = 1.0
+
+    def __init__(
+        self, message: str, *, retry_after_s: float = 1.0, param: str | None = None, stage_id: int | None = None
+    ) -> None:
+        super().__init__(message, param=param, stage_id=stage_id)
         self.retry_after_s = retry_after_s
 
 
@@ -94,6 +102,13 @@ class EngineClosedError(EngineError):
     """The engine has been closed."""
 
 
+class EngineDeadError(EngineError):
+    """The engine can no longer serve and will not recover by itself: its orchestrator thread
+    stopped, or every replica of a stage is gone and no restart is left. Every pending and every
+    later request fails with this error at once; a server exits non-zero so that its supervisor
+    (systemd, Kubernetes) starts a fresh one."""
+
+
 class StageStartupError(EngineError):
     """A stage process failed to start or did not say READY in time."""
 
@@ -119,6 +134,7 @@ ERROR_TYPES: dict[str, type[OmniError]] = {
         StageAsleepError,
         EngineError,
         EngineClosedError,
+        EngineDeadError,
         StageStartupError,
         RpcError,
     )

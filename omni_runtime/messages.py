@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from omni_runtime.exceptions import ERROR_TYPES, OmniError, RequestError, StageExecutionError
+from omni_runtime.exceptions import ERROR_TYPES, OmniError, StageExecutionError
 
 _Msg = {"kw_only": True, "frozen": True}
 
@@ -28,21 +28,40 @@ class ErrorInfo(msgspec.Struct, **_Msg):
 
     @classmethod
     def from_exception(cls, exc: BaseException, stage_id: int | None = None) -> ErrorInfo:
+        """Always encodable: a message that quotes input msgpack cannot carry (a lone surrogate)
+        keeps it as a visible escape instead of failing the error path itself."""
         if isinstance(exc, OmniError) and type(exc).__name__ in ERROR_TYPES:
+            param = getattr(exc, "param", None)
             return cls(
                 type=type(exc).__name__,
-                message=str(exc),
-                param=getattr(exc, "param", None),
+                message=encodable_text(str(exc)),
+                param=encodable_text(param) if isinstance(param, str) else None,
                 stage_id=stage_id if stage_id is not None else getattr(exc, "stage_id", None),
             )
         # Anything else raised by a model is this request's execution error.
-        return cls(type="StageExecutionError", message=f"{type(exc).__name__}: {exc}", stage_id=stage_id)
+        return cls(
+            type="StageExecutionError", message=encodable_text(f"{type(exc).__name__}: {exc}"), stage_id=stage_id
+        )
 
     def to_exception(self) -> OmniError:
+        """The same error class with the same message, param and stage; total for every name
+        (an unknown one becomes StageExecutionError), whatever each class's constructor takes."""
         cls = ERROR_TYPES.get(self.type, StageExecutionError)
-        if issubclass(cls, RequestError):
-            return cls(self.message, param=self.param, stage_id=self.stage_id)
-        return cls(self.message)
+        # Built without calling the class's own __init__, whose signature differs per class.
+        exc = cls.__new__(cls)
+        Exception.__init__(exc, self.message)
+        if self.param is not None:
+            exc.param = self.param
+        if self.stage_id is not None:
+            exc.stage_id = self.stage_id
+        return exc
+
+
+def encodable_text(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (lone surrogates) replaced by ``\\udXXX`` escapes."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # --------------------------------------------------------------------------- orchestrator -> worker
@@ -75,7 +94,13 @@ class StageShutdown(msgspec.Struct, tag="shutdown", **_Msg):
     pass
 
 
-WorkerInbound = StageRequest | StageAbort | StageRpc | StageShutdown
+class StagePing(msgspec.Struct, tag="ping", **_Msg):
+    """Liveness probe; answered with :class:`StagePong` from the worker's event loop."""
+
+    seq: int
+
+
+WorkerInbound = StageRequest | StageAbort | StageRpc | StageShutdown | StagePing
 
 
 # --------------------------------------------------------------------------- worker -> orchestrator
@@ -107,7 +132,20 @@ class StageRpcResult(msgspec.Struct, tag="rpc_result", **_Msg):
     error: ErrorInfo | None = None
 
 
-WorkerOutbound = StageReady | StageOutput | StageRpcResult
+class StagePong(msgspec.Struct, tag="pong", **_Msg):
+    seq: int
+    #: Seconds since the running forward last made progress (a step, a streamed piece); None
+    #: when no forward runs. A forward stuck in native code shows here while pongs keep coming.
+    stalled_s: float | None = None
+
+
+class StageStartupFailed(msgspec.Struct, tag="startup_failed", **_Msg):
+    """The replica could not load its model; it exits after sending this instead of READY."""
+
+    error: ErrorInfo
+
+
+WorkerOutbound = StageReady | StageOutput | StageRpcResult | StagePong | StageStartupFailed
 
 
 # --------------------------------------------------------------------------- caller <-> orchestrator
@@ -115,6 +153,8 @@ WorkerOutbound = StageReady | StageOutput | StageRpcResult
 
 class EngineRequest(msgspec.Struct, tag="request", **_Msg):
     request_id: str
+    #: The caller's output channel (one per event loop that uses the engine).
+    channel: int
     prompt: Any
     #: Resolved params per stage id.
     params: dict[int, dict[str, Any]]
@@ -133,6 +173,7 @@ class EngineAbort(msgspec.Struct, tag="abort", **_Msg):
 
 class EngineRpc(msgspec.Struct, tag="rpc", **_Msg):
     call_id: int
+    channel: int
     method: str
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
@@ -176,7 +217,9 @@ class RpcReplicaResult(msgspec.Struct, **_Msg):
 
 class EngineRpcResult(msgspec.Struct, tag="rpc_result", **_Msg):
     call_id: int
-    results: list[RpcReplicaResult]
+    results: list[RpcReplicaResult] = []
+    #: Set when the call as a whole failed (it could not be sent); ``results`` is then empty.
+    error: ErrorInfo | None = None
 
 
 EngineOutbound = EngineOutput | EngineRpcResult

@@ -17,7 +17,8 @@ from omni_runtime.exceptions import InvalidRequestError
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-Timeout = Annotated[float, msgspec.Meta(gt=0)]
+#: A per-request deadline in seconds; at most a week (a larger one is a mistake, not a deadline).
+Timeout = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -106,8 +107,10 @@ def params_to_dict(params: Any) -> dict[str, Any]:
     )
 
 
-def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], params: Any) -> msgspec.Struct:
-    """Merge ``params`` over the stage ``defaults`` and validate into ``params_cls``.
+def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], params: Any) -> dict[str, Any]:
+    """Merge ``params`` over the stage ``defaults``, validate them with ``params_cls`` and return
+    the fields that are set. A params class that does not forbid unknown fields (the generic
+    params of a custom runner) keeps them: that runner reads them.
 
     Raises InvalidRequestError naming the field (unknown key, wrong type, out of range).
     """
@@ -118,21 +121,26 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
         )
     merged = {**defaults, **params_to_dict(params)}
     try:
-        return msgspec.convert(merged, params_cls, strict=False)
+        typed = msgspec.convert(merged, params_cls, strict=False)
     except msgspec.ValidationError as e:
         message, field = _field_of(e)
         name = f"`{field}`: " if field else ""
         raise InvalidRequestError(f"invalid sampling param {name}{message}", param=field) from None
+    fields = {k: v for k, v in msgspec.structs.asdict(typed).items() if v is not None}
+    if not params_cls.__struct_config__.forbid_unknown_fields:
+        extra = {k: v for k, v in merged.items() if k not in params_cls.__struct_fields__ and v is not None}
+        fields = {**extra, **fields}
+    return fields
 
 
-def check_constraints(params: msgspec.Struct, constraints: dict[str, Any]) -> None:
+def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> None:
     """Checks that need the loaded model: what a stage reported in its READY message.
 
     ``size_multiple``: height and width must be multiples of it (the VAE scale factor).
     ``max_pixels``: height * width may not exceed it.
     """
-    h = getattr(params, "height", None)
-    w = getattr(params, "width", None)
+    h = params.get("height")
+    w = params.get("width")
     multiple = constraints.get("size_multiple")
     if multiple:
         for name, value in (("height", h), ("width", w)):

@@ -22,10 +22,16 @@ import msgspec
 import numpy as np
 
 from omni_runtime import shm
-from omni_runtime.messages import WorkerInbound, WorkerOutbound
+from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.messages import WorkerInbound, WorkerOutbound, encodable_text
 
 #: Arrays below this many bytes are inlined in the header.
 INLINE_MAX = 1024
+#: The integers msgpack can carry.
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1
+#: Deepest nesting of lists and mappings a value may have (msgspec's own limit is far deeper, but a
+#: hostile value should be refused with a message, not a RecursionError).
+MAX_DEPTH = 32
 
 _EXT_ARRAY_FRAME = 1  # payload: (dtype, shape, frame index, is_torch)
 _EXT_ARRAY_INLINE = 2  # payload: (dtype, shape, bytes, is_torch)
@@ -65,6 +71,82 @@ def _rebuild(dtype: str, shape: tuple[int, ...], buf: Any, is_torch: bool) -> An
         # torch wants a writable buffer; a tensor the receiver may mutate gets its own copy.
         return _torch().from_numpy(arr.copy())
     return arr
+
+
+# --------------------------------------------------------------------------- what can travel
+
+
+def find_unencodable(value: Any, path: str = "", _depth: int = 0) -> tuple[str, str] | None:
+    """The first part of ``value`` that no message can carry, as ``(path, why)``; None if all can.
+
+    Strings must be valid UTF-8 (no lone surrogates), integers fit in 64 bits, mapping keys are
+    strings or integers, containers nest at most :data:`MAX_DEPTH` deep, and leaves are None,
+    bools, numbers, bytes, numpy arrays or torch tensors (not of Python objects) and msgspec
+    Structs of those. The path is itself encodable (a key it cannot carry is shown escaped).
+    Checked where a value enters the engine, so that a bad one is the caller's typed error at the
+    call instead of an exception in a thread that serves everyone.
+    """
+    if value is None or isinstance(value, bool | float | bytes | bytearray | memoryview):
+        return None
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            char = value[e.start]
+            return path, f"contains U+{ord(char):04X} at index {e.start}, which cannot be encoded as UTF-8"
+        return None
+    if isinstance(value, int):
+        if INT_MIN <= value <= INT_MAX:
+            return None
+        return path, f"integer {_short(value)} is out of range (a 64-bit integer is the largest accepted)"
+    if _depth >= MAX_DEPTH:
+        return path, f"nested deeper than {MAX_DEPTH} levels"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str | int) or isinstance(key, bool):
+                return path, f"mapping keys must be strings, got {type(key).__name__}"
+            shown = encodable_text(key) if isinstance(key, str) else str(key)  # the path is quoted in errors
+            sub = f"{path}.{shown}" if path else shown
+            found = find_unencodable(key, sub, _depth + 1) or find_unencodable(item, sub, _depth + 1)
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            found = find_unencodable(item, f"{path}[{i}]", _depth + 1)
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, msgspec.Struct):
+        for name in value.__struct_fields__:
+            found = find_unencodable(getattr(value, name), f"{path}.{name}" if path else name, _depth + 1)
+            if found is not None:
+                return found
+        return None
+    found = _as_numpy(value) if isinstance(value, np.ndarray) or type(value).__module__ == "torch" else None
+    if found is not None:
+        if found[0].dtype.hasobject:
+            return path, "arrays of Python objects cannot be sent"
+        return None
+    return path, (
+        f"values of type {type(value).__name__} cannot be sent "
+        "(use strings, numbers, booleans, None, lists, mappings or arrays)"
+    )
+
+
+def check_encodable(value: Any, param: str) -> None:
+    """Raise InvalidRequestError naming the part of ``value`` (under ``param``) that cannot travel."""
+    found = find_unencodable(value, param)
+    if found is not None:
+        path, why = found
+        raise InvalidRequestError(f"`{path}`: {why}", param=path)
+
+
+def _short(value: Any) -> str:
+    text = str(value) if not isinstance(value, int) or value.bit_length() < 256 else f"~2**{value.bit_length() - 1}"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class Encoder:
@@ -112,16 +194,20 @@ class Encoder:
         return msgspec.msgpack.Ext(_EXT_ARRAY_SHM, _meta_encoder.encode(tuple(handle)))
 
     def encode(self, msg: Any) -> list[Any]:
+        """Frames of ``msg``. Anything in it that msgpack cannot carry (a lone surrogate, an int
+        past 64 bits, an unknown type) raises :class:`msgspec.EncodeError` saying what."""
         self._frames = []
         self.handles = []
         try:
             header = self._encoder.encode(msg)
             return [header, *self._frames]
-        except BaseException:
+        except BaseException as e:
             # Nothing was sent: slots filled for this message go back to their producers.
             for handle in self.handles:
                 shm.release(handle)
             self.handles = []
+            if isinstance(e, Exception) and not isinstance(e, msgspec.EncodeError):
+                raise msgspec.EncodeError(f"cannot encode {type(msg).__name__}: {type(e).__name__}: {e}") from e
             raise
         finally:
             self._frames = []

@@ -6,7 +6,8 @@ the socket's file descriptor with ``loop.add_reader`` once and, when it fires, d
 message that is ready with non-blocking receives. The descriptor is edge-triggered (it signals
 when the socket *becomes* readable), so a drain must run until ``zmq.Again``: a burst larger than
 ``budget`` is finished on the next loop turn, so one busy socket cannot starve the loop.
-Sends on PUSH sockets with an unbounded high-water mark never block, so plain sockets do.
+Sends are the sender's business: a PUSH socket with an unbounded high-water mark queues without
+blocking while it has a peer, and senders pass ``NOBLOCK`` so that having none is an error, not a wait.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class SocketReader:
             except Exception:  # one bad message must not leave the socket unheard
                 logger.exception("failed to handle a message")
         self._loop.call_soon(self._drain)  # more may be waiting: go on after other work
+
+    def drain(self) -> None:
+        """Handle what is queued now (e.g. a last message from a process that just exited)."""
+        self._drain()
 
     def close(self) -> None:
         if not self._closed:

@@ -40,19 +40,27 @@ class _EngineCollector(Collector):
         limit.add_metric([], engine.max_pending)
         running = GaugeMetricFamily("omni_engine_running", "1 while the engine serves, 0 once it stopped.")
         running.add_metric([], 1 if engine.is_running else 0)
+        dead = GaugeMetricFamily("omni_engine_dead", "1 once the engine can no longer serve (the server then exits).")
+        dead.add_metric([], 0 if engine.dead is None else 1)
         depth = GaugeMetricFamily(
             "omni_stage_queue_depth", "Requests inside a stage (waiting or running).", labels=["stage"]
         )
         live = GaugeMetricFamily("omni_stage_live_replicas", "Live replicas of a stage.", labels=["stage"])
         replicas = GaugeMetricFamily("omni_stage_replicas", "Configured replicas of a stage.", labels=["stage"])
         restarts = CounterMetricFamily("omni_stage_restarts", "Replica restarts of a stage.", labels=["stage"])
+        kills = CounterMetricFamily(
+            "omni_stage_unresponsive_kills",
+            "Replicas killed for missing heartbeats or a stalled forward.",
+            labels=["stage"],
+        )
         for sid, status in sorted(engine.stage_status().items()):
             label = [str(sid)]
             depth.add_metric(label, status.get("inflight", 0))
             live.add_metric(label, status.get("live_replicas", 0))
             replicas.add_metric(label, status.get("replicas", 0))
             restarts.add_metric(label, status.get("restarts", 0))
-        yield from (pending, limit, running, depth, live, replicas, restarts)
+            kills.add_metric(label, status.get("unresponsive_kills", 0))
+        yield from (pending, limit, running, dead, depth, live, replicas, restarts, kills)
 
 
 class ServerMetrics:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
 from omni_runtime.engine.async_engine import MAX_PROMPT_CHARS
@@ -36,6 +36,7 @@ from omni_runtime.exceptions import (
     StageDeadError,
 )
 from omni_runtime.outputs import OmniRequestOutput
+from omni_runtime.serialization import find_unencodable
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,26 @@ Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
 Timeout = Annotated[float, Field(gt=0, le=86_400)]
 
 
+class UnencodableValue(ValueError):
+    """A request value no engine message can carry (a lone surrogate, an integer past 64 bits)."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"`{path}`: {why}" if path else why)
+        self.path = path or None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data: Any) -> Any:
+        # Before any field is read: whatever the field (prompt, messages, model, user...), a value
+        # that no message can carry is this request's 400, not an error deep in the engine.
+        found = find_unencodable(data)
+        if found is not None:
+            raise UnencodableValue(*found)
+        return data
 
 
 def parse_size(value: str) -> tuple[int, int]:
@@ -350,6 +369,9 @@ def classify_error(exc: BaseException) -> tuple[int, str, str | None, str | None
             return 400, "invalid_request_error", None, "invalid_json", f"malformed JSON body: {first.get('msg')}"
         if param is None and first.get("type") == "missing":
             return 400, "invalid_request_error", None, "invalid_request", "a JSON request body is required"
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, UnencodableValue):
+            return 400, "invalid_request_error", cause.path, "invalid_value", f"invalid value: {cause}"
         if first.get("type") == "extra_forbidden":
             message = f"unknown field `{param}`"
         else:

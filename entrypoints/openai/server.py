@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,7 +35,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_runtime.config import DeployConfig
 from omni_runtime.engine.async_engine import MAX_PROMPT_CHARS, params_class
-from omni_runtime.exceptions import EngineError, InvalidRequestError, OmniError, QueueFullError, RequestAbortedError
+from omni_runtime.exceptions import (
+    EngineDeadError,
+    EngineError,
+    InvalidRequestError,
+    OmniError,
+    QueueFullError,
+    RequestAbortedError,
+)
 from omni_runtime.outputs import OmniRequestOutput
 from omni_runtime.params import DiffusionSamplingParams
 
@@ -54,6 +61,16 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 _DISCONNECTED = "omni.client_disconnected"
 
 
+class SafeJSONResponse(JSONResponse):
+    """JSON that always renders: a string UTF-8 cannot encode (a lone surrogate quoted from the
+    request, say) goes out as its ``\\udXXX`` JSON escape instead of failing the response."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(
+            "utf-8", "backslashreplace"
+        )
+
+
 def error_response(exc: BaseException) -> JSONResponse:
     status, body = error_body(exc)
     headers = {}
@@ -61,7 +78,7 @@ def error_response(exc: BaseException) -> JSONResponse:
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
     elif status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(body, status_code=status, headers=headers)
+    return SafeJSONResponse(body, status_code=status, headers=headers)
 
 
 async def _handle(request: Request, exc: Exception) -> JSONResponse:
@@ -94,6 +111,10 @@ class ServerState:
         self._engine_kwargs = {"max_pending": max_pending, "default_timeout": default_timeout}
         self.omni: AsyncOmni | None = None
         self._closed = False
+        #: Set when the engine died for good; the server then stops (non-zero exit) to be restarted.
+        self.dead: EngineDeadError | None = None
+        #: Called (on the server's loop) when the engine dies: the CLI's server stops itself.
+        self.on_dead: list[Callable[[EngineDeadError], None]] = []
         self.metrics = ServerMetrics(lambda: self.omni.engine if self.omni is not None else None)
         self.files = FileStore(file_ttl_s, file_store_bytes)
         self.inflight: set[str] = set()
@@ -116,6 +137,13 @@ class ServerState:
         # Stage processes load their models here: off the loop, which still answers signals.
         self.omni = await loop.run_in_executor(None, lambda: AsyncOmni(self.config, **self._engine_kwargs))
         self.model_name = self.omni.model_name
+        self.omni.on_dead(self._engine_died)
+
+    def _engine_died(self, error: EngineDeadError) -> None:
+        self.dead = error
+        logger.critical("the engine is dead and will not recover: %s", error)
+        for callback in self.on_dead:
+            callback(error)
 
     async def close(self) -> None:
         """Close the engine (idempotent): stage processes exit, pending requests end with 503."""
@@ -246,17 +274,44 @@ class _HttpMiddleware:
                 status = message["status"]
             await send(message)
 
+        too_large = ApiError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
+        received, over = 0, False
+
+        async def receive_limited() -> Message:
+            # A body without Content-Length (chunked) is counted as it arrives: past the limit the
+            # app sees a disconnect, and its answer is replaced by the 413 below.
+            nonlocal received, over
+            if over:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > MAX_BODY_BYTES:
+                    over = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def send_unless_over(message: Message) -> None:
+            if not over:
+                await send_and_record(message)
+
         try:
             try:
                 if scope["path"].startswith("/v1/"):
                     self.state.check_auth(scope)
                 length = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
                 if length.isdigit() and int(length) > MAX_BODY_BYTES:
-                    raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
+                    raise too_large
             except ApiError as e:
                 await error_response(e)(scope, receive, send_and_record)
                 return
-            await self.app(scope, receive, send_and_record)
+            try:
+                await self.app(scope, receive_limited, send_unless_over)
+            except Exception:
+                if not over:
+                    raise
+            if over:
+                await error_response(too_large)(scope, receive, send_and_record)
         finally:
             route = scope.get("route") or self._match(scope)  # requests refused here never reached routing
             label = getattr(route, "path", None) or "unmatched"
@@ -303,7 +358,8 @@ def create_app(
         finally:
             await state.close()
 
-    app = FastAPI(title="omni_runtime", lifespan=lifespan, max_body_size=MAX_BODY_BYTES)
+    # The body limit is enforced by _HttpMiddleware, which answers in the OpenAI error shape.
+    app = FastAPI(title="omni_runtime", lifespan=lifespan, default_response_class=SafeJSONResponse)
     app.state.omni = state
     app.add_middleware(_HttpMiddleware, state=state, routes=app.router.routes)
     for exc_class in (Exception, OmniError, ApiError, ClientDisconnected, RequestValidationError):
@@ -313,33 +369,48 @@ def create_app(
     return app
 
 
+_READYZ_FIELDS = (
+    "stage_id",
+    "stage_type",
+    "replicas",
+    "live_replicas",
+    "replica_states",
+    "restarts",
+    "unresponsive_kills",
+    "inflight",
+)
+
+
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         engine = state.engine
+        if engine.dead is not None:
+            return SafeJSONResponse({"status": "dead", "reason": str(engine.dead)}, status_code=503)
         dead = sorted(sid for sid, s in engine.stage_status().items() if s.get("live_replicas", 0) == 0)
         if not engine.is_running or dead:
-            return JSONResponse({"status": "unhealthy", "dead_stages": dead}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            return SafeJSONResponse({"status": "unhealthy", "dead_stages": dead}, status_code=503)
+        return SafeJSONResponse({"status": "ok"})
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         engine = state.engine
         stages = [
-            {k: s.get(k) for k in ("stage_id", "stage_type", "replicas", "live_replicas", "restarts", "inflight")}
+            {k: s.get(k) for k in _READYZ_FIELDS}
             | {"queue_depth": s.get("inflight", 0), "per_replica_inflight": s.get("per_replica_inflight", [])}
             for _, s in sorted(engine.stage_status().items())
         ]
         ready = engine.is_running and not state.draining and all(s["live_replicas"] for s in stages)
         body = {
             "ready": ready,
+            "dead": None if engine.dead is None else str(engine.dead),
             "draining": state.draining,
             "model": state.model_name,
             "pending": engine.num_pending,
             "max_pending": engine.max_pending,
             "stages": stages,
         }
-        return JSONResponse(body, status_code=200 if ready else 503)
+        return SafeJSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -348,12 +419,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
         card = proto.ModelCard(id=state.model_name, created=state.created)
-        return JSONResponse(proto.ModelList(data=[card]).model_dump())
+        return SafeJSONResponse(proto.ModelList(data=[card]).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> JSONResponse:
         state.check_request(model_id)
-        return JSONResponse(proto.ModelCard(id=state.model_name, created=state.created).model_dump())
+        return SafeJSONResponse(proto.ModelCard(id=state.model_name, created=state.created).model_dump())
 
     @app.get("/v1/files/{file_id}")
     async def get_file(file_id: str) -> Response:
@@ -368,6 +439,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         omni = state.check_request(body.model)
         if state.image_stage is None:
             raise ApiError(400, f"the model `{state.model_name}` has no image output", param="model", code="no_image")
+        if body.n > omni.engine.max_pending:
+            # A 429 would invite retries that can never succeed.
+            raise InvalidRequestError(
+                f"n={body.n} images exceed this server's admission limit of {omni.engine.max_pending} requests",
+                param="n",
+            )
         size = body.dimensions()
         image: dict[str, Any] = {
             "negative_prompt": body.negative_prompt,
@@ -411,7 +488,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.metrics.images.inc(len(data))
         size_text = f"{images[0][0].width}x{images[0][0].height}" if images else None
         resp = proto.ImageGenerationResponse(data=data, output_format=body.output_format, size=size_text)
-        return JSONResponse(resp.model_dump(exclude_none=True), headers={"X-Request-Id": base})
+        return SafeJSONResponse(resp.model_dump(exclude_none=True), headers={"X-Request-Id": base})
 
     @app.post("/v1/chat/completions")
     async def chat(body: proto.ChatCompletionRequest, request: Request) -> Response:
@@ -448,7 +525,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         usage, finish = proto.usage_of(out, resolved)
         choice = proto.ChatChoice(message=proto.ResponseMessage(content=content), finish_reason=finish)
         resp = proto.ChatCompletionResponse(id=rid, model=state.model_name, choices=[choice], usage=usage)
-        return JSONResponse(resp.model_dump(exclude_none=True), headers={"X-Request-Id": rid})
+        return SafeJSONResponse(resp.model_dump(exclude_none=True), headers={"X-Request-Id": rid})
 
     @app.post("/v1/omni/collective_rpc")
     async def collective_rpc(body: proto.CollectiveRpcRequest) -> JSONResponse:
@@ -466,7 +543,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             ).model_dump()
             for r in results
         ]
-        return JSONResponse(out)
+        return SafeJSONResponse(out)
 
 
 async def _image_parts(images: Sequence[Any]) -> list[dict[str, Any]]:

@@ -1,9 +1,21 @@
-"""AsyncOmniEngine: the thin caller-side proxy. Lives in the caller's thread.
+"""AsyncOmniEngine: the thin caller-side proxy. Lives in the callers' threads and event loops.
 
 It validates and normalises input here, before anything is queued, so bad input is a typed error
-at the call site. It puts messages on the janus request queue with ``put_nowait`` (a full queue is
-an immediate :class:`QueueFullError`, never a wait), and a dispatcher task on the caller's event
-loop hands outputs from the janus output queue to per-request streams.
+at the call site: that includes anything no message could carry (a lone surrogate, an integer
+past 64 bits), which would otherwise fail inside the orchestrator thread that serves everyone. It
+puts messages on the janus request queue with ``put_nowait`` (a full queue is an immediate
+:class:`QueueFullError`, never a wait).
+
+One engine serves any number of event loops, one after another or at once (threads, a server and
+a script): each loop that uses it gets a *channel*, a janus output queue of its own drained by a
+dispatcher task on that loop, and every request and control call names the channel its answer
+goes to. The shared bookkeeping (which requests are pending, on which loop) is guarded by a lock.
+
+Supervision: when the engine can no longer serve (the orchestrator thread died, or a stage lost
+every replica for good) every pending request and control call ends at once with
+:class:`EngineDeadError`, on its own loop, and so does every later call. A request's deadline also
+has a backstop here, on the caller's loop: if the engine has not answered shortly after it, the
+caller is released with :class:`RequestTimeoutError` whatever happened inside.
 """
 
 from __future__ import annotations
@@ -11,10 +23,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
+import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import janus
@@ -25,9 +39,11 @@ from omni_runtime.engine.orchestrator import Orchestrator
 from omni_runtime.exceptions import (
     DuplicateRequestError,
     EngineClosedError,
+    EngineDeadError,
     InvalidRequestError,
     QueueFullError,
     RequestAbortedError,
+    RequestTimeoutError,
 )
 from omni_runtime.messages import (
     EngineAbort,
@@ -40,11 +56,18 @@ from omni_runtime.messages import (
     RpcReplicaResult,
 )
 from omni_runtime.params import PARAMS_BY_STAGE_TYPE, check_constraints, resolve_params
+from omni_runtime.serialization import check_encodable
 
 logger = logging.getLogger(__name__)
 
 #: Longest prompt accepted, in characters.
 MAX_PROMPT_CHARS = 100_000
+#: Longest request id accepted, in characters.
+MAX_REQUEST_ID_CHARS = 256
+#: Longest control-call timeout accepted, in seconds.
+MAX_RPC_TIMEOUT_S = 86_400.0
+#: How long after a request's deadline the caller is released even if the engine said nothing.
+DEADLINE_GRACE_S = 2.0
 
 
 def params_class(stage: StageConfig) -> type[msgspec.Struct]:
@@ -54,6 +77,33 @@ def params_class(stage: StageConfig) -> type[msgspec.Struct]:
     from omni_runtime.stage.runners.base import runner_class
 
     return runner_class(stage.stage_type).params_cls
+
+
+class _Channel:
+    """The outputs for what one event loop asked: a janus queue and the task that drains it."""
+
+    __slots__ = ("dispatcher", "id", "loop", "queue")
+
+    def __init__(self, channel_id: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.id = channel_id
+        self.loop = loop
+        self.queue: janus.Queue = janus.Queue()
+        self.dispatcher: asyncio.Task | None = None
+
+
+class PendingRequest:
+    """One admitted request: its outputs arrive on ``stream`` (an asyncio.Queue of EngineOutput)
+    on the loop that admitted it; the last one has ``finished=True``."""
+
+    __slots__ = ("channel", "request_id", "stream", "timer", "wire_id")
+
+    def __init__(self, request_id: str, wire_id: str, channel: _Channel) -> None:
+        self.request_id = request_id
+        #: Its id inside the engine, unique per admission (see ``AsyncOmniEngine._pending``).
+        self.wire_id = wire_id
+        self.channel = channel
+        self.stream: asyncio.Queue = asyncio.Queue()
+        self.timer: asyncio.TimerHandle | None = None
 
 
 class AsyncOmniEngine:
@@ -66,37 +116,61 @@ class AsyncOmniEngine:
         self.max_pending = max_pending or config.max_pending
         self.default_timeout = default_timeout if default_timeout is not None else config.default_timeout_s
         self._params_cls = {s.stage_id: params_class(s) for s in config.stage_args}
-        self._output_queue: janus.Queue = janus.Queue()
-        # Room for every admitted request plus the aborts and control calls about them.
-        self._orchestrator = Orchestrator(config, self._output_queue, request_queue_size=2 * self.max_pending + 256)
-        self._orchestrator.start()
-        self._finalizer = weakref.finalize(self, _stop_orchestrator, self._orchestrator)
-        self._streams: dict[str, asyncio.Queue] = {}
-        # Caller's request id -> the id it has inside the engine, unique per admission: a caller may
-        # reuse an id once its request ended (aborted, timed out), and a late output of the old one
-        # must neither reach the new one nor collide with it in a stage's queue.
-        self._wire_ids: dict[str, str] = {}
+        self._lock = threading.Lock()
+        # Caller's request id -> its pending request. Inside the engine each admission has an id of
+        # its own, so a caller may reuse an id once its request ended (aborted, timed out) and a
+        # late output of the old one neither reaches the new one nor collides in a stage's queue.
+        self._pending: dict[str, PendingRequest] = {}
+        self._rpcs: dict[int, tuple[_Channel, asyncio.Future]] = {}
+        self._channels: dict[asyncio.AbstractEventLoop, _Channel] = {}
+        self._channel_ids = itertools.count(1)
         self._admissions = itertools.count(1)
-        self._rpcs: dict[int, asyncio.Future] = {}
         self._rpc_ids = itertools.count(1)
         self._id_prefix = uuid.uuid4().hex[:12]
         self._auto_ids = itertools.count(1)
-        self._dispatcher: asyncio.Task | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the caller's, where streams live
         self._closed = False
+        self._dead: EngineDeadError | None = None
+        self._dead_callbacks: list[tuple[asyncio.AbstractEventLoop | None, Callable[[EngineDeadError], Any]]] = []
+        # Room for every admitted request plus the aborts and control calls about them.
+        self._orchestrator = Orchestrator(
+            config, request_queue_size=2 * self.max_pending + 256, on_dead=self._on_engine_dead
+        )
+        self._orchestrator.start()
+        self._finalizer = weakref.finalize(self, _stop_orchestrator, self._orchestrator)
 
-    # ------------------------------------------------------------------ input
+    # ------------------------------------------------------------------ state
 
     @property
     def num_pending(self) -> int:
-        return len(self._streams)
+        return len(self._pending)
 
     def stage_status(self) -> dict[int, dict[str, Any]]:
         return self._orchestrator.status()
 
     @property
     def is_running(self) -> bool:
-        return not self._closed and self._orchestrator.alive
+        return not self._closed and self._dead is None and self._orchestrator.alive
+
+    @property
+    def dead(self) -> EngineDeadError | None:
+        """Why the engine can no longer serve, or None while it can."""
+        return self._dead
+
+    def on_dead(self, callback: Callable[[EngineDeadError], Any]) -> None:
+        """Call ``callback(error)`` once when the engine dies: on the calling thread's running
+        event loop if there is one, else in the thread that noticed. At once if already dead."""
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        with self._lock:
+            dead = self._dead
+            if dead is None:
+                self._dead_callbacks.append((loop, callback))
+        if dead is not None:
+            callback(dead)
+
+    # ------------------------------------------------------------------ input
 
     def resolve_params(self, sampling_params: Any) -> dict[int, dict[str, Any]]:
         """Per-stage params, validated, stage defaults applied.
@@ -132,9 +206,11 @@ class AsyncOmniEngine:
             )
         resolved = {}
         for stage, params in zip(stages, given, strict=True):
-            typed = resolve_params(self._params_cls[stage.stage_id], stage.default_sampling_params, params)
-            check_constraints(typed, self._orchestrator.constraints.get(stage.stage_id, {}))
-            resolved[stage.stage_id] = {k: v for k, v in msgspec.structs.asdict(typed).items() if v is not None}
+            fields = resolve_params(self._params_cls[stage.stage_id], stage.default_sampling_params, params)
+            check_constraints(fields, self._orchestrator.constraints.get(stage.stage_id, {}))
+            for name, value in fields.items():
+                check_encodable(value, name if isinstance(name, str) else repr(name))
+            resolved[stage.stage_id] = fields
         return resolved
 
     def final_stages(self, modalities: Sequence[str] | None) -> list[int]:
@@ -142,12 +218,15 @@ class AsyncOmniEngine:
         finals = [s for s in self.config.stage_args if s.final_output]
         if modalities is None:
             return [s.stage_id for s in finals]
-        if isinstance(modalities, str) or not all(isinstance(m, str) for m in modalities):
+        if isinstance(modalities, str) or not isinstance(modalities, Sequence):
+            raise InvalidRequestError("modalities must be a list of strings", param="modalities")
+        if not all(isinstance(m, str) for m in modalities):
             raise InvalidRequestError("modalities must be a list of strings", param="modalities")
         wanted = {"image" if m == "images" else m for m in modalities}
         chosen = [s.stage_id for s in finals if s.final_output_type in wanted]
         if not chosen:
             available = sorted({s.final_output_type for s in finals})
+            check_encodable(sorted(wanted), "modalities")
             raise InvalidRequestError(
                 f"no final stage produces {sorted(wanted)}; this pipeline offers {available}", param="modalities"
             )
@@ -161,11 +240,12 @@ class AsyncOmniEngine:
         sampling_params: Any = None,
         request_id: str | None = None,
         modalities: Sequence[str] | None = None,
-    ) -> tuple[str, asyncio.Queue]:
-        """Validate and enqueue one request; returns its id and the stream its outputs arrive on.
+    ) -> PendingRequest:
+        """Validate and enqueue one request; its outputs arrive on the returned request's stream.
 
-        Must be called on the caller's running event loop. Raises InvalidRequestError,
-        DuplicateRequestError, QueueFullError or EngineClosedError at once.
+        Must be called on a running event loop (any loop: each gets its own output channel).
+        Raises InvalidRequestError, DuplicateRequestError, QueueFullError, EngineClosedError or
+        EngineDeadError at once.
         """
         self._ensure_open()
         if not isinstance(prompt, str):
@@ -174,57 +254,79 @@ class AsyncOmniEngine:
             raise InvalidRequestError(
                 f"prompt is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}", param="prompt"
             )
+        check_encodable(prompt, "prompt")
         if request_id is None:
             # Unique per engine without a system call per request (uuid4 reads os.urandom).
             request_id = f"{self._id_prefix}-{next(self._auto_ids)}"
-        elif not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
-        if request_id in self._streams:
-            raise DuplicateRequestError(f"request id {request_id!r} is already in flight", param="request_id")
+        elif not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(
+                f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters",
+                param="request_id",
+            )
+        else:
+            check_encodable(request_id, "request_id")
         params = self.resolve_params(sampling_params)
         finals = self.final_stages(modalities)
-        if len(self._streams) >= self.max_pending:
-            raise QueueFullError(f"{len(self._streams)} requests pending (max_pending={self.max_pending}); retry later")
         timeout = next((p["timeout"] for p in params.values() if p.get("timeout")), self.default_timeout)
-        now = time.monotonic()
-        wire_id = f"{request_id}#{next(self._admissions)}"
-        msg = EngineRequest(
-            request_id=wire_id,
-            prompt=prompt,
-            params=params,
-            final_stage_ids=finals,
-            arrival_time=time.time(),
-            deadline=now + timeout if timeout else None,
-        )
-        self._start_dispatcher()
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
-        self._wire_ids[request_id] = wire_id
-        try:
-            self._orchestrator.request_queue.sync_q.put_nowait(msg)
-        except janus.SyncQueueFull:
-            del self._streams[request_id], self._wire_ids[request_id]
-            raise QueueFullError("the engine's request queue is full; retry later") from None
-        return request_id, stream
+        channel = self._channel()
+        with self._lock:
+            self._ensure_open()
+            if request_id in self._pending:
+                raise DuplicateRequestError(f"request id {request_id!r} is already in flight", param="request_id")
+            if len(self._pending) >= self.max_pending:
+                raise QueueFullError(
+                    f"{len(self._pending)} requests pending (max_pending={self.max_pending}); retry later"
+                )
+            wire_id = f"{request_id}#{next(self._admissions)}"
+            msg = EngineRequest(
+                request_id=wire_id,
+                channel=channel.id,
+                prompt=prompt,
+                params=params,
+                final_stage_ids=finals,
+                arrival_time=time.time(),
+                deadline=time.monotonic() + timeout if timeout else None,
+            )
+            try:
+                self._orchestrator.request_queue.sync_q.put_nowait(msg)
+            except (janus.SyncQueueFull, janus.SyncQueueShutDown):
+                raise QueueFullError("the engine's request queue is full; retry later") from None
+            pending = PendingRequest(request_id, wire_id, channel)
+            self._pending[request_id] = pending
+        if timeout:
+            # The backstop: released on this loop even if the engine never says a word.
+            pending.timer = channel.loop.call_later(timeout + DEADLINE_GRACE_S, self._expire, pending)
+        return pending
 
     def abort(self, request_ids: str | Sequence[str], reason: BaseException | None = None) -> None:
-        """Abort requests wherever they are. Their streams end with ``reason`` (default
-        RequestAbortedError) at once, without waiting for the stages."""
+        """Abort requests wherever they are, from any thread or loop. Their streams end with
+        ``reason`` (default RequestAbortedError) at once, without waiting for the stages."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         err = reason or RequestAbortedError("request aborted")
-        live = [rid for rid in ids if rid in self._streams]
-        for rid in live:
-            self._streams.pop(rid).put_nowait(
-                EngineOutput(request_id=rid, stage_id=-1, finished=True, error=ErrorInfo.from_exception(err))
-            )
-        wire_ids = [self._wire_ids.pop(rid) for rid in live]
-        if live and self.is_running:
+        with self._lock:
+            ended = [p for rid in ids if isinstance(rid, str) and (p := self._pending.pop(rid, None)) is not None]
+        if not ended:
+            return
+        info = ErrorInfo.from_exception(err)
+        for p in ended:
+            self._end(p, info)
+        if self.is_running:
             try:
                 self._orchestrator.request_queue.sync_q.put_nowait(
-                    EngineAbort(request_ids=wire_ids, reason=ErrorInfo.from_exception(err))
+                    EngineAbort(request_ids=[p.wire_id for p in ended], reason=info)
                 )
-            except janus.SyncQueueFull:
-                logger.warning("request queue full: abort of %s will reach the stages late", live)
+            except (janus.SyncQueueFull, janus.SyncQueueShutDown):
+                logger.warning("request queue full: the abort of %d request(s) reaches the stages late", len(ended))
+
+    def _expire(self, pending: PendingRequest) -> None:
+        if self._pending.get(pending.request_id) is pending:
+            logger.error("request %s: no answer from the engine by its deadline; released here", pending.request_id)
+            self.abort(pending.request_id, RequestTimeoutError("request did not finish before its deadline"))
+
+    def _end(self, pending: PendingRequest, error: ErrorInfo) -> None:
+        """Give a request (no longer in ``_pending``) its last output, on its own loop."""
+        msg = EngineOutput(request_id=pending.request_id, stage_id=-1, finished=True, error=error)
+        _on_loop(pending.channel.loop, _end_stream, pending, msg)
 
     async def collective_rpc(
         self,
@@ -236,46 +338,102 @@ class AsyncOmniEngine:
     ) -> list[RpcReplicaResult]:
         """Run ``method`` on every live replica of ``stage_ids`` (all stages by default)."""
         self._ensure_open()
-        if not isinstance(method, str) or not method:
-            raise InvalidRequestError("method must be a non-empty string", param="method")
+        if not isinstance(method, str) or not method or len(method) > 256:
+            raise InvalidRequestError("method must be a non-empty string of at most 256 characters", param="method")
+        check_encodable(method, "method")
+        if isinstance(args, str | bytes) or not isinstance(args, Sequence):
+            raise InvalidRequestError(f"args must be a list, got {type(args).__name__}", param="args")
+        if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+            raise InvalidRequestError("kwargs must be a mapping with string keys", param="kwargs")
+        check_encodable(list(args), "args")
+        check_encodable(dict(kwargs or {}), "kwargs")
         if stage_ids is not None:
+            if isinstance(stage_ids, str | bytes) or not isinstance(stage_ids, Sequence):
+                raise InvalidRequestError("stage_ids must be a list of stage ids", param="stage_ids")
+            if not all(isinstance(s, int) and not isinstance(s, bool) for s in stage_ids):
+                raise InvalidRequestError("stage_ids must be a list of integers", param="stage_ids")
             unknown = set(stage_ids) - {s.stage_id for s in self.config.stage_args}
             if unknown:
-                raise InvalidRequestError(f"unknown stage id(s) {sorted(unknown)}", param="stage_ids")
-        if timeout is not None and timeout <= 0:
-            raise InvalidRequestError("timeout must be > 0", param="timeout")
-        call_id = next(self._rpc_ids)
-        self._start_dispatcher()
-        fut = asyncio.get_running_loop().create_future()
-        self._rpcs[call_id] = fut
-        try:
-            self._orchestrator.request_queue.sync_q.put_nowait(
-                EngineRpc(
-                    call_id=call_id,
-                    method=method,
-                    args=list(args),
-                    kwargs=dict(kwargs or {}),
-                    stage_ids=list(stage_ids) if stage_ids is not None else None,
-                    timeout=timeout,
-                )
+                shown = sorted(unknown)[:8]
+                raise InvalidRequestError(f"unknown stage id(s) {shown}", param="stage_ids")
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout)
+            or not 0 < timeout <= MAX_RPC_TIMEOUT_S
+        ):
+            raise InvalidRequestError(
+                f"timeout must be a number of seconds in (0, {MAX_RPC_TIMEOUT_S:g}]", param="timeout"
             )
-        except janus.SyncQueueFull:
-            del self._rpcs[call_id]
-            raise QueueFullError("the engine's request queue is full; retry later") from None
+        channel = self._channel()
+        fut = channel.loop.create_future()
+        with self._lock:
+            self._ensure_open()
+            call_id = next(self._rpc_ids)
+            msg = EngineRpc(
+                call_id=call_id,
+                channel=channel.id,
+                method=method,
+                args=list(args),
+                kwargs=dict(kwargs or {}),
+                stage_ids=list(stage_ids) if stage_ids is not None else None,
+                timeout=timeout,
+            )
+            try:
+                self._orchestrator.request_queue.sync_q.put_nowait(msg)
+            except (janus.SyncQueueFull, janus.SyncQueueShutDown):
+                raise QueueFullError("the engine's request queue is full; retry later") from None
+            self._rpcs[call_id] = (channel, fut)
         try:
-            return await fut
+            if timeout is None:
+                return await fut
+            # The backstop: each replica answers by ``timeout``; the call as a whole shortly after.
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), timeout + DEADLINE_GRACE_S)
+            except TimeoutError:
+                raise RequestTimeoutError(f"control call {method!r} got no answer from the engine") from None
         finally:
-            self._rpcs.pop(call_id, None)
+            with self._lock:
+                self._rpcs.pop(call_id, None)
 
     # ------------------------------------------------------------------ output dispatch
 
-    def _start_dispatcher(self) -> None:
-        if self._dispatcher is None or self._dispatcher.done():
-            self._loop = asyncio.get_running_loop()
-            self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch(), name="omni-dispatch")
+    def _channel(self) -> _Channel:
+        """This loop's channel, made on first use (and channels of closed loops dropped)."""
+        loop = asyncio.get_running_loop()
+        channel = self._channels.get(loop)
+        if channel is not None:
+            if channel.dispatcher is None or channel.dispatcher.done():
+                # Cancelled under us (asyncio.run cancels every task it leaves): drain again.
+                channel.dispatcher = loop.create_task(self._dispatch(channel), name=f"omni-dispatch-{channel.id}")
+            return channel
+        with self._lock:
+            channel = self._channels.get(loop)
+            if channel is not None:
+                return channel
+            gone = [c for c in self._channels.values() if c.loop.is_closed()]
+            for c in gone:
+                del self._channels[c.loop]
+                self._orchestrator.channels.pop(c.id, None)
+            orphans = [p for p in self._pending.values() if p.channel in gone]
+            for p in orphans:
+                del self._pending[p.request_id]
+            channel = _Channel(next(self._channel_ids), loop)
+            self._channels[loop] = channel
+            self._orchestrator.channels[channel.id] = channel.queue
+        if orphans:
+            # Nobody can read their answers any more (their loop is closed): stop the work.
+            try:
+                self._orchestrator.request_queue.sync_q.put_nowait(
+                    EngineAbort(request_ids=[p.wire_id for p in orphans])
+                )
+            except (janus.SyncQueueFull, janus.SyncQueueShutDown):
+                pass
+        channel.dispatcher = loop.create_task(self._dispatch(channel), name=f"omni-dispatch-{channel.id}")
+        return channel
 
-    async def _dispatch(self) -> None:
-        queue = self._output_queue.async_q
+    async def _dispatch(self, channel: _Channel) -> None:
+        queue = channel.queue.async_q
         while True:
             try:
                 msg = await queue.get()
@@ -283,59 +441,107 @@ class AsyncOmniEngine:
                 return
             if isinstance(msg, EngineOutput):
                 rid = msg.request_id.rpartition("#")[0]
-                if self._wire_ids.get(rid) != msg.request_id:
-                    continue  # aborted by the caller meanwhile (and its id perhaps reused since)
-                stream = self._streams[rid]
-                if msg.finished:
-                    del self._streams[rid], self._wire_ids[rid]
-                stream.put_nowait(msg)
+                with self._lock:
+                    pending = self._pending.get(rid)
+                    if pending is None or pending.wire_id != msg.request_id:
+                        continue  # aborted by the caller meanwhile (and its id perhaps reused since)
+                    if msg.finished:
+                        del self._pending[rid]
+                if msg.finished and pending.timer is not None:
+                    pending.timer.cancel()
+                pending.stream.put_nowait(msg)
             elif isinstance(msg, EngineRpcResult):
-                fut = self._rpcs.get(msg.call_id)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg.results)
+                with self._lock:
+                    entry = self._rpcs.get(msg.call_id)
+                if entry is not None and not entry[1].done():
+                    if msg.error is not None:
+                        entry[1].set_exception(msg.error.to_exception())
+                    else:
+                        entry[1].set_result(msg.results)
 
-    # ------------------------------------------------------------------ shutdown
+    # ------------------------------------------------------------------ death and shutdown
 
     def _ensure_open(self) -> None:
+        if self._dead is not None:
+            raise self._dead
         if self._closed:
             raise EngineClosedError("the engine is closed")
         if not self._orchestrator.alive:
             raise EngineClosedError("the engine's orchestrator has stopped")
 
+    def _on_engine_dead(self, error: EngineDeadError) -> None:
+        """From the orchestrator thread (or its last words): fail everything, on its own loop."""
+        with self._lock:
+            if self._dead is not None or self._closed:
+                return
+            self._dead = error
+            callbacks, self._dead_callbacks = self._dead_callbacks, []
+        self._fail_everything(error)
+        for loop, callback in callbacks:
+            if loop is None:
+                _call_quietly(callback, error)
+            else:
+                _on_loop(loop, _call_quietly, callback, error)
+
+    def _fail_everything(self, error: BaseException) -> None:
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+            rpcs, self._rpcs = list(self._rpcs.values()), {}
+        info = ErrorInfo.from_exception(error)
+        for p in pending:
+            self._end(p, info)
+        for channel, fut in rpcs:
+            _on_loop(channel.loop, _fail_future, fut, info)
+
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the orchestrator and every stage process; pending requests end with EngineClosedError."""
-        if self._closed:
-            return
-        self._closed = True
-        # Streams and futures belong to the caller's loop: fail them there, even when close() is
-        # called from another thread (a server closes its engine from an executor thread).
-        self._on_caller_loop(self._fail_pending)
+        """Stop the orchestrator and every stage process; pending requests end with EngineClosedError.
+        Safe from any thread; closing twice is a no-op."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._fail_everything(EngineClosedError("engine closed"))
         self._finalizer()
         self._orchestrator.join(timeout)
-        self._output_queue.shutdown(immediate=True)
+        with self._lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+        for channel in channels:
+            if channel.dispatcher is not None:
+                _on_loop(channel.loop, channel.dispatcher.cancel)
 
-    def _fail_pending(self) -> None:
-        err = ErrorInfo.from_exception(EngineClosedError("engine closed"))
-        for rid, stream in list(self._streams.items()):
-            stream.put_nowait(EngineOutput(request_id=rid, stage_id=-1, finished=True, error=err))
-        self._streams.clear()
-        self._wire_ids.clear()
-        for fut in self._rpcs.values():
-            if not fut.done():
-                fut.set_exception(EngineClosedError("engine closed"))
-        if self._dispatcher is not None:
-            self._dispatcher.cancel()
 
-    def _on_caller_loop(self, callback: Any) -> None:
-        loop = self._loop
+def _on_loop(loop: asyncio.AbstractEventLoop, func: Callable[..., Any], *args: Any) -> None:
+    """Run ``func(*args)`` on ``loop``: now if that is the running loop, else soon from any thread."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if loop is running:
+        func(*args)
+    elif not loop.is_closed():
         try:
-            running = asyncio.get_running_loop()
+            loop.call_soon_threadsafe(func, *args)
         except RuntimeError:
-            running = None
-        if loop is None or loop is running or loop.is_closed():
-            callback()
-        else:
-            loop.call_soon_threadsafe(callback)
+            pass  # closed meanwhile: nobody waits there any more
+
+
+def _end_stream(pending: PendingRequest, msg: EngineOutput) -> None:
+    if pending.timer is not None:
+        pending.timer.cancel()
+    pending.stream.put_nowait(msg)
+
+
+def _fail_future(fut: asyncio.Future, error: ErrorInfo) -> None:
+    if not fut.done():
+        fut.set_exception(error.to_exception())
+
+
+def _call_quietly(callback: Callable[[Any], Any], arg: Any) -> None:
+    try:
+        callback(arg)
+    except Exception:
+        logger.exception("engine callback failed")
 
 
 def _stop_orchestrator(orchestrator: Orchestrator) -> None:

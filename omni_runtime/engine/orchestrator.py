@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,15 @@ from omni_runtime import shm
 from omni_runtime.config import DeployConfig, StageConfig
 from omni_runtime.engine.stage_client import InProcStageClient, StageClient, ZmqStageClient
 from omni_runtime.engine.stage_pool import StagePool
-from omni_runtime.exceptions import EngineClosedError, RequestAbortedError, RequestTimeoutError, StageDeadError
+from omni_runtime.exceptions import (
+    EngineClosedError,
+    EngineDeadError,
+    OmniError,
+    RequestAbortedError,
+    RequestTimeoutError,
+    StageExecutionError,
+    StageStartupError,
+)
 from omni_runtime.messages import (
     EngineAbort,
     EngineOutput,
@@ -65,10 +74,23 @@ class _Request:
 class Orchestrator:
     """Owns the stage pools; moves requests through the stage graph."""
 
-    def __init__(self, config: DeployConfig, output_queue: janus.Queue, *, request_queue_size: int = 0) -> None:
+    def __init__(
+        self,
+        config: DeployConfig,
+        *,
+        request_queue_size: int = 0,
+        on_dead: Callable[[EngineDeadError], None] | None = None,
+    ) -> None:
         self.config = config
         self.request_queue: janus.Queue = janus.Queue(maxsize=request_queue_size)
-        self._out = output_queue
+        #: Output queues by channel id, one per caller event loop; the caller registers and
+        #: unregisters them (a dict write is atomic), this thread only reads.
+        self.channels: dict[int, janus.Queue] = {}
+        #: Called (from this thread) once when the engine can no longer serve: the thread died,
+        #: or a stage lost every replica for good.
+        self._on_dead = on_dead
+        #: Set once the engine is dead; every request is then refused with it.
+        self.dead: EngineDeadError | None = None
         self.pools: dict[int, StagePool] = {}
         self.constraints: dict[int, dict[str, Any]] = {}
         self._requests: dict[str, _Request] = {}
@@ -89,6 +111,7 @@ class Orchestrator:
         #: Name prefix of every shared-memory segment of this engine (None: no ipc stage).
         self.shm_prefix: str | None = None
         self._shm_pool: shm.ShmPool | None = None
+        self._stopping = False  # EngineShutdown received: the thread's end is asked for
 
     # ------------------------------------------------------------------ lifecycle (caller thread)
 
@@ -123,9 +146,26 @@ class Orchestrator:
         try:
             uvloop.run(self._main())
         except BaseException as e:  # never let the thread die silently
-            logger.exception("orchestrator stopped")
+            logger.critical("the orchestrator thread died", exc_info=e)
             if not self._ready.done():
                 self._ready.set_exception(e)
+            else:
+                self._die(f"the orchestrator thread died: {type(e).__name__}: {e}")
+        else:
+            if not self._stopping and self._ready.done() and self._ready.exception() is None:
+                self._die("the orchestrator thread stopped without being asked to")
+
+    def _die(self, reason: str) -> None:
+        """The engine cannot serve any more: say so once, to the caller's side."""
+        if self.dead is not None:
+            return
+        self.dead = EngineDeadError(reason)
+        logger.critical("engine dead: %s", reason)
+        if self._on_dead is not None:
+            try:
+                self._on_dead(self.dead)
+            except Exception:
+                logger.exception("on_dead callback failed")
 
     # ------------------------------------------------------------------ the loop (orchestrator thread)
 
@@ -154,7 +194,9 @@ class Orchestrator:
             # 3) serve the request queue until shutdown.
             await self._serve()
         finally:
-            self._fail_all(EngineClosedError("engine closed"))
+            if not self._stopping and self._ready.done() and self._ready.exception() is None:
+                self._die("the orchestrator's event loop stopped unexpectedly")
+            self._fail_all(self.dead or EngineClosedError("engine closed"))
             await self._close_pools()
             self._zctx.destroy(linger=0)  # every socket is closed by now; never block on one
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
@@ -171,8 +213,16 @@ class Orchestrator:
                 self._client_factory(stage, total_process_replicas),
                 self._on_stage_output,
                 self._on_requests_lost,
+                self._on_stage_gone,
             )
-        await asyncio.gather(*(p.start() for p in self.pools.values()))
+        # Every start runs to its end (each pool closes what it started if one replica failed),
+        # so nothing is still starting when the caller closes the pools after a failure.
+        results = await asyncio.gather(*(p.start() for p in self.pools.values()), return_exceptions=True)
+        for res in results:
+            if isinstance(res, BaseException):
+                if isinstance(res, OmniError | asyncio.CancelledError):
+                    raise res
+                raise StageStartupError(f"a stage failed to start: {type(res).__name__}: {res}") from res
         self.constraints = {sid: p.constraints for sid, p in self.pools.items()}
 
     def _client_factory(self, stage: StageConfig, total_replicas: int):
@@ -203,22 +253,58 @@ class Orchestrator:
         queue = self.request_queue.async_q
         while True:
             msg = await queue.get()
-            if isinstance(msg, EngineRequest):
-                self._add(msg)
-            elif isinstance(msg, EngineAbort):
-                reason = msg.reason.to_exception() if msg.reason else RequestAbortedError("aborted")
-                for rid in msg.request_ids:
-                    self._finish_with_error(rid, reason, stage_id=None)
-            elif isinstance(msg, EngineRpc):
-                task = asyncio.get_running_loop().create_task(self._rpc(msg))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-            elif isinstance(msg, EngineShutdown):
+            if isinstance(msg, EngineShutdown):
+                self._stopping = True
                 return
+            # Total: whatever one message makes go wrong ends that message's request or call with
+            # an error; the loop that serves everyone goes on.
+            try:
+                self._handle(msg)
+            except Exception as e:
+                logger.exception("failed to handle %s", type(msg).__name__)
+                self._fail_message(msg, e)
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, EngineRequest):
+            self._add(msg)
+        elif isinstance(msg, EngineAbort):
+            reason = msg.reason.to_exception() if msg.reason else RequestAbortedError("aborted")
+            for rid in msg.request_ids:
+                self._finish_with_error(rid, reason, stage_id=None)
+        elif isinstance(msg, EngineRpc):
+            task = asyncio.get_running_loop().create_task(self._rpc(msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            logger.warning("dropped unexpected %s", type(msg).__name__)
+
+    def _fail_message(self, msg: Any, exc: Exception) -> None:
+        err = exc if isinstance(exc, OmniError) else StageExecutionError(f"internal error: {type(exc).__name__}: {exc}")
+        if isinstance(msg, EngineRequest):
+            if msg.request_id in self._requests:
+                self._finish_with_error(msg.request_id, err, None)
+            else:
+                stage_id = msg.final_stage_ids[0] if msg.final_stage_ids else -1
+                self._emit(msg.channel, _error_output(msg.request_id, stage_id, err))
+        elif isinstance(msg, EngineRpc):
+            self._emit(msg.channel, EngineRpcResult(call_id=msg.call_id, error=ErrorInfo.from_exception(err)))
+
+    def _emit(self, channel: int, msg: Any) -> None:
+        """Put a message on a caller's output queue; one whose loop has gone is dropped."""
+        queue = self.channels.get(channel)
+        if queue is None:
+            return
+        try:
+            queue.sync_q.put_nowait(msg)
+        except (janus.SyncQueueShutDown, RuntimeError):
+            pass  # that caller closed its side: nobody is waiting
 
     # ------------------------------------------------------------------ routing
 
     def _add(self, msg: EngineRequest) -> None:
+        if self.dead is not None:
+            self._emit(msg.channel, _error_output(msg.request_id, msg.final_stage_ids[0], self.dead))
+            return
         state = _Request(msg, set(msg.final_stage_ids))
         self._requests[msg.request_id] = state
         if msg.deadline is not None:
@@ -251,12 +337,26 @@ class Orchestrator:
                     arrival_time=msg.arrival_time,
                 )
             )
-        except StageDeadError as e:
+        except Exception as e:  # no live replica, or a value no message can carry
             self._finish_with_error(msg.request_id, e, stage_id)
             return
         state.running.add(stage_id)
 
     def _on_stage_output(self, stage_id: int, out: StageOutput) -> None:
+        try:
+            self._route_output(stage_id, out)
+        except Exception as e:  # a routing bug ends this request, never the stage's socket reader
+            logger.exception("stage %d: failed to route the output of %s", stage_id, out.request_id)
+            self.pools[stage_id].done(out.request_id)
+            err = StageExecutionError(f"internal error routing the output: {type(e).__name__}: {e}", stage_id=stage_id)
+            self._finish_with_error(out.request_id, err, stage_id)
+        except BaseException as e:
+            # SystemExit or KeyboardInterrupt from user code (an input function) ends this thread:
+            # say why before the loop unwinds, so every caller hears it at once.
+            self._die(f"the orchestrator thread died: {type(e).__name__}: {e}")
+            raise
+
+    def _route_output(self, stage_id: int, out: StageOutput) -> None:
         state = self._requests.get(out.request_id)
         if state is None:
             return  # aborted, timed out or failed meanwhile: drop it
@@ -338,7 +438,8 @@ class Orchestrator:
         metrics = dict(out.metrics)
         if stage_finished:
             metrics["e2e_ms"] = (time.time() - state.msg.arrival_time) * 1000.0
-        self._out.sync_q.put_nowait(
+        self._emit(
+            state.msg.channel,
             EngineOutput(
                 request_id=out.request_id,
                 stage_id=stage_id,
@@ -348,7 +449,7 @@ class Orchestrator:
                 images=out.images,
                 tensors=out.tensors,
                 metrics=metrics,
-            )
+            ),
         )
 
     def _finish_with_error(self, request_id: str, exc: BaseException, stage_id: int | None) -> None:
@@ -361,17 +462,8 @@ class Orchestrator:
         self._forget(request_id)
         if stage_id is None:
             stage_id = next(iter(state.running), state.msg.final_stage_ids[0])
-        self._out.sync_q.put_nowait(
-            EngineOutput(
-                request_id=request_id,
-                stage_id=stage_id,
-                finished=True,
-                error=ErrorInfo.from_exception(
-                    exc, stage_id if getattr(exc, "stage_id", None) is None else exc.stage_id
-                ),
-                metrics={"e2e_ms": (time.time() - state.msg.arrival_time) * 1000.0},
-            )
-        )
+        e2e_ms = (time.time() - state.msg.arrival_time) * 1000.0
+        self._emit(state.msg.channel, _error_output(request_id, stage_id, exc, {"e2e_ms": e2e_ms}))
 
     def _forget(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
@@ -385,9 +477,14 @@ class Orchestrator:
                 request_id, RequestTimeoutError("request did not finish before its deadline"), stage_id=None
             )
 
-    def _on_requests_lost(self, stage_id: int, request_ids: list[str], reason: str) -> None:
+    def _on_requests_lost(self, stage_id: int, request_ids: list[str], error: OmniError) -> None:
         for rid in request_ids:
-            self._finish_with_error(rid, StageDeadError(reason, stage_id=stage_id), stage_id)
+            self._finish_with_error(rid, error, stage_id)
+
+    def _on_stage_gone(self, stage_id: int, reason: str) -> None:
+        """A stage has no live replica and no restart left: no request can be served any more."""
+        self._die(f"stage {stage_id} has no live replica and no restart left ({reason})")
+        self._fail_all(self.dead)
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid in list(self._requests):
@@ -397,16 +494,34 @@ class Orchestrator:
 
     async def _rpc(self, msg: EngineRpc) -> None:
         stage_ids = msg.stage_ids if msg.stage_ids is not None else list(self.pools)
-        results = []
-        for res in await asyncio.gather(
-            *(
-                self.pools[sid].rpc(msg.method, list(msg.args), dict(msg.kwargs), msg.timeout)
-                for sid in stage_ids
-                if sid in self.pools
-            )
-        ):
-            results.extend(res)
-        self._out.sync_q.put_nowait(EngineRpcResult(call_id=msg.call_id, results=results))
+        try:
+            results = []
+            for res in await asyncio.gather(
+                *(
+                    self.pools[sid].rpc(msg.method, list(msg.args), dict(msg.kwargs), msg.timeout)
+                    for sid in stage_ids
+                    if sid in self.pools
+                )
+            ):
+                results.extend(res)
+            reply = EngineRpcResult(call_id=msg.call_id, results=results)
+        except Exception as e:  # the caller gets an answer whatever went wrong
+            logger.exception("control call %r failed", msg.method)
+            reply = EngineRpcResult(call_id=msg.call_id, error=ErrorInfo.from_exception(e))
+        self._emit(msg.channel, reply)
+
+
+def _error_output(
+    request_id: str, stage_id: int, exc: BaseException, metrics: dict[str, Any] | None = None
+) -> EngineOutput:
+    sid = getattr(exc, "stage_id", None)
+    return EngineOutput(
+        request_id=request_id,
+        stage_id=stage_id,
+        finished=True,
+        error=ErrorInfo.from_exception(exc, stage_id if sid is None else sid),
+        metrics=metrics or {},
+    )
 
 
 def _passes_shm(stage: StageConfig) -> bool:

@@ -28,8 +28,8 @@ import msgspec
 
 from omni_runtime import shm
 from omni_runtime.config import StageConfig
-from omni_runtime.exceptions import StageStartupError
-from omni_runtime.messages import ErrorInfo, StageOutput, StageReady, StageRpcResult, StageShutdown
+from omni_runtime.exceptions import StageDeadError, StageStartupError
+from omni_runtime.messages import ErrorInfo, StageOutput, StageReady, StageShutdown, StageStartupFailed
 from omni_runtime.transport import SocketReader
 
 logger = logging.getLogger(__name__)
@@ -60,11 +60,17 @@ class StageClient(ABC):
 
     @abstractmethod
     def send(self, msg: Any) -> None:
-        """Send one message; never blocks."""
+        """Send one message; never blocks. Raises StageDeadError if the replica cannot be reached
+        (it is then reported dead) and msgspec.EncodeError if ``msg`` cannot be encoded."""
+
+    @abstractmethod
+    def kill(self, reason: str) -> None:
+        """Stop an unresponsive replica at once and report it dead with ``reason``."""
 
     @abstractmethod
     async def close(self, timeout: float = 5.0) -> None:
-        """Stop the replica (gracefully, then by force after ``timeout``) and free its resources."""
+        """Stop the replica (gracefully, then by force after ``timeout``) and free its resources.
+        Always returns: every wait is bounded."""
 
 
 class InProcStageClient(StageClient):
@@ -99,8 +105,17 @@ class InProcStageClient(StageClient):
             self._on_dead(self, f"stage {self.stage_id} replica {self.replica_id}: worker loop died: {exc!r}")
 
     def send(self, msg: Any) -> None:
-        if self._worker is not None and self.alive:
-            self._worker.handle(msg)
+        if self._worker is None or not self.alive:
+            raise StageDeadError(
+                f"stage {self.stage_id} replica {self.replica_id} is not alive", stage_id=self.stage_id
+            )
+        self._worker.handle(msg)
+
+    def kill(self, reason: str) -> None:
+        # A thread cannot be killed: a wedged forward thread is abandoned, the worker replaced.
+        if self.alive:
+            self.alive = False
+            self._on_dead(self, reason)
 
     async def close(self, timeout: float = 5.0) -> None:
         self.alive = False
@@ -147,10 +162,6 @@ class ZmqStageClient(StageClient):
         self._encoder = Encoder(shm_pool if use_shm else None)
         self._decoder = outbound_decoder(self._shm_engine)
 
-    @property
-    def process(self) -> subprocess.Popen | None:
-        return self._proc
-
     def _bind(self, sock: Any, name: str) -> str:
         if self.stage.runtime.transport == "tcp":
             sock.bind("tcp://127.0.0.1:*")
@@ -160,6 +171,24 @@ class ZmqStageClient(StageClient):
         return addr
 
     async def start(self) -> StageReady:
+        """Spawn the process and wait for READY. Whatever stops that (a load failure, the time-out,
+        an exit, a cancellation) closes the process and sockets before it propagates."""
+        try:
+            return await self._start()
+        except BaseException as e:
+            await self.close(timeout=1.0)
+            if isinstance(e, TimeoutError):
+                raise StageStartupError(
+                    f"stage {self.stage_id} replica {self.replica_id} did not say READY "
+                    f"within {self.stage.runtime.startup_timeout_s:g} s"
+                ) from None
+            if isinstance(e, Exception) and not isinstance(e, StageStartupError):
+                raise StageStartupError(
+                    f"stage {self.stage_id} replica {self.replica_id} could not start: {type(e).__name__}: {e}"
+                ) from e
+            raise
+
+    async def _start(self) -> StageReady:
         import zmq
 
         from omni_runtime.stage.process import StageProcessArgs
@@ -170,7 +199,9 @@ class ZmqStageClient(StageClient):
         self._pull = self._zctx.socket(zmq.PULL)
         for sock in (self._push, self._pull):
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)  # admission is bounded upstream; never block here
+            # Unbounded queues: with a connected peer a send never blocks, however slow or stopped
+            # that peer is (admission is bounded upstream). Without one it would: sends are NOBLOCK.
+            sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
         in_addr, out_addr = self._bind(self._push, "in"), self._bind(self._pull, "out")
         args = StageProcessArgs(
@@ -187,30 +218,24 @@ class ZmqStageClient(StageClient):
         #    sees this process's import path so custom runner modules resolve the same way.
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+        payload = msgspec.msgpack.encode(args)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "omni_runtime.stage.process"], stdin=subprocess.PIPE, env=env, close_fds=True
         )
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(msgspec.msgpack.encode(args))
-        self._proc.stdin.close()
-        # 3) death sentinel: a pidfd becomes readable when the process exits.
+        # 3) death sentinel first: a pidfd becomes readable when the process exits.
         self._pidfd = os.pidfd_open(self._proc.pid)
         loop.add_reader(self._pidfd, self._on_exit)
         self.alive = True
         self._ready_fut = loop.create_future()
         self._reader = SocketReader(self._pull, self._on_frames)
-        # 4) READY handshake with a time-out.
+        assert self._proc.stdin is not None
         try:
-            self.ready = await asyncio.wait_for(asyncio.shield(self._ready_fut), self.stage.runtime.startup_timeout_s)
-        except TimeoutError:
-            await self.close(timeout=1.0)
-            raise StageStartupError(
-                f"stage {self.stage_id} replica {self.replica_id} did not say READY "
-                f"within {self.stage.runtime.startup_timeout_s:g} s"
-            ) from None
-        except StageStartupError:
-            await self.close(timeout=1.0)
-            raise
+            self._proc.stdin.write(payload)  # a few KiB: fits the pipe, never blocks
+            self._proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it exited at once; the pidfd reports why
+        # 4) READY handshake with a time-out.
+        self.ready = await asyncio.wait_for(asyncio.shield(self._ready_fut), self.stage.runtime.startup_timeout_s)
         return self.ready
 
     def _on_frames(self, frames: list[Any]) -> None:
@@ -229,8 +254,12 @@ class ZmqStageClient(StageClient):
             if isinstance(msg, StageReady):
                 self._ready_fut.set_result(msg)
                 return
-            if isinstance(msg, StageRpcResult) and msg.call_id == -1 and msg.error:
-                self._ready_fut.set_exception(StageStartupError(msg.error.message))
+            if isinstance(msg, StageStartupFailed):
+                self._ready_fut.set_exception(
+                    StageStartupError(
+                        f"stage {self.stage_id} replica {self.replica_id} failed to load: {msg.error.message}"
+                    )
+                )
                 return
         # A bug in routing one message is logged by the reader, which keeps reading.
         self._on_message(self, msg)
@@ -243,6 +272,8 @@ class ZmqStageClient(StageClient):
         self._pidfd = None
         was_alive, self.alive = self.alive, False
         reason = f"stage {self.stage_id} replica {self.replica_id} (pid {self._proc.pid}) exited with code {code}"
+        if self._ready_fut is not None and not self._ready_fut.done() and self._reader is not None:
+            self._reader.drain()  # its last words (why it failed to load) may be queued already
         if self._ready_fut is not None and not self._ready_fut.done():
             self._ready_fut.set_exception(StageStartupError(f"{reason} before READY"))
             return
@@ -258,10 +289,44 @@ class ZmqStageClient(StageClient):
         return StageOutput(request_id=exc.message.request_id, error=err)
 
     def send(self, msg: Any) -> None:
-        if self.alive and self._push is not None:
-            self._push.send_multipart(self._encoder.encode(msg), copy=False)
-            if self._encoder.handles:
-                self._track(self._encoder.handles)
+        import zmq
+
+        if not self.alive or self._push is None:
+            raise StageDeadError(
+                f"stage {self.stage_id} replica {self.replica_id} is not alive", stage_id=self.stage_id
+            )
+        frames = self._encoder.encode(msg)  # msgspec.EncodeError: nothing was sent
+        try:
+            # Never blocks: HWM 0 queues without bound while the peer is connected; a PUSH socket
+            # with no peer (the process exited, its pipe is gone) would wait forever without NOBLOCK.
+            self._push.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:
+            for handle in self._encoder.handles:
+                shm.release(handle)
+            reason = f"stage {self.stage_id} replica {self.replica_id} (pid {self.pid}) cannot be reached: {e}"
+            self._stop()
+            # Reported on the next loop turn: the caller is in the middle of routing.
+            asyncio.get_running_loop().call_soon(self._report_dead, reason)
+            raise StageDeadError(reason, stage_id=self.stage_id) from None
+        if self._encoder.handles:
+            self._track(self._encoder.handles)
+
+    def kill(self, reason: str) -> None:
+        """SIGKILL (works on a stopped process too) and report the death now; the pidfd then
+        reaps it without reporting it twice."""
+        if self.alive:
+            self._stop()
+            self._report_dead(reason)
+
+    def _stop(self) -> None:
+        self.alive = False
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+
+    def _report_dead(self, reason: str) -> None:
+        if not self._closing:
+            logger.error("%s", reason)
+            self._on_dead(self, reason)
 
     @property
     def unreleased(self) -> list[shm.ShmHandle]:
@@ -289,7 +354,11 @@ class ZmqStageClient(StageClient):
         proc = self._proc
         if proc is not None and proc.poll() is None:
             # 1) ask politely, 2) SIGTERM, 3) SIGKILL: each bounded, so close() always returns.
-            self.send(StageShutdown())
+            if self.alive:
+                try:
+                    self.send(StageShutdown())
+                except StageDeadError:
+                    pass  # no peer to ask: go on to the signals
             for step in (proc.terminate, proc.kill, None):
                 if await _wait_exit(proc, timeout):
                     break
@@ -302,8 +371,12 @@ class ZmqStageClient(StageClient):
             asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
-        if proc is not None and proc.returncode is None:
-            proc.wait()
+        if proc is not None and proc.poll() is None:
+            # Not even SIGKILL ended it within the bound (a process in uninterruptible sleep):
+            # never block the loop on it; the kernel reaps it with this process at the latest.
+            logger.error(
+                "stage %d replica %d (pid %d) did not exit after SIGKILL", self.stage_id, self.replica_id, proc.pid
+            )
         if self._reader is not None:
             self._reader.close()
         for sock in (self._push, self._pull):

@@ -3,6 +3,12 @@
 Routes each request to the least-loaded live replica, knows which replica holds which request,
 fans control calls out to every live replica, and restarts a replica that dies (exponential
 backoff, at most ``runtime.max_restarts`` times) while the others keep serving.
+
+Liveness: every replica is pinged from this loop a few times per ``runtime.heartbeat_timeout_s``
+and answers from its own event loop. A replica that stays silent that long (stopped with SIGSTOP,
+its loop blocked), or whose forward made no progress for ``runtime.stall_timeout_s`` (stuck in
+native code), is killed: its requests fail with StageDeadError and it is restarted like a crash.
+A stage left with no live replica and no restart is *gone*, which the orchestrator hears once.
 """
 
 from __future__ import annotations
@@ -10,16 +16,27 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from omni_runtime.config import StageConfig
 from omni_runtime.engine.stage_client import StageClient
-from omni_runtime.exceptions import RpcError, StageDeadError
+from omni_runtime.exceptions import (
+    InvalidRequestError,
+    OmniError,
+    RpcError,
+    StageDeadError,
+    StageStartupError,
+)
 from omni_runtime.messages import (
     RpcReplicaResult,
     StageAbort,
     StageOutput,
+    StagePing,
+    StagePong,
     StageRequest,
     StageRpc,
     StageRpcResult,
@@ -33,6 +50,11 @@ ClientFactory = Callable[[int, int, Any, Any], StageClient]
 _call_ids = itertools.count(1)
 
 
+def heartbeat_interval(timeout_s: float) -> float:
+    """How often replicas are pinged: a few times per timeout, at most once a second."""
+    return max(0.02, min(1.0, timeout_s / 4))
+
+
 class StagePool:
     """All replicas of one stage, and which requests each one holds."""
 
@@ -41,44 +63,63 @@ class StagePool:
         stage: StageConfig,
         make_client: ClientFactory,
         on_output: Callable[[int, Any], None],
-        on_requests_lost: Callable[[int, list[str], str], None],
+        on_requests_lost: Callable[[int, list[str], OmniError], None],
+        on_gone: Callable[[int, str], None] | None = None,
     ) -> None:
         self.stage = stage
         self.stage_id = stage.stage_id
         self._make_client = make_client
         self._on_output = on_output
         self._on_requests_lost = on_requests_lost
+        self._on_gone = on_gone
         n = stage.runtime.num_replicas
         self.replicas: list[StageClient | None] = [None] * n
         self.inflight: list[set[str]] = [set() for _ in range(n)]
         self.where: dict[str, int] = {}
         self._turn = 0
         self.restarts = [0] * n
+        #: Replicas killed because they missed heartbeats or their forward stalled.
+        self.unresponsive_kills = 0
         self.constraints: dict[str, Any] = {}
         self._rpc: dict[int, tuple[int, asyncio.Future]] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._restarting: dict[int, asyncio.Task] = {}
+        self._pong_at = [0.0] * n
+        self._stalled: list[float | None] = [None] * n
+        self._ping_seq = itertools.count(1)
+        self._heartbeat: asyncio.TimerHandle | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Start every replica concurrently; a failure closes the ones that did start."""
+        """Start every replica concurrently; if one fails, all of them are closed again."""
         clients = [self._new_client(i, 0) for i in range(len(self.replicas))]
         results = await asyncio.gather(*(c.start() for c in clients), return_exceptions=True)
-        for i, (client, res) in enumerate(zip(clients, results, strict=True)):
-            self.replicas[i] = client
-            if isinstance(res, BaseException):
-                await self.close()
-                raise res
-            self.constraints = dict(res.constraints)
+        self.replicas = list(clients)  # all of them, so close() reaches every started process
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await self.close()
+            first = failed[0]
+            if isinstance(first, OmniError | asyncio.CancelledError):
+                raise first
+            raise StageStartupError(f"stage {self.stage_id} failed to start: {type(first).__name__}: {first}")
+        self.constraints = dict(results[0].constraints)
+        self._pong_at = [time.monotonic()] * len(self.replicas)
+        self._schedule_heartbeat()
 
     def _new_client(self, replica_id: int, generation: int) -> StageClient:
         return self._make_client(replica_id, generation, self._on_message, self._on_dead)
 
     async def close(self, timeout: float = 5.0) -> None:
         self._closed = True
-        for task in list(self._tasks):
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        # A restart that is starting a process closes it when cancelled; wait for that, and for
+        # the closing of dead replicas, so nothing is left when this returns.
+        for task in self._restarting.values():
             task.cancel()
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
         await asyncio.gather(*(c.close(timeout) for c in self.replicas if c is not None), return_exceptions=True)
         for _, fut in self._rpc.values():
             if not fut.done():
@@ -91,7 +132,8 @@ class StagePool:
         return [c for c in self.replicas if c is not None and c.alive]
 
     def submit(self, msg: StageRequest) -> None:
-        """Send to the least-loaded live replica; StageDeadError when none is alive."""
+        """Send to the least-loaded live replica. StageDeadError when none is alive or it cannot be
+        reached; InvalidRequestError when the request holds what no message can carry."""
         live = self.live
         if not live:
             raise StageDeadError(f"stage {self.stage_id} has no live replica", stage_id=self.stage_id)
@@ -101,7 +143,14 @@ class StagePool:
         client = min(live, key=lambda c: (len(self.inflight[c.replica_id]), (c.replica_id - self._turn) % n))
         self.inflight[client.replica_id].add(msg.request_id)
         self.where[msg.request_id] = client.replica_id
-        client.send(msg)
+        try:
+            client.send(msg)
+        except msgspec.EncodeError as e:
+            self.done(msg.request_id)
+            raise InvalidRequestError(f"the request cannot be sent to stage {self.stage_id}: {e}") from None
+        except BaseException:
+            self.done(msg.request_id)
+            raise
 
     def done(self, request_id: str) -> None:
         replica = self.where.pop(request_id, None)
@@ -113,12 +162,19 @@ class StagePool:
         if replica is not None:
             client = self.replicas[replica]
             if client is not None and client.alive:
-                client.send(StageAbort(request_ids=[request_id]))
+                try:
+                    client.send(StageAbort(request_ids=[request_id]))
+                except StageDeadError:
+                    pass  # the replica is gone, and its death fails what it held
             self.done(request_id)
 
     # ------------------------------------------------------------------ replica events
 
     def _on_message(self, client: StageClient, msg: Any) -> None:
+        if isinstance(msg, StagePong):
+            self._pong_at[client.replica_id] = time.monotonic()
+            self._stalled[client.replica_id] = msg.stalled_s
+            return
         if isinstance(msg, StageRpcResult):
             entry = self._rpc.pop(msg.call_id, None)
             if entry is not None and not entry[1].done():
@@ -143,44 +199,86 @@ class StagePool:
         if restart:
             self.restarts[replica] += 1
         if lost:
-            self._on_requests_lost(self.stage_id, lost, reason)
+            self._on_requests_lost(self.stage_id, lost, StageDeadError(reason, stage_id=self.stage_id))
         # Free the dead replica's sockets and reader now; a restart gets fresh ones.
         self._spawn(client.close(timeout=0.5))
         if restart:
-            self._spawn(self._restart(replica))
+            self._restarting[replica] = self._spawn(self._restart(replica))
+        else:
+            self._check_gone(reason)
 
-    def _spawn(self, coro: Any) -> None:
+    def _check_gone(self, reason: str) -> None:
+        if not self._closed and not self.live and not self._restarting and self._on_gone is not None:
+            self._on_gone(self.stage_id, reason)
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _restart(self, replica: int) -> None:
-        attempt = self.restarts[replica]  # counted by the caller
-        delay = min(0.5 * 2 ** (attempt - 1), 30.0)
-        logger.warning(
-            "stage %d replica %d: restart %d/%d in %.1f s",
-            self.stage_id,
-            replica,
-            attempt,
-            self.stage.runtime.max_restarts,
-            delay,
-        )
-        await asyncio.sleep(delay)  # backoff: a crash loop must not spin
-        client = self._new_client(replica, attempt)
+        """Start a new process for ``replica`` after a backoff, retrying within ``max_restarts``."""
+        max_restarts = self.stage.runtime.max_restarts
+        failure = None
         try:
-            await client.start()
-        except Exception as e:
-            logger.error("stage %d replica %d: restart failed: %s", self.stage_id, replica, e)
-            await client.close(timeout=1.0)
-            if not self._closed and self.restarts[replica] < self.stage.runtime.max_restarts:
-                self.restarts[replica] += 1
-                await self._restart(replica)
-            return
-        if self._closed:
-            await client.close()
-            return
-        self.replicas[replica] = client
-        logger.warning("stage %d replica %d restarted (pid %s)", self.stage_id, replica, client.pid)
+            while True:
+                attempt = self.restarts[replica]  # counted by the caller
+                delay = min(0.5 * 2 ** (attempt - 1), 30.0)
+                logger.warning(
+                    "stage %d replica %d: restart %d/%d in %.1f s", self.stage_id, replica, attempt, max_restarts, delay
+                )
+                await asyncio.sleep(delay)  # backoff: a crash loop must not spin
+                client = self._new_client(replica, attempt)
+                try:
+                    await client.start()  # closes its own process if it fails or is cancelled
+                except Exception as e:
+                    logger.error("stage %d replica %d: restart failed: %s", self.stage_id, replica, e)
+                    if self._closed or self.restarts[replica] >= max_restarts:
+                        failure = f"restart failed: {e}"
+                        return
+                    self.restarts[replica] += 1
+                    continue
+                if self._closed:
+                    await client.close()
+                    return
+                self.replicas[replica] = client
+                self._pong_at[replica], self._stalled[replica] = time.monotonic(), None
+                logger.warning("stage %d replica %d restarted (pid %s)", self.stage_id, replica, client.pid)
+                return
+        finally:
+            self._restarting.pop(replica, None)
+            if failure is not None:
+                self._check_gone(failure)
+
+    # ------------------------------------------------------------------ liveness
+
+    def _schedule_heartbeat(self) -> None:
+        timeout = self.stage.runtime.heartbeat_timeout_s
+        if timeout > 0 and not self._closed:
+            self._heartbeat = asyncio.get_running_loop().call_later(heartbeat_interval(timeout), self._beat)
+
+    def _beat(self) -> None:
+        """1) kill replicas that stayed silent or stalled too long  2) ping the others  3) again later."""
+        runtime = self.stage.runtime
+        now = time.monotonic()
+        for client in self.live:
+            r = client.replica_id
+            silent, stalled = now - self._pong_at[r], self._stalled[r]
+            if silent > runtime.heartbeat_timeout_s:
+                self._kill(client, f"answered no heartbeat for {silent:.1f} s (stopped, or its event loop is blocked)")
+            elif runtime.stall_timeout_s and stalled is not None and stalled > runtime.stall_timeout_s:
+                self._kill(client, f"its forward made no progress for {stalled:.1f} s (wedged)")
+            else:
+                try:
+                    client.send(StagePing(seq=next(self._ping_seq)))
+                except StageDeadError:
+                    pass  # reported dead by the client itself
+        self._schedule_heartbeat()
+
+    def _kill(self, client: StageClient, why: str) -> None:
+        self.unresponsive_kills += 1
+        client.kill(f"stage {self.stage_id} replica {client.replica_id} (pid {client.pid}) {why}; killed")
 
     # ------------------------------------------------------------------ control calls
 
@@ -194,16 +292,21 @@ class StagePool:
             call_id = next(_call_ids)
             fut = loop.create_future()
             self._rpc[call_id] = (client.replica_id, fut)
-            client.send(StageRpc(call_id=call_id, method=method, args=args, kwargs=kwargs))
             try:
+                client.send(StageRpc(call_id=call_id, method=method, args=args, kwargs=kwargs))
                 reply: StageRpcResult = await asyncio.wait_for(fut, timeout)
             except TimeoutError:
-                self._rpc.pop(call_id, None)
                 return RpcReplicaResult(
                     stage_id=self.stage_id, replica_id=client.replica_id, error=f"timed out after {timeout:g} s"
                 )
-            except RpcError as e:
+            except (RpcError, StageDeadError) as e:
                 return RpcReplicaResult(stage_id=self.stage_id, replica_id=client.replica_id, error=str(e))
+            except msgspec.EncodeError as e:
+                return RpcReplicaResult(
+                    stage_id=self.stage_id, replica_id=client.replica_id, error=f"arguments cannot be sent: {e}"
+                )
+            finally:
+                self._rpc.pop(call_id, None)
             if reply.error is not None:
                 return RpcReplicaResult(
                     stage_id=self.stage_id,
@@ -219,12 +322,19 @@ class StagePool:
         return sorted(results, key=lambda r: r.replica_id)
 
     def status(self) -> dict[str, Any]:
+        live = {c.replica_id for c in self.live}
+        states = [
+            "live" if i in live else "restarting" if i in self._restarting else "dead"
+            for i in range(len(self.replicas))
+        ]
         return {
             "stage_id": self.stage_id,
             "stage_type": self.stage.stage_type,
             "replicas": len(self.replicas),
-            "live_replicas": len(self.live),
+            "live_replicas": len(live),
+            "replica_states": states,
             "restarts": sum(self.restarts),
+            "unresponsive_kills": self.unresponsive_kills,
             "inflight": sum(len(s) for s in self.inflight),
             "per_replica_inflight": [len(s) for s in self.inflight],
         }

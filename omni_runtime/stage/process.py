@@ -93,8 +93,14 @@ async def _serve(args: StageProcessArgs) -> int:
     encoder, decoder = Encoder(pool), inbound_decoder(args.shm_engine)
 
     def send(msg: Any) -> None:
-        # PUSH to a connected peer with an unbounded HWM queue does not block.
-        outbound.send_multipart(encoder.encode(msg), copy=False)
+        # Unbounded HWM: never blocks while the parent is connected; NOBLOCK, so that a parent that
+        # is gone (this process dies with it, PR_SET_PDEATHSIG) is a dropped message, not a hang.
+        # msgspec.EncodeError reaches the worker, which answers the request with an error instead.
+        frames = encoder.encode(msg)
+        try:
+            outbound.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:
+            logger.warning("dropped %s: the parent cannot be reached (%s)", type(msg).__name__, e)
 
     # A worker whose scheduling loop died would take requests and never answer them: exit
     # non-zero instead, so the parent fails what it held with StageDeadError and restarts it.
@@ -105,9 +111,11 @@ async def _serve(args: StageProcessArgs) -> int:
         main.cancel()
 
     stage = msgspec.convert(args.stage, StageConfig)
-    worker = StageWorker(stage, args.replica_id, send, on_fatal=on_fatal)
+    worker = None
     try:
         try:
+            # The runner class is imported and built here too: a bad module is a load failure.
+            worker = StageWorker(stage, args.replica_id, send, on_fatal=on_fatal)
             ready = await worker.start()
         except Exception as e:
             logger.exception("stage %d failed to load", stage.stage_id)
@@ -140,7 +148,8 @@ async def _serve(args: StageProcessArgs) -> int:
         if not fatal:
             raise
     finally:
-        await worker.close()
+        if worker is not None:
+            await worker.close()
         outbound.close(linger=1000)  # flush what is queued (outputs, a start-up failure)
         inbound.close(linger=0)
         ctx.term()
@@ -160,12 +169,10 @@ def _answer_lost_input(send: Any, exc: Any, stage_id: int) -> None:
 
 
 def _startup_failure(exc: BaseException, stage_id: int) -> Any:
-    from omni_runtime.messages import ErrorInfo, StageRpcResult
+    from omni_runtime.messages import ErrorInfo, StageStartupFailed, encodable_text
 
-    # call_id -1 is the start-up channel: the parent reads it as a failed READY.
-    return StageRpcResult(
-        call_id=-1, error=ErrorInfo(type="StageStartupError", message=f"{type(exc).__name__}: {exc}", stage_id=stage_id)
-    )
+    message = encodable_text(f"{type(exc).__name__}: {exc}")
+    return StageStartupFailed(error=ErrorInfo(type="StageStartupError", message=message, stage_id=stage_id))
 
 
 def main() -> None:

@@ -83,7 +83,9 @@ class RequestScheduler:
             _check_int("max_queue_len", max_queue_len)
         if policy not in ("oldest_key", "fifo"):
             raise ConfigError(f"expected 'oldest_key' or 'fifo', got {policy!r}", path="policy")
-        self._max_num_seqs = 1
+        self._max_num_seqs = 1  # as applied: min(asked, batch cap)
+        self._asked_max_num_seqs = 1
+        self._batch_cap: int | None = None
         self._max_wait_ms = 0.0
         self.set_config(max_num_seqs=max_num_seqs, max_wait_ms=max_wait_ms)
         self._clock = clock
@@ -171,9 +173,22 @@ class RequestScheduler:
         if max_wait_ms is not None:
             _check_ms("max_wait_ms", max_wait_ms)
         if max_num_seqs is not None:
-            self._max_num_seqs = max_num_seqs
+            self._asked_max_num_seqs = max_num_seqs
+            self._apply_cap()
         if max_wait_ms is not None:
             self._max_wait_ms = float(max_wait_ms)
+
+    def set_batch_cap(self, cap: int | None) -> None:
+        """The most requests the runner can take in one forward (None: no limit of its own).
+        ``max_num_seqs`` never exceeds it, whatever is asked before or after."""
+        if cap is not None:
+            _check_int("batch cap", cap)
+        self._batch_cap = cap
+        self._apply_cap()
+
+    def _apply_cap(self) -> None:
+        cap = self._batch_cap
+        self._max_num_seqs = self._asked_max_num_seqs if cap is None else min(cap, self._asked_max_num_seqs)
 
     @property
     def max_num_seqs(self) -> int:

@@ -14,10 +14,11 @@ import logging
 import os
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import msgspec
 
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import (
@@ -31,6 +32,8 @@ from omni_runtime.messages import (
     ErrorInfo,
     StageAbort,
     StageOutput,
+    StagePing,
+    StagePong,
     StageReady,
     StageRequest,
     StageRpc,
@@ -61,6 +64,7 @@ class StageWorker:
         #: a replica that still answers pings but never runs a wave again must be replaced.
         self._on_fatal = on_fatal
         self.runner = runner_class(stage.stage_type)(stage)
+        self.runner.replica_id = replica_id
         args = stage.engine_args
         self.scheduler = RequestScheduler(
             max_num_seqs=args.max_num_seqs,
@@ -73,11 +77,15 @@ class StageWorker:
         self._loop_task: asyncio.Task | None = None
         self._rpc_tasks: set[asyncio.Task] = set()
         self._released: set[str] = set()  # aborted while running: caller already answered
+        #: The one truth about sleep: set before the model is freed, cleared once it is back, so
+        #: no wave ever runs on a freed model and every request meanwhile gets StageAsleepError.
         self._asleep = False
         self._closed = False
         self._served = 0
         self._failed = 0
-        self._exec_counts: Counter[str] = Counter()
+        #: When the running forward last made progress (``time.monotonic()``, written by the
+        #: forward thread); None while no forward runs. Reported in every pong.
+        self._progress_at: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -85,9 +93,8 @@ class StageWorker:
         """Load the model (in the executor thread) and start the scheduling loop."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self.runner.load)
-        limit = self.runner.max_batch_size
-        if limit is not None and limit < self.scheduler.max_num_seqs:
-            self.scheduler.set_config(max_num_seqs=limit)
+        # A hard cap: neither the config nor a later set_batching can lift it.
+        self.scheduler.set_batch_cap(self.runner.max_batch_size)
         self._loop_task = asyncio.create_task(self._run(), name=f"stage{self.stage_id}-loop")
         self._loop_task.add_done_callback(self._on_loop_done)
         return StageReady(
@@ -128,6 +135,9 @@ class StageWorker:
                 task = asyncio.get_running_loop().create_task(self._rpc(msg))
                 self._rpc_tasks.add(task)
                 task.add_done_callback(self._rpc_tasks.discard)
+            elif isinstance(msg, StagePing):
+                stalled = None if self._progress_at is None else time.monotonic() - self._progress_at
+                self._emit(StagePong(seq=msg.seq, stalled_s=stalled))
             elif isinstance(msg, StageShutdown):
                 self._closed = True
                 self._wake.set()
@@ -222,12 +232,20 @@ class StageWorker:
 
     async def _execute(self, loop: asyncio.AbstractEventLoop, batch: list[RunnerRequest]) -> list[RunnerOutput]:
         """One fused forward; if it raises, each request again alone so only the culprit fails."""
-        ctx = ExecuteContext(
-            # Closing aborts everything: the forward thread must stop for the process to exit, even
-            # after close() has cancelled the wave's bookkeeping under it.
-            is_aborted=lambda rid: self._closed or self.scheduler.is_aborted(rid),
-            emit=lambda rid, part: loop.call_soon_threadsafe(self._emit_partial, rid, part),
-        )
+
+        def is_aborted(rid: str) -> bool:
+            # Called between steps: each call is also a sign that the forward is not stuck.
+            self._progress_at = time.monotonic()
+            # Closing aborts everything: the forward thread must stop for the process to exit,
+            # even after close() has cancelled the wave's bookkeeping under it.
+            return self._closed or self.scheduler.is_aborted(rid)
+
+        def emit(rid: str, part: RunnerOutput) -> None:
+            self._progress_at = time.monotonic()
+            loop.call_soon_threadsafe(self._emit_partial, rid, part)
+
+        ctx = ExecuteContext(is_aborted=is_aborted, emit=emit)
+        self._progress_at = time.monotonic()
         try:
             if self.runner.runs_inline(batch):
                 # Cheap enough to run on the loop: saves two thread hops per wave.
@@ -236,10 +254,14 @@ class StageWorker:
         except Exception as e:
             if len(batch) == 1:
                 logger.warning("stage %d: request %s failed: %s", self.stage_id, batch[0].request_id, e)
-                return [RunnerOutput(error=StageExecutionError(f"{type(e).__name__}: {e}", stage_id=self.stage_id))]
+                if not isinstance(e, OmniError):  # a typed error (asleep, bad input) keeps its type
+                    e = StageExecutionError(f"{type(e).__name__}: {e}", stage_id=self.stage_id)
+                return [RunnerOutput(error=e)]
             logger.warning(
                 "stage %d: fused forward of %d failed (%s); retrying one by one", self.stage_id, len(batch), e
             )
+        finally:
+            self._progress_at = None
         outputs = []
         for req in batch:
             outputs.extend(await self._execute(loop, [req]))
@@ -259,8 +281,21 @@ class StageWorker:
             )
 
     def _emit(self, msg: Any) -> None:
+        """Send ``msg``. One that cannot be encoded (a runner's text with a lone surrogate, an int
+        past 64 bits in its metrics) becomes an error for its request or call, so nothing waits
+        for an answer that was never sent."""
         try:
             self._send(msg)
+        except msgspec.EncodeError as e:
+            logger.error("stage %d: cannot send %s: %s", self.stage_id, type(msg).__name__, e)
+            if isinstance(msg, StageOutput) and msg.error is None:
+                if not msg.finished:
+                    self._released.add(msg.request_id)  # the rest of this request is not sent
+                err = StageExecutionError(f"the stage's output cannot be sent: {e}", stage_id=self.stage_id)
+                self._emit(StageOutput(request_id=msg.request_id, error=ErrorInfo.from_exception(err, self.stage_id)))
+            elif isinstance(msg, StageRpcResult) and msg.error is None:
+                err = RpcError(f"the result cannot be sent: {e}")
+                self._emit(StageRpcResult(call_id=msg.call_id, error=ErrorInfo.from_exception(err, self.stage_id)))
         except Exception:
             logger.exception("stage %d: could not send %s", self.stage_id, type(msg).__name__)
 
@@ -284,14 +319,17 @@ class StageWorker:
         if method == "set_batching":
             return self._set_batching(**kwargs)
         if method == "sleep":
-            # Runs on the forward thread, so it waits for the running wave instead of racing it.
-            result = await loop.run_in_executor(self._executor, self.runner.sleep)
+            # Asleep first: from now on requests are refused and waves not yet begun fail with
+            # StageAsleepError. The release runs on the forward thread, after the running wave.
             self._asleep = True
+            result = await loop.run_in_executor(self._executor, self.runner.sleep)
             gc.collect()
             return {"asleep": True, **(result or {})}
         if method == "wake_up":
+            # Awake only once the model is back: requests meanwhile still get StageAsleepError.
             result = await loop.run_in_executor(self._executor, self.runner.wake_up)
             self._asleep = False
+            self._wake.set()
             return {"asleep": False, **(result or {})}
         handler = getattr(self.runner, f"rpc_{method}", None)
         if handler is None:
@@ -312,7 +350,12 @@ class StageWorker:
             )
         self.scheduler.set_config(max_num_seqs=max_num_seqs, max_wait_ms=request_batch_max_wait_ms)
         self._wake.set()
-        return {"max_num_seqs": self.scheduler.max_num_seqs, "request_batch_max_wait_ms": self.scheduler.max_wait_ms}
+        # max_num_seqs as applied: never above what the runner declared it can take.
+        return {
+            "max_num_seqs": self.scheduler.max_num_seqs,
+            "request_batch_max_wait_ms": self.scheduler.max_wait_ms,
+            "max_batch_size": self.runner.max_batch_size,
+        }
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()

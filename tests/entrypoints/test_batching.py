@@ -97,7 +97,7 @@ async def test_abort_mid_forward_releases_the_caller_at_once(engine):
     slow = asyncio.create_task(run(engine, "slow", seed=1, **steps))
     other = asyncio.create_task(run(engine, "other", seed=2, **steps))
     await asyncio.sleep(1.0)  # both are in the same running forward by now
-    first, second = list(engine.engine._streams)
+    first, second = list(engine.engine._pending)
     start = time.monotonic()
     await engine.abort(first)
     done, _ = await asyncio.wait({slow, other}, return_when=asyncio.FIRST_COMPLETED)

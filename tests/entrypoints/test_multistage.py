@@ -264,7 +264,8 @@ async def test_sigkill_of_the_consumer_stage_frees_the_tensors_it_was_sent(no_le
     """A tensor handed to a stage that dies before reading it goes back to its producer's pool."""
     config = two_stage(
         {"stage_type": SOURCE},
-        {"final_output_type": "tensor", "runtime": {"max_restarts": 0}},
+        # A restart left, so that the death is the stage's (StageDeadError), not the engine's.
+        {"final_output_type": "tensor", "runtime": {"max_restarts": 1}},
     )
     async with AsyncOmni(config) as engine:
         [ping] = await engine.collective_rpc("ping", stage_ids=[1], timeout=5)

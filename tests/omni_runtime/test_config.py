@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from omni_runtime.config import load_config, parse_config, with_engine_overrides
 from omni_runtime.exceptions import ConfigError
+from tests.strategies import ANY_TEXT, JSON_VALUES
 
 pytestmark = pytest.mark.unit
 
@@ -114,3 +118,30 @@ def test_engine_overrides_apply_to_diffusion_stage():
         with_engine_overrides(config, max_num_seqs=0)
     with pytest.raises(ConfigError, match="unknown engine argument"):
         with_engine_overrides(config, max_seqs=3)
+
+
+@given(
+    field=st.sampled_from(["default_sampling_params", "runner_args"]),
+    value=st.dictionaries(ANY_TEXT, JSON_VALUES, max_size=3),
+    name=ANY_TEXT,
+)
+def test_hostile_yaml_values_are_a_config_error_or_a_config_every_process_can_get(field, value, name):
+    """Whatever a YAML file holds, loading it gives a ConfigError naming the path, or a config that
+    can be sent to every stage process (never a failure to start a replica)."""
+    data = {"model": name, "stage_args": [stage(**{field: value})]}
+    try:
+        config = parse_config(data, "hostile.yaml")
+    except ConfigError as e:
+        assert str(e).startswith("hostile.yaml: ")
+        return
+    msgspec.msgpack.encode(msgspec.to_builtins(config))
+
+
+def test_an_unencodable_yaml_value_names_its_path(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "stage_args:\n  - {stage_id: 0, stage_type: echo, final_output: true, final_output_type: text,\n"
+        '     runner_args: {note: "half \\ud83d", n: 100000000000000000000000}}\n'
+    )
+    with pytest.raises(ConfigError, match=r"bad.yaml: stage_args\[0\].runner_args.note: contains U\+D83D"):
+        load_config(path)

@@ -7,6 +7,7 @@ import pytest
 from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.params import (
     DiffusionSamplingParams,
+    GenericSamplingParams,
     TextSamplingParams,
     check_constraints,
     resolve_params,
@@ -21,8 +22,16 @@ def test_defaults_then_request_values_win():
         {"num_inference_steps": 4, "height": 64},
         DiffusionSamplingParams(num_inference_steps=2, seed=3),
     )
-    assert (p.num_inference_steps, p.height, p.seed) == (2, 64, 3)
-    assert resolve_params(DiffusionSamplingParams, {}, {"seed": 5}).seed == 5
+    assert p == {"num_inference_steps": 2, "height": 64, "seed": 3}
+    assert resolve_params(DiffusionSamplingParams, {}, {"seed": 5}) == {"seed": 5}
+
+
+def test_a_runner_without_a_params_class_gets_every_field():
+    """Generic params were converted into a struct without the fields, so the runner got none."""
+    p = resolve_params(GenericSamplingParams, {"strength": 0.5}, {"style": "ink", "timeout": 3, "unset": None})
+    assert p == {"strength": 0.5, "style": "ink", "timeout": 3.0}
+    with pytest.raises(InvalidRequestError, match="timeout"):
+        resolve_params(GenericSamplingParams, {}, {"timeout": -1})
 
 
 @pytest.mark.parametrize(
@@ -54,10 +63,9 @@ def test_wrong_params_class_and_type():
 
 
 def test_model_constraints():
-    ok = DiffusionSamplingParams(height=64, width=48)
-    check_constraints(ok, {"size_multiple": 8, "max_pixels": 64 * 64})
+    check_constraints({"height": 64, "width": 48}, {"size_multiple": 8, "max_pixels": 64 * 64})
     with pytest.raises(InvalidRequestError, match="`width`: 60 is not a multiple of 8") as info:
-        check_constraints(DiffusionSamplingParams(height=64, width=60), {"size_multiple": 8})
+        check_constraints({"height": 64, "width": 60}, {"size_multiple": 8})
     assert info.value.param == "width"
     with pytest.raises(InvalidRequestError, match="exceeds"):
-        check_constraints(DiffusionSamplingParams(height=128, width=128), {"max_pixels": 64 * 64})
+        check_constraints({"height": 128, "width": 128}, {"max_pixels": 64 * 64})

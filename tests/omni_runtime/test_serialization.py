@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import msgspec
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
 
-from omni_runtime.exceptions import StageDeadError
+from omni_runtime.exceptions import InvalidRequestError, StageDeadError
 from omni_runtime.messages import (
     ErrorInfo,
     StageAbort,
@@ -18,7 +21,15 @@ from omni_runtime.messages import (
     StageRpcResult,
     StageShutdown,
 )
-from omni_runtime.serialization import INLINE_MAX, Encoder, inbound_decoder, outbound_decoder
+from omni_runtime.serialization import (
+    INLINE_MAX,
+    Encoder,
+    check_encodable,
+    find_unencodable,
+    inbound_decoder,
+    outbound_decoder,
+)
+from tests.strategies import JSON_VALUES
 
 pytestmark = pytest.mark.unit
 
@@ -78,8 +89,21 @@ def test_arrays_and_tensors_travel_as_raw_frames():
 
 
 def test_unsupported_objects_are_refused_not_pickled():
-    with pytest.raises(NotImplementedError, match="cannot send objects of type object"):
+    with pytest.raises(msgspec.EncodeError, match="cannot send objects of type object"):
         Encoder().encode(StageRpcResult(call_id=1, result=object()))
+
+
+@pytest.mark.parametrize(
+    ("msg", "why"),
+    [
+        (StageRequest(request_id="r", prompt="a\ud800b", params={}), "UnicodeEncodeError"),
+        (StageRpc(call_id=1, method="set_batching", kwargs={"max_num_seqs": 10**30}), "OverflowError"),
+        (StageOutput(request_id="r", metrics={"n": -(2**64)}), "OverflowError"),
+    ],
+)
+def test_what_msgpack_cannot_carry_is_one_typed_encode_error(msg, why):
+    with pytest.raises(msgspec.EncodeError, match=why):
+        Encoder().encode(msg)
 
 
 @pytest.mark.parametrize("frames", [[b"garbage"], [], [b"\x81\xa4type\xa5nope!"], Encoder().encode(StageShutdown())])
@@ -94,3 +118,32 @@ def test_error_info_recreates_typed_errors():
     assert isinstance(err, StageDeadError) and err.stage_id == 2 and str(err) == "gone"
     other = ErrorInfo.from_exception(ZeroDivisionError("x"), stage_id=1).to_exception()
     assert type(other).__name__ == "StageExecutionError" and "ZeroDivisionError" in str(other)
+
+
+@given(JSON_VALUES)
+def test_find_unencodable_agrees_with_the_encoder(value):
+    """The check made at every entry point says exactly what the wire encoder will refuse."""
+    found = find_unencodable(value, "v")
+    try:
+        Encoder().encode(StageRpc(call_id=1, method="m", args=[value]))
+    except msgspec.EncodeError:
+        assert found is not None
+    else:
+        assert found is None
+    if found is not None:
+        with pytest.raises(InvalidRequestError) as err:
+            check_encodable(value, "v")
+        assert err.value.param == found[0] and err.value.param.startswith("v")
+
+
+def test_find_unencodable_names_the_path_and_the_reason():
+    assert find_unencodable({"a": [1, {"b": "x\udfffy"}]}, "kwargs") == (
+        "kwargs.a[1].b",
+        "contains U+DFFF at index 1, which cannot be encoded as UTF-8",
+    )
+    path, why = find_unencodable([2**64], "args")
+    assert path == "args[0]" and "out of range" in why
+    path, why = find_unencodable(functools.reduce(lambda v, _: [v], range(40), 0), "deep")
+    assert "nested deeper" in why
+    assert find_unencodable({"t": torch.zeros(3), "a": np.zeros(2), "b": b"raw"}, "ok") is None
+    assert "Python objects" in find_unencodable(np.array([object()]), "x")[1]

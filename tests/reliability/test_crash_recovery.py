@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from omni_runtime.exceptions import StageDeadError
+from omni_runtime.exceptions import EngineDeadError, StageDeadError
 from tests.reliability.support import close, eventually, fault_stage, last, pids, start, stats, status
 
 pytestmark = pytest.mark.reliability
@@ -94,7 +94,7 @@ async def test_a_runner_fault_kills_the_replica_and_the_pool_restarts_it(no_leak
         await close(engine)
 
 
-async def test_after_max_restarts_the_stage_stays_dead_and_fails_fast(no_leaks):
+async def test_after_max_restarts_the_engine_is_dead_and_fails_fast(no_leaks):
     engine = start(fault_stage(max_restarts=1))
     try:
         [pid] = (await pids(engine)).values()
@@ -102,25 +102,30 @@ async def test_after_max_restarts_the_stage_stays_dead_and_fails_fast(no_leaks):
         await eventually(lambda: status(engine)["live_replicas"] == 0, what="the first death noticed")
         assert status(engine)["restarts"] == 1
         await eventually(lambda: status(engine)["live_replicas"] == 1, what="the first restart")
+        assert engine.engine.dead is None
         [pid] = (await pids(engine)).values()
+        deaths = []
+        engine.on_dead(deaths.append)
 
-        # The second death is past the cap: no restart is scheduled.
+        # The second death is past the cap: no restart is left, so the engine is dead.
         task = asyncio.create_task(last(engine, "in flight", SLOW))
         await eventually(lambda: status(engine)["inflight"] == 1, what="the request reaching the stage")
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(StageDeadError):
+        with pytest.raises(EngineDeadError, match="no restart left"):
             await asyncio.wait_for(task, 1.0)
+        await eventually(lambda: deaths, what="the on_dead callback")
+        assert isinstance(deaths[0], EngineDeadError) and not engine.engine.is_running
         # Longer than the next backoff (1 s) would have been: still dead, and it says so.
         await asyncio.sleep(1.5)
         s = status(engine)
-        assert (s["live_replicas"], s["restarts"], s["inflight"]) == (0, 1, 0)
+        assert (s["live_replicas"], s["restarts"], s["inflight"], s["replica_states"]) == (0, 1, 0, ["dead"])
         for i in range(20):
             t = time.monotonic()
-            with pytest.raises(StageDeadError, match="no live replica"):
+            with pytest.raises(EngineDeadError, match="stage 0 has no live replica"):
                 await last(engine, f"refused-{i}")
             assert time.monotonic() - t < 0.05
-        [res] = await engine.collective_rpc("ping", timeout=2)
-        assert not res.ok and "not alive" in res.error
+        with pytest.raises(EngineDeadError):
+            await engine.collective_rpc("ping", timeout=2)
         assert engine.engine.num_pending == 0
     finally:
         await close(engine)

@@ -1,7 +1,8 @@
 """Property-based fuzzing of the HTTP API of a real ``omni-runtime serve``: whatever the body
-(wrong types, huge or non-finite numbers, unknown fields, absurd sizes, ``n`` out of range,
-megabyte prompts, not JSON at all), the answer is never a 5xx, every error has the OpenAI error
-shape, and afterwards the server is healthy and serves normally with the same stage processes.
+(wrong types, huge or non-finite numbers, integers past 64 bits, text UTF-8 cannot encode, unknown
+fields, absurd sizes, ``n`` out of range, megabyte prompts, not JSON at all), on every route, the
+control route included, the answer is never a 5xx, every error has the OpenAI error shape, and
+afterwards the server is healthy and serves normally with the same stage processes.
 
 The one 5xx a valid body may earn is 504, when it sets its own (positive) ``timeout``.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -18,6 +20,7 @@ from hypothesis import strategies as st
 
 from tests.entrypoints.openai.server_process import start_server, write_config
 from tests.reliability.support import http_config
+from tests.strategies import ANY_TEXT, EDGE_INTS
 
 pytestmark = [pytest.mark.reliability, pytest.mark.e2e]
 
@@ -31,12 +34,12 @@ FUZZ = settings(
 
 # --------------------------------------------------------------------------- strategies
 
-huge_ints = st.integers(min_value=-(2**70), max_value=2**70)
+huge_ints = st.integers(min_value=-(2**70), max_value=2**70) | EDGE_INTS
 any_floats = st.floats(allow_nan=True, allow_infinity=True)
-json_scalars = st.none() | st.booleans() | huge_ints | any_floats | st.text(max_size=40)
+json_scalars = st.none() | st.booleans() | huge_ints | any_floats | st.text(max_size=40) | ANY_TEXT
 json_values = st.recursive(
     json_scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8) | ANY_TEXT, inner, max_size=4),
     max_leaves=10,
 )
 
@@ -48,7 +51,8 @@ def field(sensible: st.SearchStrategy) -> st.SearchStrategy:
 
 prompts = st.one_of(
     st.text(max_size=120),
-    st.sampled_from(["", " ", "\x00", "a cat", "🐈" * 50, "x" * 100_001, "y" * 1_000_000]),
+    ANY_TEXT,
+    st.sampled_from(["", " ", "\x00", "a cat", "🐈" * 50, "x" * 100_001, "y" * 1_000_000, "x\udfffy", "\ud800"]),
 )
 sizes = st.one_of(
     st.sampled_from(["64x64", "auto", "AUTO", "0x0", "100000x100000", "4096x4096", "8x8", "12x12", "64x-64", "x", ""]),
@@ -107,9 +111,9 @@ fuzzed_images = st.fixed_dictionaries(
         "guidance_scale": field(st.floats(-10, 200) | any_floats),
         "seed": field(st.integers(-5, 2**64)),
         "timeout": field(positive_timeouts | st.floats(-1, 1e6)),
-        "model": field(st.sampled_from(["reliability", "gpt-image-1", ""])),
+        "model": field(st.sampled_from(["reliability", "gpt-image-1", "", "x\udfffy"]) | ANY_TEXT),
         "stream": field(st.booleans()),
-        "user": field(st.text(max_size=300)),
+        "user": field(st.text(max_size=300) | ANY_TEXT),
         "quality": field(st.sampled_from(["high", "standard", "x" * 40])),
     },
 )
@@ -129,7 +133,7 @@ content_parts = st.lists(
 fuzzed_messages = st.lists(
     st.fixed_dictionaries(
         {"role": field(st.sampled_from(["user", "system", "assistant", "developer", "tool", "robot"]))},
-        optional={"content": field(prompts | content_parts), "name": field(st.text(max_size=20))},
+        optional={"content": field(prompts | content_parts), "name": field(st.text(max_size=20) | ANY_TEXT)},
     ),
     max_size=4,
 )
@@ -154,7 +158,7 @@ valid_chats = st.fixed_dictionaries(
 fuzzed_chats = st.fixed_dictionaries(
     {"messages": field(fuzzed_messages)},
     optional={
-        "model": field(st.sampled_from(["reliability", "gpt-4o", ""])),
+        "model": field(st.sampled_from(["reliability", "gpt-4o", ""]) | ANY_TEXT),
         "modalities": field(st.lists(st.sampled_from(["text", "image", "audio"]), max_size=3)),
         "stream": field(st.booleans()),
         "stream_options": field(st.fixed_dictionaries({}, optional={"include_usage": field(st.booleans())})),
@@ -174,6 +178,36 @@ chat_bodies = bodies(
     fuzzed_chats,
     ["messages", "modalities", "stream", "max_tokens", "temperature", "stop", "n", "timeout", "seed", "x"],
 )
+rpc_kwargs = st.one_of(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "max_num_seqs": st.integers(-2, 10) | huge_ints | any_floats | ANY_TEXT,
+            "request_batch_max_wait_ms": st.floats(-1, 100) | any_floats | huge_ints,
+        },
+    ),
+    st.dictionaries(ANY_TEXT, json_values, max_size=3),
+)
+valid_rpcs = st.fixed_dictionaries(
+    {"method": st.sampled_from(["ping", "get_stats", "set_batching"])},
+    optional={
+        "stage_ids": st.sampled_from([[0], [1], [0, 1]]),
+        "timeout": st.floats(0.5, 10),
+        "kwargs": st.fixed_dictionaries(
+            {}, optional={"max_num_seqs": st.integers(1, 8), "request_batch_max_wait_ms": st.floats(0, 20)}
+        ),
+    },
+)
+fuzzed_rpcs = st.fixed_dictionaries(
+    {"method": field(st.sampled_from(["ping", "get_stats", "set_batching", "no_such", "", "__init__"]) | ANY_TEXT)},
+    optional={
+        "args": field(st.lists(json_values, max_size=4)),
+        "kwargs": field(rpc_kwargs),
+        "stage_ids": field(st.lists(st.integers(-2, 3) | huge_ints, max_size=3)),
+        "timeout": field(positive_timeouts | st.floats(-1, 1e6) | any_floats | huge_ints),
+    },
+)
+rpc_bodies = bodies(valid_rpcs, fuzzed_rpcs, ["method", "args", "kwargs", "stage_ids", "timeout", "x"])
 raw_bodies = st.one_of(
     st.binary(max_size=300),
     st.sampled_from([b"", b"{", b"null", b"[]", b'{"prompt": "a", "n": 1e999}', b'{"prompt": "\\ud800"}', b"\xff\xfe"]),
@@ -219,7 +253,7 @@ def post(http: httpx.Client, path: str, content: bytes, body: object = None) -> 
     elif b'"stream": true' in content or b'"stream":true' in content:
         assert resp.text.rstrip().endswith("data: [DONE]"), resp.text[-300:]
     else:
-        assert resp.json()
+        assert resp.json() is not None
     return resp
 
 
@@ -247,6 +281,26 @@ def test_fuzzed_chat_requests_never_get_a_5xx(http, body):
 def test_bodies_that_are_not_requests_get_a_4xx(http, content, path):
     resp = post(http, path, content)
     assert resp.status_code in (400, 413, 422), resp.text[:300]
+
+
+@FUZZ
+@given(body=rpc_bodies)
+def test_fuzzed_control_calls_never_get_a_5xx_nor_hang(http, body):
+    """The defect: an integer past 64 bits in kwargs killed the call's task; the call hung and
+    SIGTERM could not stop the server any more."""
+    resp = post(http, "/v1/omni/collective_rpc", encode(body), body)
+    if resp.status_code == 200:
+        results = resp.json()
+        assert isinstance(results, list) and all({"stage_id", "replica_id", "ok"} <= r.keys() for r in results)
+
+
+@settings(FUZZ, max_examples=150)
+@given(name=ANY_TEXT | st.text(max_size=300), route=st.sampled_from(["/v1/models/", "/v1/files/"]))
+def test_fuzzed_path_parameters_never_get_a_5xx(http, name, route):
+    resp = http.get(route + quote(name.encode("utf-8", "surrogatepass"), safe=""))
+    assert resp.status_code < 500, resp.text[:300]
+    if resp.status_code != 200:
+        assert resp.json()["error"]["message"]
 
 
 def test_the_server_is_healthy_after_the_fuzzing(server, http):

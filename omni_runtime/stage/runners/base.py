@@ -74,6 +74,8 @@ class StageRunner(ABC):
     #: Most requests one ``execute()`` can take (None: only ``max_num_seqs`` limits it). A
     #: pipeline that cannot take list inputs sets 1, and the worker caps its waves.
     max_batch_size: int | None = None
+    #: Which replica of its stage this runner serves (set by the worker before ``load``).
+    replica_id: int = 0
 
     def __init__(self, stage: StageConfig) -> None:
         self.stage = stage

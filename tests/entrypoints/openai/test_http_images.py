@@ -178,8 +178,10 @@ def test_collective_rpc_returns_one_result_per_replica(http, client):
 
 def test_readyz_reports_stages_and_queues(http):
     body = http.get("/readyz").json()
-    assert body["ready"] and body["model"] == "tiny-sd" and body["pending"] == 0
-    assert body["stages"][0]["live_replicas"] == 1 and body["stages"][0]["queue_depth"] == 0
+    assert body["ready"] and body["model"] == "tiny-sd" and body["pending"] == 0 and body["dead"] is None
+    stage = body["stages"][0]
+    assert stage["live_replicas"] == 1 and stage["queue_depth"] == 0
+    assert stage["replica_states"] == ["live"] and stage["unresponsive_kills"] == 0
 
 
 def test_metrics_count_requests_and_engine_histograms(http, server):
@@ -191,6 +193,8 @@ def test_metrics_count_requests_and_engine_histograms(http, server):
         return sum(s.value for s in family if s.name == name and labels.items() <= s.labels.items())
 
     before = samples()
+    assert value(before["omni_engine_dead"], "omni_engine_dead") == 0
+    assert value(before["omni_stage_unresponsive_kills"], "omni_stage_unresponsive_kills_total", stage="0") == 0
     assert http.post("/v1/images/generations", json={"prompt": "a hill", "n": 3}).status_code == 200
     assert http.post("/v1/images/generations", json={"prompt": "x", "n": 0}).status_code == 400
     assert httpx.get(f"{server.url}/v1/models").status_code == 401

@@ -535,3 +535,22 @@ def test_random_sequences_never_lose_or_duplicate_requests(
     assert len(dispatched) == len(set(dispatched))
     assert set(dispatched) | dropped == set(added) and not set(dispatched) & dropped
     assert s.stats()["requests_scheduled"] == len(dispatched)
+
+
+def test_the_runners_batch_cap_bounds_max_num_seqs_before_and_after(clock: FakeClock) -> None:
+    """set_batching must not lift what the runner declared it can take (a wave of 4 reached a
+    runner declaring 1)."""
+    s = make(clock, max_num_seqs=4)
+    s.set_batch_cap(1)
+    assert s.max_num_seqs == 1
+    s.set_config(max_num_seqs=8)
+    assert s.max_num_seqs == 1
+    for i in range(3):
+        s.add(f"r{i}", "k")
+    wave = s.schedule()
+    assert isinstance(wave, Wave) and len(wave) == 1
+    s.set_batch_cap(None)  # a runner without a limit of its own: the last asked value applies
+    assert s.max_num_seqs == 8
+    s.set_batch_cap(2)
+    s.set_config(max_num_seqs=1)
+    assert s.max_num_seqs == 1

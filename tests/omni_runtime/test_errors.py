@@ -1,0 +1,55 @@
+"""Typed errors survive the wire: every class in ERROR_TYPES, whatever its constructor takes."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from omni_runtime.exceptions import ERROR_TYPES, OmniError, QueueFullError, RequestError
+from omni_runtime.messages import ErrorInfo, StageOutput
+from omni_runtime.serialization import Encoder, outbound_decoder
+from tests.strategies import ANY_TEXT
+
+pytestmark = pytest.mark.unit
+
+
+def _instance(cls: type[OmniError], message: str, param: str | None, stage_id: int | None) -> OmniError:
+    if issubclass(cls, RequestError):
+        return cls(message, param=param, stage_id=stage_id)
+    return cls(message)
+
+
+@pytest.mark.parametrize("name", sorted(ERROR_TYPES))
+@given(message=ANY_TEXT, param=st.none() | ANY_TEXT, stage_id=st.none() | st.integers(0, 2**31))
+def test_every_error_type_round_trips_over_a_stage_socket(name, message, param, stage_id):
+    cls = ERROR_TYPES[name]
+    original = _instance(cls, message, param, stage_id)
+    info = ErrorInfo.from_exception(original)
+    frames = Encoder().encode(StageOutput(request_id="r", error=info))  # encodable, surrogates and all
+    decoded = outbound_decoder().decode([bytes(f) for f in frames]).error
+    again = decoded.to_exception()
+    assert type(again) is cls
+    assert isinstance(again, OmniError)
+    assert str(again) == msgspec.msgpack.decode(msgspec.msgpack.encode(info.message))
+    if issubclass(cls, RequestError):
+        assert again.stage_id == stage_id
+        expected = None if param is None else info.param
+        assert again.param == expected
+
+
+def test_queue_full_from_a_stage_keeps_its_type_and_retry_hint():
+    """The defect: QueueFullError(msg, param=...) raised TypeError, so the request never ended."""
+    info = ErrorInfo(type="QueueFullError", message="4096 requests already wait", param=None, stage_id=2)
+    err = info.to_exception()
+    assert isinstance(err, QueueFullError) and err.stage_id == 2 and err.retry_after_s == 1.0
+    assert QueueFullError("full", param="n", stage_id=1, retry_after_s=3).retry_after_s == 3
+
+
+@given(name=st.text(max_size=20))
+def test_an_unknown_error_name_becomes_an_execution_error(name):
+    err = ErrorInfo(type=name, message="m").to_exception()
+    assert isinstance(err, OmniError)
+    if name not in ERROR_TYPES:
+        assert type(err).__name__ == "StageExecutionError"
