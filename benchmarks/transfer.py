@@ -88,7 +88,7 @@ class ConsumerRunner(StageRunner):
 def runtime_config(transport: str) -> Any:
     from omni_runtime.config import parse_config
 
-    runtime = {"process": True, "torch_threads": 1, "transport": transport}
+    runtime = {"backend": "process", "torch_threads": 1, "transport": transport}
     return parse_config(
         {
             "model": f"transfer-{transport}",

@@ -19,12 +19,19 @@ from omni_runtime.exceptions import ConfigError
 _Struct = {"kw_only": True, "forbid_unknown_fields": True}
 
 
+#: Where a stage's replicas run: ``process`` (a spawned process each, ZMQ and shared memory) or
+#: ``inproc`` (in the orchestrator's own process; for tests and for debugging a runner).
+Backend = Literal["process", "inproc"]
+
+
 class RuntimeConfig(msgspec.Struct, **_Struct):
     """Where and how a stage runs."""
 
-    #: Run each replica in its own spawned process (``false``: in the orchestrator's process;
-    #: used by unit tests and for debugging).
-    process: bool = True
+    #: Where the replicas run: ``process`` (the default) or ``inproc``; see :data:`Backend`.
+    backend: Backend | None = None
+    #: The older spelling: ``process: false`` is ``backend: inproc``, ``true`` is ``process``.
+    #: Resolved into ``backend`` at load (and then shown as null).
+    process: bool | None = None
     #: Number of replicas of this stage; requests go to the least-loaded live one.
     num_replicas: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     #: torch device string for the model (``cpu``, ``cuda``, ``cuda:1``).
@@ -46,6 +53,18 @@ class RuntimeConfig(msgspec.Struct, **_Struct):
     #: ``ctx.is_aborted`` or ``ctx.emit``) for this many seconds is wedged, e.g. stuck in native
     #: code; its replica is killed and restarted like a silent one. 0 = off.
     stall_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 120.0
+
+    def __post_init__(self) -> None:
+        if self.process is not None:
+            implied = "process" if self.process else "inproc"
+            if self.backend is not None and self.backend != implied:
+                raise ValueError(
+                    f"`process: {str(self.process).lower()}` is the older spelling of `backend: {implied}` "
+                    f"and contradicts `backend: {self.backend}`; keep `backend` only"
+                )
+            self.backend, self.process = implied, None
+        elif self.backend is None:
+            self.backend = "process"
 
 
 class EngineArgs(msgspec.Struct, **_Struct):

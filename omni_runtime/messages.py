@@ -222,4 +222,11 @@ class EngineRpcResult(msgspec.Struct, tag="rpc_result", **_Msg):
     error: ErrorInfo | None = None
 
 
-EngineOutbound = EngineOutput | EngineRpcResult
+class EngineDead(msgspec.Struct, tag="dead", **_Msg):
+    """The engine can no longer serve: every request still pending on this channel ends with
+    ``error``. Sent after the outputs that came before the death, so none overtakes them."""
+
+    error: ErrorInfo
+
+
+EngineOutbound = EngineOutput | EngineRpcResult | EngineDead

@@ -24,7 +24,7 @@ def echo_stage(stage_id: int = 0, **overrides: object) -> dict:
         "stage_type": "echo",
         "final_output": True,
         "final_output_type": "text",
-        "runtime": {"process": True, "torch_threads": 1},
+        "runtime": {"backend": "process", "torch_threads": 1},
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(stage.get(key), dict):

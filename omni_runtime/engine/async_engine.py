@@ -47,6 +47,7 @@ from omni_runtime.exceptions import (
 )
 from omni_runtime.messages import (
     EngineAbort,
+    EngineDead,
     EngineOutput,
     EngineRequest,
     EngineRpc,
@@ -458,6 +459,8 @@ class AsyncOmniEngine:
                         entry[1].set_exception(msg.error.to_exception())
                     else:
                         entry[1].set_result(msg.results)
+            elif isinstance(msg, EngineDead):
+                self._fail_everything(msg.error.to_exception(), channel)
 
     # ------------------------------------------------------------------ death and shutdown
 
@@ -470,23 +473,37 @@ class AsyncOmniEngine:
             raise EngineClosedError("the engine's orchestrator has stopped")
 
     def _on_engine_dead(self, error: EngineDeadError) -> None:
-        """From the orchestrator thread (or its last words): fail everything, on its own loop."""
+        """From the orchestrator thread (or its last words): refuse what comes, and end what is
+        pending on each channel after the outputs already on their way (a request lost with its
+        replica keeps its StageDeadError)."""
         with self._lock:
             if self._dead is not None or self._closed:
                 return
             self._dead = error
             callbacks, self._dead_callbacks = self._dead_callbacks, []
-        self._fail_everything(error)
+            channels = list(self._channels.values())
+        marker = EngineDead(error=ErrorInfo.from_exception(error))
+        for channel in channels:
+            try:
+                channel.queue.sync_q.put_nowait(marker)
+            except (janus.SyncQueueShutDown, RuntimeError):
+                pass  # that loop is gone: nobody waits there
         for loop, callback in callbacks:
             if loop is None:
                 _call_quietly(callback, error)
             else:
                 _on_loop(loop, _call_quietly, callback, error)
 
-    def _fail_everything(self, error: BaseException) -> None:
+    def _fail_everything(self, error: BaseException, channel: _Channel | None = None) -> None:
+        """End every pending request and control call (of ``channel`` only, if given)."""
         with self._lock:
-            pending, self._pending = list(self._pending.values()), {}
-            rpcs, self._rpcs = list(self._rpcs.values()), {}
+            pending = [p for p in self._pending.values() if channel is None or p.channel is channel]
+            rpcs = [(c, call_id) for call_id, c in self._rpcs.items() if channel is None or c[0] is channel]
+            for p in pending:
+                del self._pending[p.request_id]
+            for _, call_id in rpcs:
+                del self._rpcs[call_id]
+            rpcs = [c for c, _ in rpcs]
         info = ErrorInfo.from_exception(error)
         for p in pending:
             self._end(p, info)

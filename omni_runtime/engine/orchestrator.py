@@ -1,16 +1,14 @@
 """Orchestrator: runs in its own thread, on its own uvloop event loop.
 
-It awaits two things and nothing else: the janus request queue from the caller's thread, and the
-stage sockets (through the stage clients). No polling loops, no sleeps: an idle engine sleeps in
+It awaits two things and nothing else: the janus request queue from the callers, and the stage
+replicas (through their clients). No polling loops, no sleeps: an idle engine sleeps in
 ``epoll``. It routes each request through the stage graph (``engine_input_source``), builds each
 stage's input from its upstream outputs, delivers final outputs to the caller's output queue, and
 runs control calls as tasks of their own so they never hold up request intake.
 
-Large arrays between stage processes travel through shared memory (:mod:`omni_runtime.shm`). A
-stage's output arrives here as :class:`~omni_runtime.shm.ShmRef`\\ s, still in that stage's pool.
-When the output goes to exactly one downstream process stage over ipc (and nowhere else: not to
-the caller, no custom input function), the refs are handed to that stage unchanged and it
-releases them; otherwise they are copied out here once and released (see ``_on_stage_output``).
+It only routes. Where replicas run, how messages reach them and how an output's arrays reach the
+next stage are the business of the stage backends (:mod:`omni_runtime.engine.backends`); all they
+hold is registered with :attr:`Orchestrator.resources`, which the thread releases on every exit.
 """
 
 from __future__ import annotations
@@ -19,20 +17,15 @@ import asyncio
 import concurrent.futures
 import importlib
 import logging
-import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import janus
 
-from omni_runtime import shm
 from omni_runtime.config import DeployConfig, StageConfig
-from omni_runtime.engine.stage_client import InProcStageClient, StageClient, ZmqStageClient
+from omni_runtime.engine.backends import EngineResources, StageBackend, make_backends
 from omni_runtime.engine.stage_pool import StagePool
 from omni_runtime.exceptions import (
     EngineClosedError,
@@ -80,6 +73,7 @@ class Orchestrator:
         *,
         request_queue_size: int = 0,
         on_dead: Callable[[EngineDeadError], None] | None = None,
+        make_backends: Callable[[DeployConfig, EngineResources], dict[str, StageBackend]] = make_backends,
     ) -> None:
         self.config = config
         self.request_queue: janus.Queue = janus.Queue(maxsize=request_queue_size)
@@ -106,11 +100,11 @@ class Orchestrator:
         self._thread: threading.Thread | None = None
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
         self._tasks: set[asyncio.Task] = set()
-        self._ipc_dir: Path | None = None
-        self._zctx = None
-        #: Name prefix of every shared-memory segment of this engine (None: no ipc stage).
-        self.shm_prefix: str | None = None
-        self._shm_pool: shm.ShmPool | None = None
+        #: Everything the engine holds outside Python objects; made before any of it exists.
+        self.resources = EngineResources()
+        self.backends: dict[str, StageBackend] = {}
+        self._make_backends = make_backends  # a test gives fakes here
+        self._backend_of: dict[int, StageBackend] = {}
         self._stopping = False  # EngineShutdown received: the thread's end is asked for
 
     # ------------------------------------------------------------------ lifecycle (caller thread)
@@ -131,14 +125,9 @@ class Orchestrator:
 
     def status(self) -> dict[int, dict[str, Any]]:
         """A snapshot of every stage's replicas and queue depth (safe from any thread)."""
-        # Read from the caller's thread: the pools' counters are plain ints and sets, and a
-        # snapshot that is a few microseconds stale is fine for health checks and metrics.
-        for _ in range(3):
-            try:
-                return {sid: p.status() for sid, p in list(self.pools.items())}
-            except RuntimeError:  # a set changed size while being read; read again
-                continue
-        return {}
+        # Read from the caller's thread: the pools' counters are plain ints and sets (read without
+        # iterating them), and a snapshot a few microseconds stale is fine for health and metrics.
+        return {sid: p.status() for sid, p in list(self.pools.items())}
 
     def _thread_main(self) -> None:
         import uvloop
@@ -154,6 +143,9 @@ class Orchestrator:
         else:
             if not self._stopping and self._ready.done() and self._ready.exception() is None:
                 self._die("the orchestrator thread stopped without being asked to")
+        finally:
+            # Whatever ended the loop, and however far _main got: nothing outlives the engine.
+            self.resources.release()
 
     def _die(self, reason: str) -> None:
         """The engine cannot serve any more: say so once, to the caller's side."""
@@ -170,21 +162,13 @@ class Orchestrator:
     # ------------------------------------------------------------------ the loop (orchestrator thread)
 
     async def _main(self) -> None:
-        import zmq
-
-        # 1) sockets live in a private directory (mkdtemp makes it 0700), named after this process
-        #    so that one left by a killed engine can be recognised and removed.
-        _remove_stale_ipc_dirs()
-        self._ipc_dir = Path(tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{os.getpid()}-"))
-        self._zctx = zmq.Context()  # plain sockets: SocketReader drains them from this loop
-        if any(_passes_shm(s) for s in self.config.stage_args):
-            # Segments of engines that were killed before they could clean up go first.
-            shm.sweep_dead_engines()
-            self.shm_prefix = shm.engine_prefix()
-            self._shm_pool = shm.ShmPool(shm.orchestrator_prefix(self.shm_prefix))
         try:
-            # 2) start every stage's replicas concurrently; any failure fails start().
+            # 1) the backends set up what their replicas share (registered with self.resources)
+            # 2) every stage's replicas start concurrently; any failure fails start()
             try:
+                self.backends = self._make_backends(self.config, self.resources)
+                for backend in self.backends.values():
+                    await backend.open()
                 await self._start_pools()
             except BaseException as e:
                 await self._close_pools()
@@ -198,22 +182,13 @@ class Orchestrator:
                 self._die("the orchestrator's event loop stopped unexpectedly")
             self._fail_all(self.dead or EngineClosedError("engine closed"))
             await self._close_pools()
-            self._zctx.destroy(linger=0)  # every socket is closed by now; never block on one
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
-            if self.shm_prefix is not None:
-                self._shm_pool.close()
-                shm.unlink_prefix(self.shm_prefix + "-")  # whatever a replica could not unlink
             self.request_queue.shutdown(immediate=True)
 
     async def _start_pools(self) -> None:
-        total_process_replicas = sum(s.runtime.num_replicas for s in self.config.stage_args if s.runtime.process)
         for stage in self.config.stage_args:
+            backend = self._backend_of[stage.stage_id] = self.backends[stage.runtime.backend]
             self.pools[stage.stage_id] = StagePool(
-                stage,
-                self._client_factory(stage, total_process_replicas),
-                self._on_stage_output,
-                self._on_requests_lost,
-                self._on_stage_gone,
+                stage, backend, self._on_stage_output, self._on_requests_lost, self._on_stage_gone
             )
         # Every start runs to its end (each pool closes what it started if one replica failed),
         # so nothing is still starting when the caller closes the pools after a failure.
@@ -224,27 +199,6 @@ class Orchestrator:
                     raise res
                 raise StageStartupError(f"a stage failed to start: {type(res).__name__}: {res}") from res
         self.constraints = {sid: p.constraints for sid, p in self.pools.items()}
-
-    def _client_factory(self, stage: StageConfig, total_replicas: int):
-        threads = stage.runtime.torch_threads or max(1, (os.cpu_count() or 1) // max(1, total_replicas))
-
-        def make(replica_id: int, generation: int, on_message, on_dead) -> StageClient:
-            if not stage.runtime.process:
-                return InProcStageClient(stage, replica_id, on_message, on_dead)
-            return ZmqStageClient(
-                stage,
-                replica_id,
-                on_message,
-                on_dead,
-                zmq_context=self._zctx,
-                ipc_dir=self._ipc_dir,
-                torch_threads=threads,
-                generation=generation,
-                shm_engine=self.shm_prefix,
-                shm_pool=self._shm_pool,
-            )
-
-        return make
 
     async def _close_pools(self) -> None:
         await asyncio.gather(*(p.close() for p in self.pools.values()), return_exceptions=True)
@@ -364,9 +318,10 @@ class Orchestrator:
             self.pools[stage_id].done(out.request_id)
             self._finish_with_error(out.request_id, out.error.to_exception(), stage_id)
             return
+        backend = self._backend_of[stage_id]
         if not out.finished:  # a streamed delta: pass it on if the caller asked for this stage
             if stage_id in state.msg.final_stage_ids:
-                self._deliver(state, stage_id, shm.materialize(out), finished=False, stage_finished=False)
+                self._deliver(state, stage_id, backend.settle(out, None), finished=False, stage_finished=False)
             return
         self.pools[stage_id].done(out.request_id)
         state.running.discard(stage_id)
@@ -374,9 +329,10 @@ class Orchestrator:
         state.finals_left.discard(stage_id)
         needed = self._needed_stages(state.finals_left)
         consumers = [d for d in self._downstream[stage_id] if d in needed]
-        if deliver or not self._can_hand_off(consumers):
-            # Shared-memory arrays have one owner: the caller, or several stages, each get a copy.
-            out = shm.materialize(out)
+        # The output goes on as it is only to a single consumer that takes it unchanged (no input
+        # function); the caller, several stages or a function get plain values.
+        only = consumers[0] if len(consumers) == 1 and not deliver and consumers[0] not in self._input_funcs else None
+        out = backend.settle(out, None if only is None else self.config.stage(only))
         state.done[stage_id] = out
         if deliver:
             finished = not state.finals_left
@@ -399,14 +355,6 @@ class Orchestrator:
                     self._finish_with_error(out.request_id, e, down)
                     return
                 self._submit(state, down, prompt, inputs)
-
-    def _can_hand_off(self, consumers: list[int]) -> bool:
-        """Whether an output's shared-memory arrays may go to its consumer without a copy here."""
-        if len(consumers) != 1:
-            return False
-        stage = self.config.stage(consumers[0])
-        # A custom input function gets plain arrays; in-process and tcp stages cannot map them.
-        return _passes_shm(stage) and stage.stage_id not in self._input_funcs
 
     def _stage_input(self, stage: StageConfig, state: _Request) -> tuple[Any, dict[str, Any]]:
         """Map upstream outputs (and the original prompt) to this stage's (prompt, inputs)."""
@@ -524,27 +472,6 @@ def _error_output(
     )
 
 
-def _passes_shm(stage: StageConfig) -> bool:
-    return stage.runtime.process and stage.runtime.transport == "ipc"
-
-
 def _load_func(spec: str):
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-_IPC_PREFIX = "omni_runtime-ipc-"
-
-
-def _remove_stale_ipc_dirs() -> None:
-    """Remove socket directories of engines whose process is gone (killed with SIGKILL, say)."""
-    for path in Path(tempfile.gettempdir()).glob(f"{_IPC_PREFIX}*-*"):
-        pid = path.name.removeprefix(_IPC_PREFIX).split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:
-            pass  # another user's live engine

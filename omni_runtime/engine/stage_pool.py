@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from omni_runtime.config import StageConfig
-from omni_runtime.engine.stage_client import StageClient
+from omni_runtime.engine.backends import StageBackend, StageClient
 from omni_runtime.exceptions import (
     InvalidRequestError,
     OmniError,
@@ -44,9 +44,6 @@ from omni_runtime.messages import (
 
 logger = logging.getLogger(__name__)
 
-#: (replica_id, generation, on_message, on_dead) -> a client not yet started.
-ClientFactory = Callable[[int, int, Any, Any], StageClient]
-
 _call_ids = itertools.count(1)
 
 
@@ -61,14 +58,14 @@ class StagePool:
     def __init__(
         self,
         stage: StageConfig,
-        make_client: ClientFactory,
+        backend: StageBackend,
         on_output: Callable[[int, Any], None],
         on_requests_lost: Callable[[int, list[str], OmniError], None],
         on_gone: Callable[[int, str], None] | None = None,
     ) -> None:
         self.stage = stage
         self.stage_id = stage.stage_id
-        self._make_client = make_client
+        self._backend = backend
         self._on_output = on_output
         self._on_requests_lost = on_requests_lost
         self._on_gone = on_gone
@@ -109,7 +106,7 @@ class StagePool:
         self._schedule_heartbeat()
 
     def _new_client(self, replica_id: int, generation: int) -> StageClient:
-        return self._make_client(replica_id, generation, self._on_message, self._on_dead)
+        return self._backend.client(self.stage, replica_id, generation, self._on_message, self._on_dead)
 
     async def close(self, timeout: float = 5.0) -> None:
         self._closed = True

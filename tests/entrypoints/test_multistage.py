@@ -57,7 +57,7 @@ def no_leaks():
 
 
 def engine_segments(engine) -> set[str]:
-    prefix = engine.engine._orchestrator.shm_prefix
+    prefix = engine.engine._orchestrator.backends["process"].shm_prefix
     return {n for n in shm_segments() if n.startswith(prefix + "-")}
 
 
@@ -220,10 +220,12 @@ async def test_tensors_between_stage_processes_leave_no_shared_memory_behind(no_
             segments = engine_segments(engine)
             counts.append(len(segments))
             # Three producers (source, echo, orchestrator), each with at most `width` arrays in
-            # flight: a pool never needs more segments than that, however many requests pass.
+            # flight, plus at most a round whose release a busy consumer has not made yet (it
+            # releases after it answered): bounded by the traffic in flight, however many pass.
             per_producer = Counter(n.rsplit("-", 1)[0] for n in segments)
-            assert len(per_producer) == 3 and max(per_producer.values()) <= width, per_producer
-        assert counts[-1] <= 3 * width and sum(os.path.getsize(f"/dev/shm/{n}") for n in segments) <= 3 * width << 20
+            assert len(per_producer) == 3 and max(per_producer.values()) <= 2 * width, per_producer
+        bound = 3 * 2 * width
+        assert counts[-1] <= bound and sum(os.path.getsize(f"/dev/shm/{n}") for n in segments) <= bound << 20
     # no_leaks: every segment is gone after close.
 
 
@@ -235,7 +237,7 @@ async def test_a_crashed_stage_leaves_no_segments_and_its_successor_serves(no_le
     async with AsyncOmni(config) as engine:
         params = [{"nbytes": 1 << 20}, None]
         await run(engine, "warm", params)
-        dead = engine.engine._orchestrator.shm_prefix + "-s0r0g0-"
+        dead = engine.engine._orchestrator.backends["process"].shm_prefix + "-s0r0g0-"
         assert any(n.startswith(dead) for n in shm_segments())
         with pytest.raises(StageDeadError) as info:
             await run(engine, "crash", params)

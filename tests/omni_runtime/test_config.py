@@ -145,3 +145,23 @@ def test_an_unencodable_yaml_value_names_its_path(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"bad.yaml: stage_args\[0\].runner_args.note: contains U\+D83D"):
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("runtime", "backend"),
+    [
+        ({}, "process"),
+        ({"backend": "inproc"}, "inproc"),
+        ({"process": False}, "inproc"),
+        ({"process": True}, "process"),
+    ],
+)
+def test_runtime_backend_and_its_older_spelling(runtime, backend):
+    config = parse_config({"stage_args": [stage(runtime=runtime)]}, "deploy.yaml")
+    assert config.stage_args[0].runtime.backend == backend
+    assert config.stage_args[0].runtime.process is None  # resolved into backend
+
+
+def test_a_contradicting_older_spelling_names_the_new_key():
+    message = error_of({"stage_args": [stage(runtime={"process": False, "backend": "process"})]})
+    assert "stage_args[0].runtime" in message and "keep `backend` only" in message

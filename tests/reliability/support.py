@@ -91,7 +91,7 @@ def http_config(delay_ms: float = 0.0) -> dict:
     """A deploy config for HTTP tests, cheap to serve: an image stage without a model
     (:class:`~tests.reliability.runners.TinyImageRunner`) and an echo text stage, both final and
     both fed by the prompt, each taking ``delay_ms`` per wave."""
-    runtime = {"process": True, "torch_threads": 1, "max_restarts": 0}
+    runtime = {"backend": "process", "torch_threads": 1, "max_restarts": 0}
     return {
         "model": "reliability",
         "stage_args": [

@@ -60,19 +60,19 @@ async def test_sigkill_mid_fused_batch_fails_it_fast_and_the_replica_returns(no_
 
 
 @pytest.mark.parametrize(
-    ("prompt", "exit_code", "process"),
+    ("prompt", "exit_code", "backend"),
     [
-        ("crash", 13, True),  # os._exit from the forward
-        ("abort", -signal.SIGABRT, True),  # os.abort(), as a failed C assertion
-        ("segfault", -signal.SIGSEGV, True),  # a real segfault in native code
-        ("systemexit", 3, True),  # SystemExit escaping the forward
-        ("garble", 70, True),  # a runner bug that kills the worker's scheduling loop
-        ("garble", None, False),  # the same, in-process (runtime.process: false)
+        ("crash", 13, "process"),  # os._exit from the forward
+        ("abort", -signal.SIGABRT, "process"),  # os.abort(), as a failed C assertion
+        ("segfault", -signal.SIGSEGV, "process"),  # a real segfault in native code
+        ("systemexit", 3, "process"),  # SystemExit escaping the forward
+        ("garble", 70, "process"),  # a runner bug that kills the worker's scheduling loop
+        ("garble", None, "inproc"),  # the same, in-process
     ],
 )
-async def test_a_runner_fault_kills_the_replica_and_the_pool_restarts_it(no_leaks, prompt, exit_code, process):
+async def test_a_runner_fault_kills_the_replica_and_the_pool_restarts_it(no_leaks, prompt, exit_code, backend):
     stage = fault_stage(max_restarts=1, request_batch_max_wait_ms=200)
-    stage["runtime"]["process"] = process
+    stage["runtime"]["backend"] = backend
     engine = start(stage)
     try:
         # The fault rides in a fused wave with three innocent requests: all four end typed, at once.
@@ -107,11 +107,12 @@ async def test_after_max_restarts_the_engine_is_dead_and_fails_fast(no_leaks):
         deaths = []
         engine.on_dead(deaths.append)
 
-        # The second death is past the cap: no restart is left, so the engine is dead.
+        # The second death is past the cap: no restart is left, so the engine is dead. The
+        # request the replica held keeps its own cause; everything after gets EngineDeadError.
         task = asyncio.create_task(last(engine, "in flight", SLOW))
         await eventually(lambda: status(engine)["inflight"] == 1, what="the request reaching the stage")
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(EngineDeadError, match="no restart left"):
+        with pytest.raises(StageDeadError, match="exited with code -9"):
             await asyncio.wait_for(task, 1.0)
         await eventually(lambda: deaths, what="the on_dead callback")
         assert isinstance(deaths[0], EngineDeadError) and not engine.engine.is_running

@@ -196,7 +196,7 @@ async def engine():
 
 
 def test_the_ipc_directory_is_private_and_holds_only_sockets(engine):
-    ipc_dir = engine.engine._orchestrator._ipc_dir
+    ipc_dir = engine.engine._orchestrator.backends["process"].ipc_dir
     st = os.stat(ipc_dir)
     assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
     names = sorted(os.listdir(ipc_dir))
@@ -224,7 +224,7 @@ def foreign_messages_for_the_engine() -> dict[str, list[bytes]]:
 
 async def test_foreign_messages_on_the_engine_sockets_are_dropped(engine, caplog):
     caplog.set_level(logging.WARNING, logger="omni_runtime")
-    ipc_dir = engine.engine._orchestrator._ipc_dir
+    ipc_dir = engine.engine._orchestrator.backends["process"].ipc_dir
     before = await pids(engine)
     ctx = zmq.Context()
     try:

@@ -67,7 +67,9 @@ async def test_requests_pending_when_the_orchestrator_dies_fail_at_once(no_leaks
         assert time.monotonic() - start_t < 1.0
         await eventually(lambda: deaths, what="the on_dead callback")
         assert not engine.engine.is_running and engine.engine.num_pending == 0
-        assert all(s["inflight"] == 0 for s in engine.engine.stage_status().values())  # /readyz says so too
+        await eventually(
+            lambda: all(s["inflight"] == 0 for s in engine.engine.stage_status().values()), what="stages emptied"
+        )  # /readyz says so too
         with pytest.raises(EngineDeadError):
             await last(engine, "after")
         with pytest.raises(EngineDeadError):
@@ -110,7 +112,12 @@ async def test_closing_during_a_restart_leaves_no_process(no_leaks, tmp_path):
     try:
         [pid] = (await pids(engine)).values()
         os.kill(pid, signal.SIGKILL)
-        await eventually(lambda: len(children()) == 1 and children()[0].pid != pid, what="the restart's process")
+
+        def restarting() -> bool:
+            now = children()
+            return len(now) == 1 and now[0].pid != pid
+
+        await eventually(restarting, what="the restart's process")
         assert status(engine)["replica_states"] == ["restarting"]
     finally:
         await close(engine)  # cancels the restart in the middle of its load

@@ -40,7 +40,7 @@ def flaky_echo_config(path: Path, delay_ms: float, **runtime: object) -> Path:
                 {
                     "stage_id": 0,
                     "stage_type": "tests.helpers:FlakyRunner",
-                    "runtime": {"process": True, "torch_threads": 1, "max_restarts": 0, **runtime},
+                    "runtime": {"backend": "process", "torch_threads": 1, "max_restarts": 0, **runtime},
                     "engine_args": {"max_num_seqs": 8, "request_batch_max_wait_ms": 0},
                     "final_output": True,
                     "final_output_type": "text",

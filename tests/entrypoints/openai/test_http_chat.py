@@ -22,7 +22,7 @@ PIPELINE = {
         {
             "stage_id": 0,
             "stage_type": "echo",
-            "runtime": {"process": True, "torch_threads": 1},
+            "runtime": {"backend": "process", "torch_threads": 1},
             "final_output": True,
             "final_output_type": "text",
         },

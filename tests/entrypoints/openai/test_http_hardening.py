@@ -168,8 +168,8 @@ def test_more_images_than_admission_can_ever_take_is_a_400_not_a_429(server, htt
 
 
 def test_a_dead_engine_answers_503_then_serve_exits_non_zero(tmp_path):
-    """All replicas of a stage gone with no restart left: in-flight and new requests get 503
-    ``engine_dead``, /health says dead, and the server exits 1 so a supervisor restarts it."""
+    """All replicas of a stage gone with no restart left: the request in flight gets its 503, the
+    server stops by itself and exits 1 so that a supervisor restarts it."""
     config = http_config(delay_ms=60_000)  # requests to stage 0 wait until killed
     srv = start_server(str(write_config(tmp_path / "dying.yaml", config)), log=tmp_path / "server.log")
     children = srv.children()
@@ -190,7 +190,7 @@ def test_a_dead_engine_answers_503_then_serve_exits_non_zero(tmp_path):
         os.kill(victim, signal.SIGKILL)
         waiting.join(10)
         assert results and results[0].status_code == 503
-        assert results[0].json()["error"]["code"] == "engine_dead"
+        assert results[0].json()["error"]["code"] == "stage_dead"  # its replica's death, which killed the engine
         assert time.monotonic() - start < 5
         assert srv.wait(15) == 1
         log = srv.log()

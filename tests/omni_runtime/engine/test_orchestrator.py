@@ -12,7 +12,7 @@ from tests.conftest import echo_stage, make_config
 
 pytestmark = pytest.mark.unit
 
-INPROC = {"process": False}
+INPROC = {"backend": "inproc"}
 
 
 def stage(sid, sources=(), final=False, **kw):
@@ -88,7 +88,7 @@ def test_a_killed_engines_socket_directory_is_removed_by_the_next_engine(tmp_pat
     import tempfile
     from pathlib import Path
 
-    from omni_runtime.engine.orchestrator import _IPC_PREFIX, _remove_stale_ipc_dirs
+    from omni_runtime.engine.backends.process import _IPC_PREFIX, _remove_stale_ipc_dirs
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = Path(tempfile.gettempdir()) / f"{_IPC_PREFIX}{gone.stdout.strip()}-abc"

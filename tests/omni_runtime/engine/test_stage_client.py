@@ -7,17 +7,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import tempfile
 import time
-from pathlib import Path
 
 import msgspec
 import psutil
 import pytest
-import zmq
 
 from omni_runtime.config import StageConfig
-from omni_runtime.engine.stage_client import ZmqStageClient
+from omni_runtime.engine.backends import EngineResources
+from omni_runtime.engine.backends.process import ProcessBackend, ProcessStageClient
 from omni_runtime.exceptions import StageDeadError, StageStartupError
 from omni_runtime.messages import StagePing, StageRequest
 from tests.conftest import echo_stage, make_config
@@ -32,29 +30,28 @@ def stage_config(**overrides: object) -> StageConfig:
 
 
 class Harness:
-    """One ZmqStageClient with what the orchestrator would give it, and what it reports."""
+    """One ProcessStageClient on a ProcessBackend of its own, and what the client reports."""
 
     def __init__(self, stage: StageConfig) -> None:
-        self.zctx = zmq.Context()
-        self.dir = Path(tempfile.mkdtemp(prefix="omni-test-ipc-"))
+        self.resources = EngineResources()
+        self.backend = ProcessBackend(make_config([msgspec.to_builtins(stage)]), self.resources)
+        self.stage = stage
         self.messages: list[object] = []
         self.deaths: list[str] = []
-        self.client = ZmqStageClient(
-            stage,
-            0,
-            lambda c, m: self.messages.append(m),
-            lambda c, why: self.deaths.append(why),
-            zmq_context=self.zctx,
-            ipc_dir=self.dir,
-            torch_threads=1,
+        self.client = None
+
+    async def open(self) -> ProcessStageClient:
+        await self.backend.open()
+        self.client = self.backend.client(
+            self.stage, 0, 0, lambda c, m: self.messages.append(m), lambda c, why: self.deaths.append(why)
         )
+        return self.client
 
     async def close(self) -> None:
-        await self.client.close(timeout=2.0)
-        self.zctx.destroy(linger=0)
-        for p in self.dir.iterdir():
-            p.unlink()
-        self.dir.rmdir()
+        if self.client is not None:
+            await self.client.close(timeout=2.0)
+        self.resources.release()
+        assert not self.backend.ipc_dir.exists()
 
 
 def request(i: int, prompt: str = "x") -> StageRequest:
@@ -65,7 +62,7 @@ async def test_a_send_to_a_replica_that_just_died_returns_at_once(no_leaks):
     """The defect: a blocking send on a PUSH socket whose peer is gone hung the orchestrator."""
     h = Harness(stage_config())
     try:
-        await h.client.start()
+        await (await h.open()).start()
         pid = h.client.pid
         os.kill(pid, signal.SIGKILL)
         # Wait for the death without giving the loop a turn: the pidfd cannot report it yet,
@@ -89,7 +86,7 @@ async def test_sends_to_a_stopped_replica_return_at_once_and_it_resumes(no_leaks
     """A SIGSTOPped peer keeps its connection: messages queue, the sender never waits."""
     h = Harness(stage_config(runtime={"transport": "tcp"}))  # no shared memory: all bytes on the socket
     try:
-        await h.client.start()
+        await (await h.open()).start()
         os.kill(h.client.pid, signal.SIGSTOP)
         big = "y" * 200_000
         start = time.monotonic()
@@ -110,23 +107,25 @@ async def test_sends_to_a_stopped_replica_return_at_once_and_it_resumes(no_leaks
 
 async def test_a_replica_that_fails_to_load_is_a_startup_error_with_the_reason(no_leaks):
     h = Harness(stage_config(stage_type=f"{FAULTS}:LoadFailRunner"))
+    client = await h.open()
     start = time.monotonic()
     with pytest.raises(StageStartupError, match="failed to load: OSError: weights not found"):
-        await h.client.start()
+        await client.start()
     assert time.monotonic() - start < 15
     await h.close()
 
 
 async def test_a_runner_module_that_does_not_exist_is_a_startup_error(no_leaks):
     h = Harness(stage_config(stage_type="no.such.module:Runner"))
+    client = await h.open()
     with pytest.raises(StageStartupError, match="No module named 'no'"):
-        await h.client.start()
+        await client.start()
     await h.close()
 
 
 async def test_cancelling_a_start_leaves_no_process(no_leaks):
     h = Harness(stage_config(stage_type=f"{FAULTS}:LoadFailRunner", runner_args={"fail_replicas": [], "load_s": 30}))
-    task = asyncio.ensure_future(h.client.start())
+    task = asyncio.ensure_future((await h.open()).start())
     await asyncio.sleep(1.0)  # the process runs and is loading
     assert h.client._proc is not None and h.client._proc.poll() is None
     task.cancel()
@@ -139,7 +138,7 @@ async def test_cancelling_a_start_leaves_no_process(no_leaks):
 async def test_a_message_no_wire_can_carry_is_an_encode_error_and_nothing_is_sent(no_leaks):
     h = Harness(stage_config())
     try:
-        await h.client.start()
+        await (await h.open()).start()
         with pytest.raises(msgspec.EncodeError, match="UnicodeEncodeError"):
             h.client.send(request(0, "a\ud800b"))
         h.client.send(request(1, "fine"))

@@ -1,15 +1,18 @@
-"""StageClient: the orchestrator's handle on one stage replica. Runs in the orchestrator thread.
+"""The ``process`` backend: each replica is its own process, reached over ZMQ; the default.
 
-One small interface, two implementations:
+:class:`ProcessBackend` owns what the replicas of an engine share: a private 0700 directory for
+the ipc sockets (named after this process, so a killed engine's directory is recognised and
+removed), one ZMQ context, and the engine's shared-memory pool with its name prefix. It decides
+that an output's shared-memory arrays go to their one consumer as they are (that stage releases
+them) when the consumer is a process replica on ipc without an input function, and are copied out
+once in the orchestrator otherwise (see :mod:`omni_runtime.shm`).
 
-* :class:`ZmqStageClient` starts the replica as its own process (``python -m
-  omni_runtime.stage.process``) and talks to it over two ZMQ sockets (ipc in a private 0700
-  directory, or loopback TCP). Process death is noticed through a pidfd on the event loop, not by
-  polling. Over ipc, large arrays travel through shared memory (:mod:`omni_runtime.shm`): this
-  client remembers the handles it sent until the replica releases them, releases them itself if
-  the replica dies first, and unlinks the replica's own segments once its process has exited.
-* :class:`InProcStageClient` runs the same :class:`~omni_runtime.stage.worker.StageWorker` on the
-  orchestrator's own loop, with no socket: the unit-test seam and ``runtime.process: false``.
+:class:`ProcessStageClient` starts a replica as ``python -m omni_runtime.stage.process`` and talks
+to it over two ZMQ sockets (ipc in the private directory, or loopback TCP). Process death is
+noticed through a pidfd on the event loop, not by polling. Over ipc, large arrays travel through
+shared memory: the client remembers the handles it sent until the replica releases them,
+releases them itself if the replica dies first, and unlinks the replica's own segments once its
+process has exited.
 """
 
 from __future__ import annotations
@@ -17,138 +20,109 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import subprocess
 import sys
-from abc import ABC, abstractmethod
-from collections.abc import Callable
+import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from omni_runtime import shm
-from omni_runtime.config import StageConfig
+from omni_runtime.config import DeployConfig, StageConfig
 from omni_runtime.exceptions import StageDeadError, StageStartupError
 from omni_runtime.messages import ErrorInfo, StageOutput, StageReady, StageShutdown, StageStartupFailed
 from omni_runtime.transport import SocketReader
 
+from .base import EngineResources, OnDead, OnMessage, StageBackend, StageClient
+
 logger = logging.getLogger(__name__)
 
-OnMessage = Callable[["StageClient", Any], None]
-OnDead = Callable[["StageClient", str], None]
+_IPC_PREFIX = "omni_runtime-ipc-"
 
 
-class StageClient(ABC):
-    """Sends messages to one replica; delivers what it says to ``on_message``."""
+class ProcessBackend(StageBackend):
+    name = "process"
 
-    def __init__(self, stage: StageConfig, replica_id: int, on_message: OnMessage, on_dead: OnDead) -> None:
-        self.stage = stage
-        self.stage_id = stage.stage_id
-        self.replica_id = replica_id
-        self._on_message = on_message
-        self._on_dead = on_dead
-        self.ready: StageReady | None = None
-        self.alive = False
+    def __init__(self, config: DeployConfig, resources: EngineResources) -> None:
+        super().__init__(config, resources)
+        self.ipc_dir: Path | None = None
+        self.zmq_context: Any = None
+        #: Name prefix of every shared-memory segment of this engine (None: no ipc stage).
+        self.shm_prefix: str | None = None
+        self.shm_pool: shm.ShmPool | None = None
+        stages = [s for s in config.stage_args if s.runtime.backend == self.name]
+        self._process_replicas = sum(s.runtime.num_replicas for s in stages)
+        self._uses_shm = any(s.runtime.transport == "ipc" for s in stages)
 
-    @property
-    def pid(self) -> int | None:
-        return self.ready.pid if self.ready else None
+    async def open(self) -> None:
+        import zmq
 
-    @abstractmethod
-    async def start(self) -> StageReady:
-        """Start the replica and wait for READY; StageStartupError on failure or time-out."""
+        # 1) sockets live in a private directory (mkdtemp makes it 0700), named after this process
+        #    so that one left by a killed engine can be recognised and removed.
+        _remove_stale_ipc_dirs()
+        self.ipc_dir = Path(tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{os.getpid()}-"))
+        self.resources.add(f"ipc directory {self.ipc_dir}", partial(shutil.rmtree, self.ipc_dir, ignore_errors=True))
+        # 2) plain sockets: SocketReader drains them from the loop; destroyed once every socket closed
+        self.zmq_context = zmq.Context()
+        self.resources.add("zmq context", partial(self.zmq_context.destroy, linger=0))
+        if self._uses_shm:
+            # 3) segments of engines that were killed before they could clean up go first
+            shm.sweep_dead_engines()
+            prefix = shm.engine_prefix()
+            self.resources.add(f"shared memory {prefix}-*", partial(shm.unlink_prefix, prefix + "-"))
+            self.shm_prefix = prefix
+            self.shm_pool = shm.ShmPool(shm.orchestrator_prefix(prefix))
+            self.resources.add("the orchestrator's shared-memory pool", self.shm_pool.close)
 
-    @abstractmethod
-    def send(self, msg: Any) -> None:
-        """Send one message; never blocks. Raises StageDeadError if the replica cannot be reached
-        (it is then reported dead) and msgspec.EncodeError if ``msg`` cannot be encoded."""
+    def torch_threads(self, stage: StageConfig) -> int:
+        """Intra-op threads of one replica: as configured, or the cores shared by every process
+        replica of the engine (several processes each using every core run several times slower)."""
+        return stage.runtime.torch_threads or max(1, (os.cpu_count() or 1) // max(1, self._process_replicas))
 
-    @abstractmethod
-    def kill(self, reason: str) -> None:
-        """Stop an unresponsive replica at once and report it dead with ``reason``."""
+    def client(
+        self, stage: StageConfig, replica_id: int, generation: int, on_message: OnMessage, on_dead: OnDead
+    ) -> StageClient:
+        return ProcessStageClient(stage, replica_id, generation, on_message, on_dead, self)
 
-    @abstractmethod
-    async def close(self, timeout: float = 5.0) -> None:
-        """Stop the replica (gracefully, then by force after ``timeout``) and free its resources.
-        Always returns: every wait is bounded."""
+    def settle(self, out: StageOutput, consumer: StageConfig | None) -> StageOutput:
+        if consumer is not None and self.passes_shm(consumer):
+            return out  # its arrays go on as handles; the consumer releases them
+        # Shared-memory arrays have one owner: the caller, or several stages, each get a copy.
+        return shm.materialize(out)
 
-
-class InProcStageClient(StageClient):
-    """The worker on the orchestrator's loop (its forward still runs in an executor thread)."""
-
-    def __init__(self, stage: StageConfig, replica_id: int, on_message: OnMessage, on_dead: OnDead) -> None:
-        super().__init__(stage, replica_id, on_message, on_dead)
-        self._worker = None
-
-    async def start(self) -> StageReady:
-        from omni_runtime.stage.worker import StageWorker
-
-        loop = asyncio.get_running_loop()
-        # Delivered on the next loop turn, as a socket would, so handlers never re-enter each other.
-        self._worker = StageWorker(
-            self.stage,
-            self.replica_id,
-            send=lambda msg: loop.call_soon(self._on_message, self, msg),
-            on_fatal=self._on_worker_fatal,
-        )
-        try:
-            self.ready = await self._worker.start()
-        except Exception as e:
-            raise StageStartupError(f"stage {self.stage_id} failed to load: {type(e).__name__}: {e}") from e
-        self.alive = True
-        return self.ready
-
-    def _on_worker_fatal(self, exc: BaseException) -> None:
-        # The in-process twin of a replica process exiting: its requests fail, the pool restarts it.
-        if self.alive:
-            self.alive = False
-            self._on_dead(self, f"stage {self.stage_id} replica {self.replica_id}: worker loop died: {exc!r}")
-
-    def send(self, msg: Any) -> None:
-        if self._worker is None or not self.alive:
-            raise StageDeadError(
-                f"stage {self.stage_id} replica {self.replica_id} is not alive", stage_id=self.stage_id
-            )
-        self._worker.handle(msg)
-
-    def kill(self, reason: str) -> None:
-        # A thread cannot be killed: a wedged forward thread is abandoned, the worker replaced.
-        if self.alive:
-            self.alive = False
-            self._on_dead(self, reason)
-
-    async def close(self, timeout: float = 5.0) -> None:
-        self.alive = False
-        if self._worker is not None:
-            await self._worker.close()
+    def passes_shm(self, stage: StageConfig) -> bool:
+        """Whether ``stage`` maps this engine's shared memory (a process replica over ipc)."""
+        return self.shm_prefix is not None and stage.runtime.backend == self.name and stage.runtime.transport == "ipc"
 
 
-class ZmqStageClient(StageClient):
+class ProcessStageClient(StageClient):
     """A replica in its own process, reached over ZMQ PUSH/PULL sockets."""
 
     def __init__(
         self,
         stage: StageConfig,
         replica_id: int,
+        generation: int,
         on_message: OnMessage,
         on_dead: OnDead,
-        *,
-        zmq_context: Any,
-        ipc_dir: Path,
-        torch_threads: int,
-        generation: int = 0,
-        shm_engine: str | None = None,
-        shm_pool: shm.ShmPool | None = None,
+        backend: ProcessBackend,
     ) -> None:
         super().__init__(stage, replica_id, on_message, on_dead)
-        self._zctx = zmq_context
-        self._ipc_dir = ipc_dir
-        self._torch_threads = torch_threads
+        self._backend = backend
+        self._zctx = backend.zmq_context
+        self._ipc_dir = backend.ipc_dir
+        self._torch_threads = backend.torch_threads(stage)
         self._generation = generation
         # Shared memory only over ipc, and only with the engine's pool for what we send.
+        shm_engine = backend.shm_prefix
         use_shm = stage.runtime.transport == "ipc" and shm_engine is not None
+        shm_pool = backend.shm_pool
         self._shm_engine = shm_engine if use_shm else None
         self.shm_prefix = shm.replica_prefix(shm_engine, self.stage_id, replica_id, generation) if use_shm else None
+        self._resource: int | None = None  # the process's registration with the engine's resources
         self._sent: list[shm.ShmHandle] = []  # handles this replica has not released yet (maybe)
         self._sent_check_at = 256
         self._proc: subprocess.Popen | None = None
@@ -221,6 +195,10 @@ class ZmqStageClient(StageClient):
         payload = msgspec.msgpack.encode(args)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "omni_runtime.stage.process"], stdin=subprocess.PIPE, env=env, close_fds=True
+        )
+        self._resource = self._backend.resources.add(
+            f"stage {self.stage_id} replica {self.replica_id} (pid {self._proc.pid})",
+            partial(_kill_and_reap, self._proc),
         )
         # 3) death sentinel first: a pidfd becomes readable when the process exits.
         self._pidfd = os.pidfd_open(self._proc.pid)
@@ -371,9 +349,11 @@ class ZmqStageClient(StageClient):
             asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
-        if proc is not None and proc.poll() is None:
+        if proc is not None and proc.poll() is not None:
+            self._backend.resources.discard(self._resource)
+        elif proc is not None:
             # Not even SIGKILL ended it within the bound (a process in uninterruptible sleep):
-            # never block the loop on it; the kernel reaps it with this process at the latest.
+            # never block the loop on it; the engine's resources try again when it stops.
             logger.error(
                 "stage %d replica %d (pid %d) did not exit after SIGKILL", self.stage_id, self.replica_id, proc.pid
             )
@@ -405,3 +385,27 @@ async def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
     finally:
         loop.remove_reader(fd)
         os.close(fd)
+
+
+def _kill_and_reap(proc: subprocess.Popen) -> None:
+    """The last resort at the engine's end: a replica process still running is killed."""
+    if proc.poll() is None:
+        proc.kill()
+        try:
+            proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            logger.error("pid %d did not exit after SIGKILL", proc.pid)
+
+
+def _remove_stale_ipc_dirs() -> None:
+    """Remove socket directories of engines whose process is gone (killed with SIGKILL, say)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_IPC_PREFIX}*-*"):
+        pid = path.name.removeprefix(_IPC_PREFIX).split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            pass  # another user's live engine
