@@ -23,6 +23,7 @@ from omni_runtime.exceptions import ConfigError
 BUILDERS: dict[str, str] = {
     "tiny-sd": "omni_runtime.models.tiny_sd:build_tiny_sd",
     "small-sd": "omni_runtime.models.tiny_sd:build_small_sd",
+    "tiny-sdxl": "omni_runtime.models.tiny_sdxl:build_tiny_sdxl",
     "tiny-lm": "omni_runtime.models.tiny_lm:build_tiny_lm",
 }
 
