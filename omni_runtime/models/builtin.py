@@ -24,6 +24,7 @@ BUILDERS: dict[str, str] = {
     "tiny-sd": "omni_runtime.models.tiny_sd:build_tiny_sd",
     "small-sd": "omni_runtime.models.tiny_sd:build_small_sd",
     "tiny-sdxl": "omni_runtime.models.tiny_sdxl:build_tiny_sdxl",
+    "tiny-sd3": "omni_runtime.models.tiny_sd3:build_tiny_sd3",
     "tiny-lm": "omni_runtime.models.tiny_lm:build_tiny_lm",
 }
 
