@@ -25,6 +25,7 @@ BUILDERS: dict[str, str] = {
     "small-sd": "omni_runtime.models.tiny_sd:build_small_sd",
     "tiny-sdxl": "omni_runtime.models.tiny_sdxl:build_tiny_sdxl",
     "tiny-sd3": "omni_runtime.models.tiny_sd3:build_tiny_sd3",
+    "tiny-flux": "omni_runtime.models.tiny_flux:build_tiny_flux",
     "tiny-lm": "omni_runtime.models.tiny_lm:build_tiny_lm",
 }
 
