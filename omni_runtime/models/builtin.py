@@ -23,6 +23,11 @@ from omni_runtime.exceptions import ConfigError
 BUILDERS: dict[str, str] = {
     "tiny-sd": "omni_runtime.models.tiny_sd:build_tiny_sd",
     "small-sd": "omni_runtime.models.tiny_sd:build_small_sd",
+    "tiny-sdxl": "omni_runtime.models.tiny_sdxl:build_tiny_sdxl",
+    "tiny-sd3": "omni_runtime.models.tiny_sd3:build_tiny_sd3",
+    "tiny-flux": "omni_runtime.models.tiny_flux:build_tiny_flux",
+    "tiny-pixart": "omni_runtime.models.tiny_pixart:build_tiny_pixart",
+    "tiny-sana": "omni_runtime.models.tiny_sana:build_tiny_sana",
     "tiny-lm": "omni_runtime.models.tiny_lm:build_tiny_lm",
 }
 

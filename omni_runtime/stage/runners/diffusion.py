@@ -53,6 +53,50 @@ def accepts_batched_inputs(signature: inspect.Signature) -> bool:
     return takes_list("prompt") and takes_list("generator")
 
 
+def size_multiple(pipe: Any) -> int:
+    """The step of the sizes a pipeline can make: VAE scale factor x the denoiser's patch size.
+
+    The scale is the pipeline's image processor's, which includes latent packing (Flux packs 2x2
+    latents into one token, so its processor works in VAE factor x 2). The SD-family and PixArt
+    pipelines reject sizes that are not multiples of 8 whatever their VAE, so never less than that;
+    Sana's rejects non-multiples of 32, which is the scale factor of its DC-AE autoencoders.
+    """
+    processor = getattr(getattr(pipe, "image_processor", None), "config", None)
+    scale = getattr(processor, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor", None) or 8
+    patch = getattr(getattr(_denoiser(pipe), "config", None), "patch_size", None) or 1
+    return math.lcm(8, int(scale) * int(patch))
+
+
+def native_size(pipe: Any) -> tuple[int | None, int | None]:
+    """The size a pipeline's model was made for, in pixels, from its components' configs.
+
+    1) the denoiser's ``sample_size`` (in latent pixels) x the VAE scale factor (SD, SDXL, SD3,
+       PixArt, Sana); 2) else the VAE's own ``sample_size`` in pixels (Flux's transformer has
+       none); 3) else the pipeline's ``default_sample_size``. Signature defaults are not used:
+       Sana's says 1024 and Flux's 128 x VAE factor, whatever model is loaded.
+    """
+    scale = int(getattr(pipe, "vae_scale_factor", None) or 8)
+    sample = getattr(getattr(_denoiser(pipe), "config", None), "sample_size", None)
+    if sample:
+        return _pair(sample, scale)
+    vae_sample = getattr(getattr(getattr(pipe, "vae", None), "config", None), "sample_size", None)
+    if vae_sample:
+        return _pair(vae_sample, 1)
+    default = getattr(pipe, "default_sample_size", None)
+    return _pair(default, scale) if default else (None, None)
+
+
+def _denoiser(pipe: Any) -> Any:
+    unet = getattr(pipe, "unet", None)
+    return unet if unet is not None else getattr(pipe, "transformer", None)
+
+
+def _pair(size: Any, scale: int) -> tuple[int, int]:
+    if isinstance(size, list | tuple):
+        return int(size[0]) * scale, int(size[1]) * scale
+    return int(size) * scale, int(size) * scale
+
+
 class DiffusionRunner(StageRunner):
     """Text-to-image runner over a diffusers pipeline loaded from a local directory.
 
@@ -73,6 +117,7 @@ class DiffusionRunner(StageRunner):
         self._native_size: tuple[int | None, int | None] = (None, None)
         self._size_multiple = 8
         self._scheduler_name = ""
+        self._fixed_kwargs: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -91,20 +136,19 @@ class DiffusionRunner(StageRunner):
                 "%s does not take list prompts and generator lists; running requests one at a time",
                 type(pipe).__name__,
             )
-        scale = int(getattr(pipe, "vae_scale_factor", None) or 8)
-        denoiser = getattr(pipe, "unet", None)
-        if denoiser is None:
-            denoiser = getattr(pipe, "transformer", None)
-        config = getattr(denoiser, "config", None)
-        # A patchifying transformer also needs the latent to be a multiple of its patch size, and
-        # the SD-family pipelines reject sizes that are not multiples of 8 whatever their VAE.
-        self._size_multiple = math.lcm(8, scale * int(getattr(config, "patch_size", None) or 1))
-        native = getattr(pipe, "default_sample_size", None) or getattr(config, "sample_size", None)
-        if isinstance(native, list | tuple):
-            self._native_size = (int(native[0]) * scale, int(native[1]) * scale)
-        elif native:
-            self._native_size = (int(native) * scale, int(native) * scale)
+        self._size_multiple = size_multiple(pipe)
+        self._native_size = native_size(pipe)
         self._scheduler_name = type(pipe.scheduler).__name__ if hasattr(pipe, "scheduler") else ""
+        # Pipeline options that would change what is asked for, turned off where a pipeline has them:
+        # - clean_caption (PixArt) rewrites the prompt, and needs packages this runtime does not carry
+        #   (without them it warns on every call and leaves the prompt alone anyway);
+        # - use_resolution_binning (PixArt, Sana) denoises at the nearest size of the real models'
+        #   aspect-ratio table and resizes afterwards: a tiny model's sizes are not in it (Sana
+        #   raises), the work done would not be the size the batch key groups by, and the image
+        #   would be a resampled one rather than the size that was asked for.
+        self._fixed_kwargs = {
+            name: False for name in ("clean_caption", "use_resolution_binning") if name in self._call_params
+        }
 
     def _load_pipeline(self) -> None:
         from diffusers import DiffusionPipeline
@@ -154,7 +198,9 @@ class DiffusionRunner(StageRunner):
             p.get("width") or self._native_size[1],
             p.get("num_inference_steps") or self._default("num_inference_steps"),
             float(p.get("guidance_scale", self._default("guidance_scale")) or 0.0),
-            p.get("negative_prompt") is not None,
+            # An empty negative prompt runs as no negative prompt (see execute), and must be batched
+            # with those: SDXL zeroes the unconditional embedding for None but encodes "".
+            bool(p.get("negative_prompt")),
             p.get("num_images_per_prompt") or 1,
             p.get("output_type") or "pil",
             self._scheduler_name,
@@ -193,7 +239,8 @@ class DiffusionRunner(StageRunner):
             torch.Generator(device=self.device).manual_seed(seed + j) for seed in seeds for j in range(per_prompt)
         ]
 
-        # 3) Call arguments; absent params are left out so the pipeline's own defaults apply.
+        # 3) Call arguments; absent params are left out so the pipeline's own defaults apply, except
+        #    the size (the model's native one, see below).
         # "" is what pipelines use for a missing negative prompt, so a list may mix both.
         negatives: list[str] | None = [r.params.get("negative_prompt") or "" for r in batch]
         if not any(negatives):
@@ -204,14 +251,17 @@ class DiffusionRunner(StageRunner):
             "generator": generators if batched else generators[0],
             "negative_prompt": negatives if batched or negatives is None else negatives[0],
             "num_images_per_prompt": per_prompt,
-            "height": first.get("height"),
-            "width": first.get("width"),
+            # The native size is always passed: a signature default can be the real model's size
+            # whatever this model is (Sana: 1024; Flux: 128 latent pixels per VAE factor).
+            "height": first.get("height") or self._native_size[0],
+            "width": first.get("width") or self._native_size[1],
             "num_inference_steps": first.get("num_inference_steps"),
             "guidance_scale": first.get("guidance_scale"),
             # Decode to floats once; uint8 images are made here, identically for every pipeline.
             "output_type": "latent" if output_type == "latent" else "np",
         }
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k in self._call_params}
+        kwargs.update(self._fixed_kwargs)
 
         # 4) Abort while running: leave the loop only when no one is waiting for this wave; a wave
         #    with a live request finishes (the worker drops the aborted ones' outputs).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator
+from types import SimpleNamespace as NS
 from typing import Any
 
 import msgspec
@@ -14,7 +15,7 @@ import torch
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import RequestAbortedError
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
-from omni_runtime.stage.runners.diffusion import DiffusionRunner, accepts_batched_inputs
+from omni_runtime.stage.runners.diffusion import DiffusionRunner, accepts_batched_inputs, native_size, size_multiple
 
 NOT_ABORTED = ExecuteContext(lambda rid: False)
 #: What the caller merges in from the stage's default_sampling_params.
@@ -68,6 +69,36 @@ def test_batched_inputs_are_read_from_the_call_signature() -> None:
     assert not accepts_batched_inputs(inspect.signature(scalar))
     assert not accepts_batched_inputs(inspect.signature(no_generator))
     assert accepts_batched_inputs(inspect.signature(untyped))
+
+
+def fake_pipe(scale: int = 8, processor_scale: int | None = None, **parts: object) -> NS:
+    """The attributes of a pipeline that native_size and size_multiple read."""
+    processor = NS(config=NS(vae_scale_factor=processor_scale or scale))
+    return NS(vae_scale_factor=scale, image_processor=processor, **parts)
+
+
+@pytest.mark.unit
+def test_native_size_comes_from_the_model_configs() -> None:
+    unet = NS(config=NS(sample_size=32))
+    assert native_size(fake_pipe(2, unet=unet, default_sample_size=32)) == (64, 64)
+    assert native_size(fake_pipe(8, unet=NS(config=NS(sample_size=(96, 64))))) == (768, 512)
+    # A transformer's sample size wins over a pipeline constant; without one, the VAE's own size.
+    dit = NS(config=NS(sample_size=4, patch_size=1))
+    assert native_size(fake_pipe(32, transformer=dit, default_sample_size=32)) == (128, 128)
+    flux = NS(config=NS(patch_size=1))
+    vae = NS(config=NS(sample_size=64))
+    assert native_size(fake_pipe(2, 4, transformer=flux, vae=vae, default_sample_size=128)) == (64, 64)
+    assert native_size(fake_pipe(8, transformer=flux, default_sample_size=128)) == (1024, 1024)
+    assert native_size(fake_pipe(8)) == (None, None)
+
+
+@pytest.mark.unit
+def test_size_multiple_is_vae_factor_times_patch_and_at_least_8() -> None:
+    assert size_multiple(fake_pipe(2, unet=NS(config=NS(sample_size=32)))) == 8
+    assert size_multiple(fake_pipe(8, transformer=NS(config=NS(patch_size=2)))) == 16  # SD3, PixArt
+    assert size_multiple(fake_pipe(32, transformer=NS(config=NS(patch_size=1)))) == 32  # Sana
+    assert size_multiple(fake_pipe(8, 16, transformer=NS(config=NS(patch_size=1)))) == 16  # Flux packs 2x2
+    assert size_multiple(NS()) == 8
 
 
 # ---------------------------------------------------------------------------- model

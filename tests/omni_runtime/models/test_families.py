@@ -1,0 +1,282 @@
+"""The builtin tiny models of the major diffusers families, built offline and served by DiffusionRunner.
+
+Per family: the builder is offline and byte-stable, the model loads through the runner with its
+own native size and size step, a fused batch equals its requests run alone (within float
+tolerance: batched kernels are never bitwise equal to batch-1 ones), seeds belong to requests,
+and an abort of the whole wave leaves the denoising loop. Then two families end to end on real
+stage processes, by their bundled config names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from omni_runtime import Omni
+from omni_runtime.config import StageConfig, load_config
+from omni_runtime.exceptions import RequestAbortedError
+from omni_runtime.models.builtin import BUILDERS, CACHE_VERSION
+from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
+from omni_runtime.stage.runners.diffusion import DiffusionRunner
+
+pytestmark = pytest.mark.integration
+
+NOT_ABORTED = ExecuteContext(lambda rid: False)
+PROMPTS = ["a cup of coffee", "a toy dinosaur", "a fox yawning", "the running river"]
+
+
+@dataclass(frozen=True)
+class Family:
+    pipeline: str
+    denoiser: str
+    native: int
+    #: VAE scale factor x patch size (x 2 for Flux's packing), at least 8.
+    size_multiple: int
+
+
+FAMILIES = {
+    "tiny-sdxl": Family("StableDiffusionXLPipeline", "UNet2DConditionModel", 64, 8),
+    "tiny-sd3": Family("StableDiffusion3Pipeline", "SD3Transformer2DModel", 64, 8),
+    "tiny-flux": Family("FluxPipeline", "FluxTransformer2DModel", 64, 8),
+    "tiny-pixart": Family("PixArtSigmaPipeline", "PixArtTransformer2DModel", 64, 8),
+    "tiny-sana": Family("SanaPipeline", "SanaTransformer2DModel", 128, 32),
+}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    # A private model cache (stage processes inherit it) and one torch thread: intra-op threads
+    # that wait for each other slow down badly on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMNI_RUNTIME_CACHE", str(path))
+        yield path
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def name(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def runner(cache: Path, name: str) -> DiffusionRunner:
+    stage = msgspec.convert({"stage_id": 0, "stage_type": "diffusion", "model": f"builtin:{name}"}, StageConfig)
+    r = DiffusionRunner(stage)
+    r.load()
+    return r
+
+
+def defaults(name: str) -> dict[str, Any]:
+    """What the caller merges in from the bundled config's default_sampling_params."""
+    return dict(load_config(name).stage_args[0].default_sampling_params)
+
+
+def req(name: str, rid: str, prompt: str = PROMPTS[0], **params: Any) -> RunnerRequest:
+    return RunnerRequest(request_id=rid, prompt=prompt, params={**defaults(name), "output_type": "np", **params})
+
+
+def run(runner: DiffusionRunner, *requests: RunnerRequest, ctx: ExecuteContext = NOT_ABORTED) -> list[RunnerOutput]:
+    outs = runner.execute(list(requests), ctx)
+    assert len(outs) == len(requests)
+    return outs
+
+
+def floats(out: RunnerOutput) -> np.ndarray:
+    assert out.error is None, out.error
+    return out.tensors["images"]
+
+
+def denoiser(runner: DiffusionRunner) -> torch.nn.Module:
+    return runner.pipe.unet if hasattr(runner.pipe, "unet") else runner.pipe.transformer
+
+
+# ---------------------------------------------------------------------------- builders
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_builder_is_offline_deterministic_and_small(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_network(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(f"the {family} builder tried to open a connection: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    module, _, function = BUILDERS[family].partition(":")
+    build = getattr(importlib.import_module(module), function)
+    build(tmp_path / "a")
+    start = time.perf_counter()
+    build(tmp_path / "b")
+    elapsed = time.perf_counter() - start
+    a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
+    assert a.keys() == b.keys() and a == b  # byte-identical: same weights, configs and vocabularies
+    assert json.loads(a["model_index.json"])["_class_name"] == FAMILIES[family].pipeline
+    assert sum(map(len, a.values())) < 20e6
+    assert elapsed < 5.0  # typically 0.1-0.3 s once the libraries are imported
+    for key, text in a.items():
+        if key.endswith("tokenizer_config.json"):
+            assert "local_files_only" not in json.loads(text)
+
+
+def test_every_family_is_a_builtin_with_a_bundled_config() -> None:
+    for family, facts in FAMILIES.items():
+        assert family in BUILDERS
+        (stage,) = load_config(family).stage_args
+        assert stage.model == f"builtin:{family}" and stage.engine_args.max_num_seqs == 4
+        params = stage.default_sampling_params
+        assert params["height"] == params["width"] == facts.native
+        assert 2 <= params["num_inference_steps"] <= 4
+    (stage,) = load_config("small-sd").stage_args
+    assert stage.model == "builtin:small-sd" and stage.default_sampling_params["height"] == 256
+
+
+# ---------------------------------------------------------------------------- runner
+
+
+def test_loads_with_its_own_native_size_and_size_step(runner: DiffusionRunner, name: str) -> None:
+    facts = FAMILIES[name]
+    assert type(runner.pipe).__name__ == facts.pipeline
+    assert type(denoiser(runner)).__name__ == facts.denoiser
+    assert runner.max_batch_size is None  # every family takes prompt and generator lists
+    assert runner.constraints()["size_multiple"] == facts.size_multiple
+    # Absent sizes resolve to the model's own, read from its configs (not Sana's 1024 default).
+    bare = RunnerRequest("a", "a fox", {"num_inference_steps": 2, "output_type": "np", "seed": 3})
+    assert floats(run(runner, bare)[0]).shape == (1, facts.native, facts.native, 3)
+    assert runner.batch_key(bare)[:2] == (facts.native, facts.native)
+
+
+def test_generates_the_requested_size(runner: DiffusionRunner, name: str) -> None:
+    facts = FAMILIES[name]
+    height, width = facts.native - facts.size_multiple, facts.native + facts.size_multiple
+    out = run(runner, req(name, "a", seed=1, height=height, width=width, output_type="pil"))[0]
+    assert out.error is None and len(out.images) == 1
+    image = out.images[0]
+    assert image.shape == (height, width, 3) and image.dtype == np.uint8
+    assert image.std() > 0  # not a blank image
+
+
+def test_native_generation_is_fast(runner: DiffusionRunner, name: str) -> None:
+    request = req(name, "a", seed=1)
+    run(runner, request)  # warm-up
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        run(runner, request)
+        times.append(time.perf_counter() - start)
+    assert min(times) < 1.0  # typically 0.06-0.3 s with one thread
+
+
+@pytest.mark.parametrize("output_type", ["np", "pil"])
+def test_a_fused_batch_equals_each_request_run_alone(runner: DiffusionRunner, name: str, output_type: str) -> None:
+    batch = [req(name, f"r{i}", p, seed=100 + i, output_type=output_type) for i, p in enumerate(PROMPTS)]
+    assert len({runner.batch_key(r) for r in batch}) == 1
+    fused = run(runner, *batch)
+    for request, out in zip(batch, fused, strict=True):
+        solo = run(runner, request)[0]
+        assert out.metrics["batch_size"] == 4 and solo.metrics["batch_size"] == 1
+        assert out.metrics["seed"] == solo.metrics["seed"] == request.params["seed"]
+        if output_type == "np":
+            np.testing.assert_allclose(floats(out), floats(solo), rtol=0, atol=1e-3)
+        else:
+            assert np.abs(out.images[0].astype(int) - solo.images[0].astype(int)).max() <= 1
+    # Distinct prompts and seeds: the outputs really were split per request.
+    first, second = (o.images[0] if output_type == "pil" else floats(o) for o in fused[:2])
+    assert np.abs(first.astype(float) - second.astype(float)).max() > 0.05
+
+
+def test_seeds_belong_to_requests(runner: DiffusionRunner, name: str) -> None:
+    first = floats(run(runner, req(name, "a", seed=7))[0])
+    again = floats(run(runner, req(name, "b", seed=7))[0])
+    other = floats(run(runner, req(name, "c", seed=8))[0])
+    assert np.array_equal(first, again)
+    assert np.abs(first - other).max() > 0.05
+    # Whatever its batch-mates and its place among them, a request's seed makes its image.
+    a, b = req(name, "a", seed=7), req(name, "b", PROMPTS[1], seed=8)
+    for pair, index in (([a, b], 0), ([b, a], 1)):
+        np.testing.assert_allclose(floats(run(runner, *pair)[index]), first, rtol=0, atol=1e-3)
+
+
+def test_negative_prompts(runner: DiffusionRunner, name: str) -> None:
+    plain = floats(run(runner, req(name, "a", seed=3))[0])
+    # An empty negative prompt is no negative prompt: same batch key, same image.
+    empty = req(name, "e", seed=3, negative_prompt="")
+    assert runner.batch_key(empty) == runner.batch_key(req(name, "a", seed=3))
+    assert np.array_equal(floats(run(runner, empty)[0]), plain)
+    batch = [
+        req(name, "n1", seed=3, negative_prompt="blurry"),
+        req(name, "n2", "a fox", seed=4, negative_prompt="dark"),
+    ]
+    fused = run(runner, *batch)
+    for request, out in zip(batch, fused, strict=True):
+        np.testing.assert_allclose(floats(out), floats(run(runner, request)[0]), rtol=0, atol=1e-3)
+
+
+def test_batch_key_separates_what_changes_the_forward(runner: DiffusionRunner, name: str) -> None:
+    key = runner.batch_key(req(name, "a", seed=1))
+    assert runner.batch_key(req(name, "b", "something else", seed=2)) == key
+    multiple = FAMILIES[name].size_multiple
+    for change in (
+        {"height": 2 * multiple},
+        {"num_inference_steps": 8},
+        {"guidance_scale": 1.0},
+        {"output_type": "pil"},
+    ):
+        assert runner.batch_key(req(name, "c", **change)) != key, change
+
+
+def test_abort_of_the_whole_wave_stops_denoising(runner: DiffusionRunner, name: str) -> None:
+    calls: list[int] = []
+    hook = denoiser(runner).register_forward_hook(lambda *args: calls.append(1))
+    try:
+        # Every caller leaves after the first step has run: is_aborted flips at the 2nd check.
+        ctx = ExecuteContext(lambda rid: len(calls) >= 2)
+        outs = run(
+            runner,
+            req(name, "a", seed=1, num_inference_steps=20),
+            req(name, "b", seed=2, num_inference_steps=20),
+            ctx=ctx,
+        )
+        assert len(calls) == 2  # one denoiser call per step (guidance halves share it)
+        assert all(isinstance(o.error, RequestAbortedError) for o in outs)
+        assert [o.metrics["seed"] for o in outs] == [1, 2]
+
+        # One of two aborted: the wave finishes for the other one.
+        calls.clear()
+        outs = run(runner, req(name, "c", seed=1), req(name, "d", seed=2), ctx=ExecuteContext(lambda rid: rid == "c"))
+        assert len(calls) == defaults(name)["num_inference_steps"]
+        assert all(o.error is None for o in outs)
+    finally:
+        hook.remove()
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize("family", ["tiny-sd3", "tiny-sana"])
+def test_bundled_config_serves_on_real_stage_processes(cache: Path, family: str) -> None:
+    native = FAMILIES[family].native
+    with Omni(family) as omni:
+        outs = omni.generate(PROMPTS[:2], {"seed": 5}, use_tqdm=False)
+        assert [o.error for o in outs] == [None, None]
+        for out in outs:
+            assert out.images[0].size == (native, native) and out.metrics["seed"] == 5
+        assert not np.array_equal(np.asarray(outs[0].images[0]), np.asarray(outs[1].images[0]))
+    assert (cache / f"{family}-{CACHE_VERSION}" / "model_index.json").is_file()  # built where the engine was told
