@@ -1,21 +1,39 @@
-"""AsyncOmni: the asyncio API, for servers. Runs in the caller's event loop."""
+"""AsyncOmni: the asyncio API, for servers. Runs in the caller's event loop (any loop).
+
+Its public surface is what the HTTP server and the CLI use, and all they use: :meth:`validate`
+(a request checked once, which :meth:`generate` then takes as it is), :meth:`generate`,
+:meth:`abort`, :meth:`collective_rpc`, :meth:`health`, :meth:`sampling_params` (which stages take
+which params) and :meth:`on_dead`.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from omni_runtime.config import DeployConfig, load_config, with_engine_overrides
-from omni_runtime.engine.async_engine import AsyncOmniEngine
+from omni_runtime.engine.async_engine import AsyncOmniEngine, EngineHealth, ValidRequest
+from omni_runtime.exceptions import EngineDeadError
 from omni_runtime.messages import EngineOutput, RpcReplicaResult
 from omni_runtime.outputs import OmniRequestOutput, StageResult
+from omni_runtime.resolve import ResolvedConfig, resolve_config
+
+__all__ = ["AsyncOmni", "EngineHealth", "ValidRequest", "apply_output", "load_resolved"]
 
 
-def build_config(model: str | Path | DeployConfig, engine_args: dict[str, Any]) -> DeployConfig:
+def load_resolved(model: str | Path | DeployConfig | ResolvedConfig, engine_args: dict[str, Any]) -> ResolvedConfig:
+    """``model`` (a bundled config name, a deploy YAML, a model directory or a config) with the
+    keyword engine args applied, resolved: every mistake in it is a ConfigError now."""
+    if isinstance(model, ResolvedConfig):
+        if any(v is not None for v in engine_args.values()):
+            model = model.config
+        else:
+            return model
     config = model if isinstance(model, DeployConfig) else load_config(model)
-    return with_engine_overrides(config, **engine_args)
+    config = with_engine_overrides(config, **engine_args)
+    return resolve_config(config, source=config.model or "config")
 
 
 class AsyncOmni:
@@ -31,22 +49,30 @@ class AsyncOmni:
 
     def __init__(
         self,
-        model: str | Path | DeployConfig = "tiny-sd",
+        model: str | Path | DeployConfig | ResolvedConfig = "tiny-sd",
         *,
         max_pending: int | None = None,
         default_timeout: float | None = None,
         **engine_args: Any,
     ) -> None:
-        self.config = build_config(model, engine_args)
-        self.engine = AsyncOmniEngine(self.config, max_pending=max_pending, default_timeout=default_timeout)
+        self.resolved = load_resolved(model, engine_args)
+        self.config = self.resolved.config
+        self.engine = AsyncOmniEngine(self.resolved, max_pending=max_pending, default_timeout=default_timeout)
 
     @property
     def model_name(self) -> str:
         return self.config.model or "omni"
 
+    def validate(
+        self, prompt: str, sampling_params: Any = None, *, modalities: Sequence[str] | None = None
+    ) -> ValidRequest:
+        """Check a request completely without queueing it (InvalidRequestError naming the field);
+        :meth:`generate` takes the result as it is, so nothing is checked twice."""
+        return self.engine.validate(prompt, sampling_params, modalities)
+
     async def generate(
         self,
-        prompt: str,
+        prompt: str | ValidRequest,
         sampling_params: Any = None,
         request_id: str | None = None,
         *,
@@ -75,9 +101,10 @@ class AsyncOmni:
             if not done:
                 self.engine.abort(rid)
 
-    async def abort(self, request_id: str | Sequence[str]) -> None:
-        """Abort requests wherever they are; their ``generate`` raises RequestAbortedError."""
-        self.engine.abort(request_id)
+    def abort(self, request_id: str | Sequence[str], reason: BaseException | None = None) -> None:
+        """Abort requests wherever they are, at once, from any thread; their ``generate`` raises
+        ``reason`` (default RequestAbortedError). Unknown or finished ids are ignored."""
+        self.engine.abort(request_id, reason)
 
     async def collective_rpc(
         self,
@@ -92,7 +119,19 @@ class AsyncOmni:
         when ``timeout`` is set."""
         return await self.engine.collective_rpc(method, args, kwargs, stage_ids, timeout)
 
-    def on_dead(self, callback: Any) -> None:
+    def health(self) -> EngineHealth:
+        """Whether the engine serves (``status``: ok, unhealthy, dead, closed), the pending count
+        and its limit, and each stage's replicas and queues."""
+        return self.engine.health()
+
+    def sampling_params(
+        self, *, image: dict[str, Any] | None = None, shared: dict[str, Any] | None = None
+    ) -> list[dict[str, Any] | None]:
+        """A per-stage params list: ``image`` params for every stage that takes them (a split
+        pipeline has several), each ``shared`` field for every stage that has it."""
+        return self.resolved.sampling_params(image=image, shared=shared)
+
+    def on_dead(self, callback: Callable[[EngineDeadError], Any]) -> None:
         """Call ``callback(EngineDeadError)`` once if the engine dies for good (see
         :meth:`AsyncOmniEngine.on_dead`); a server uses it to exit and be restarted."""
         self.engine.on_dead(callback)

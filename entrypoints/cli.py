@@ -219,12 +219,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from omni_runtime.engine.async_engine import params_class
-    from omni_runtime.params import DiffusionSamplingParams
+    from .async_omni import AsyncOmni, load_resolved
 
-    from .async_omni import AsyncOmni, build_config
-
-    config = build_config(args.model, {"max_num_seqs": args.max_num_seqs})
+    resolved = load_resolved(args.model, {"max_num_seqs": args.max_num_seqs})
+    config = resolved.config
     image_stage = next((s.stage_id for s in config.stage_args if s.final_output_type == "image"), None)
     if image_stage is None:
         raise CliError(f"the model {args.model!r} has no image output")
@@ -235,24 +233,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for prompt in args.prompts:
         jobs.extend((prompt, None if args.seed is None else args.seed + i) for i in range(args.n))
 
-    def params(seed: int | None) -> list[dict | None]:
-        entry = {k: v for k, v in {**image, "seed": seed}.items() if v is not None}
-        # Every stage that takes image params gets them: in a split pipeline the denoiser owns
-        # seed and size, the encoder the negative prompt.
-        return [entry if issubclass(params_class(s), DiffusionSamplingParams) else None for s in config.stage_args]
-
     async def run() -> tuple[list[Any], float]:
-        async with AsyncOmni(config) as omni:
-            omni.engine.resolve_params(params(jobs[-1][1]))  # bad params fail before anything runs
+        async with AsyncOmni(resolved) as omni:
+            # Every stage that takes image params gets them (in a split pipeline the denoiser owns
+            # seed and size, the encoder the negative prompt); each request is validated once,
+            # all before the first runs.
+            requests = [
+                omni.validate(p, omni.sampling_params(image={**image, "seed": seed}), modalities=["image"])
+                for p, seed in jobs
+            ]
             bar = tqdm(total=len(jobs), desc="generate", unit="img", disable=args.quiet)
             # More images than the engine admits at once are submitted as earlier ones finish.
-            slots = asyncio.Semaphore(omni.engine.max_pending)
+            slots = asyncio.Semaphore(omni.health().max_pending)
 
-            async def one(prompt: str, seed: int | None) -> Any:
+            async def one(request: Any) -> Any:
                 last = None
                 try:
                     async with slots:
-                        async for out in omni.generate(prompt, params(seed), modalities=["image"]):
+                        async for out in omni.generate(request):
                             last = out
                     return last
                 except OmniError as e:
@@ -261,7 +259,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     bar.update(1)
 
             start = time.perf_counter()
-            results = await asyncio.gather(*(one(p, s) for p, s in jobs))
+            results = await asyncio.gather(*(one(r) for r in requests))
             wall = time.perf_counter() - start
             bar.close()
             return results, wall
@@ -310,9 +308,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     import yaml
 
     from omni_runtime.config import load_config
+    from omni_runtime.resolve import resolve_config
 
     config = load_config(args.config)
+    # Everything the engine would refuse at start-up, all of it at once (a ConfigError lists each).
+    resolve_config(config, source=Path(args.config).name if Path(args.config).is_file() else args.config)
     data = msgspec.to_builtins(config)
+    for stage in data["stage_args"]:
+        stage["runtime"].pop("process", None)  # the older spelling, resolved into `backend`
     print(json.dumps(data, indent=2) if args.format == "json" else yaml.safe_dump(data, sort_keys=False).rstrip())
     return 0
 

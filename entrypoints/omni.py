@@ -12,11 +12,17 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from omni_runtime.config import DeployConfig
-from omni_runtime.exceptions import EngineClosedError, EngineError, OmniError, StageExecutionError
+from omni_runtime.exceptions import (
+    EngineClosedError,
+    EngineError,
+    InvalidRequestError,
+    OmniError,
+    StageExecutionError,
+)
 from omni_runtime.messages import RpcReplicaResult
 from omni_runtime.outputs import OmniRequestOutput
 
-from .async_omni import AsyncOmni
+from .async_omni import AsyncOmni, ValidRequest
 
 T = TypeVar("T")
 
@@ -40,7 +46,7 @@ class Omni:
         self._thread.start()
         # Backpressure: at most max_pending of this Omni's requests are admitted at once; the rest
         # wait their turn in arrival order instead of failing with QueueFullError.
-        self._slots = asyncio.Semaphore(self._async.engine.max_pending)
+        self._slots = asyncio.Semaphore(self._async.health().max_pending)
         self._id_prefix = f"omni-{uuid.uuid4().hex[:8]}"
         self._ids = itertools.count(1)
         self._calls: set[asyncio.Task] = set()  # calls in progress, from any thread
@@ -99,20 +105,30 @@ class Omni:
     async def _generate(
         self, prompts: list[str], params: Any, use_tqdm: bool, modalities: Sequence[str] | None
     ) -> list[OmniRequestOutput]:
-        engine = self._async.engine
-        engine.resolve_params(params)  # validate once, before anything is submitted
-        engine.final_stages(modalities)
+        # Each request is validated once, all before the first is submitted: bad params or
+        # modalities raise here; a bad prompt is that prompt's error output.
+        ids = [f"{self._id_prefix}-{next(self._ids)}" for _ in prompts]
+        requests: list[ValidRequest | OmniError] = []
+        for prompt in prompts:
+            try:
+                requests.append(self._async.validate(prompt, params, modalities=modalities))
+            except InvalidRequestError as e:
+                if e.param != "prompt":
+                    raise
+                requests.append(e)
         progress = None
         if use_tqdm and len(prompts) > 1:
             from tqdm.auto import tqdm
 
             progress = tqdm(total=len(prompts), desc="generate", unit="req")
 
-        async def one(prompt: str, request_id: str) -> OmniRequestOutput:
+        async def one(request: ValidRequest | OmniError, request_id: str) -> OmniRequestOutput:
             last = None
             try:
+                if isinstance(request, OmniError):
+                    raise request
                 async with self._slots:
-                    async for out in self._async.generate(prompt, params, request_id, modalities=modalities):
+                    async for out in self._async.generate(request, request_id=request_id):
                         last = out
             except OmniError as e:
                 last = last or OmniRequestOutput(request_id=request_id, stage_id=-1)
@@ -125,8 +141,7 @@ class Omni:
             return last
 
         try:
-            ids = [f"{self._id_prefix}-{next(self._ids)}" for _ in prompts]
-            return list(await asyncio.gather(*(one(p, rid) for p, rid in zip(prompts, ids, strict=True))))
+            return list(await asyncio.gather(*(one(r, rid) for r, rid in zip(requests, ids, strict=True))))
         finally:
             if progress is not None:
                 progress.close()

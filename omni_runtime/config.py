@@ -149,6 +149,24 @@ def _value_at(data: Any, path: str) -> Any:
     return data
 
 
+def _decode_error(e: msgspec.ValidationError, data: Any, prefix: str, source: str) -> ConfigError:
+    """msgspec's ``"<what> - at `$.a.b`"`` as a ConfigError at the YAML path ``prefix.a.b``."""
+    message, path = _AT_RE.match(str(e)).groups()
+    path = (path or "").lstrip(".")
+    unknown = re.search(r"unknown field `([^`]*)`", message)
+    if unknown:
+        path = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        return ConfigError("unknown key", path=_join(prefix, path), source=source)
+    got = _value_at(data, "." + path) if path else msgspec.UNSET
+    if got is not msgspec.UNSET and "got" not in message:
+        message = f"{message}, got {got!r}"
+    return ConfigError(message, path=_join(prefix, path) or None, source=source)
+
+
+def _join(prefix: str, path: str) -> str:
+    return f"{prefix}.{path}" if prefix and path else prefix or path
+
+
 def bundled_config_dir() -> Path:
     """Folder of the bundled deploy YAMLs (``stage_configs/``), installed or in a checkout."""
     here = Path(__file__).resolve().parent
@@ -163,22 +181,24 @@ def bundled_config_names() -> list[str]:
 
 
 def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
-    """Validate a decoded YAML document into a DeployConfig."""
+    """Validate a decoded YAML document into a DeployConfig. Each stage is checked on its own
+    first, so a file with several broken stages reports all of them in one ConfigError."""
     if not isinstance(data, dict):
         raise ConfigError(f"expected a mapping with a `stage_args:` list, got {type(data).__name__}", source=source)
+    stages = data.get("stage_args")
+    if isinstance(stages, list):
+        errors = []
+        for i, stage in enumerate(stages):
+            try:
+                msgspec.convert(stage, StageConfig, strict=True)
+            except msgspec.ValidationError as e:
+                errors.append(_decode_error(e, stage, f"stage_args[{i}]", source))
+        if errors:
+            raise ConfigError.of(errors, source=source)
     try:
         config = msgspec.convert(data, DeployConfig, strict=True)
     except msgspec.ValidationError as e:
-        message, path = _AT_RE.match(str(e)).groups()
-        path = (path or "").lstrip(".")
-        unknown = re.search(r"unknown field `([^`]*)`", message)
-        if unknown:
-            path = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
-            raise ConfigError("unknown key", path=path, source=source) from None
-        got = _value_at(data, "." + path) if path else msgspec.UNSET
-        if got is not msgspec.UNSET and "got" not in message:
-            message = f"{message}, got {got!r}"
-        raise ConfigError(message, path=path or None, source=source) from None
+        raise _decode_error(e, data, "", source) from None
     # Every stage process gets its config as msgpack: a value it cannot carry (a lone surrogate,
     # an integer past 64 bits) is this file's error, not a failure to start a replica.
     from omni_runtime.serialization import find_unencodable

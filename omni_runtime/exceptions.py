@@ -23,12 +23,25 @@ class ConfigError(OmniError, ValueError):
 
     path: str | None = None
     source: str | None = None
+    #: Every error found, when several were reported at once (this one alone otherwise).
+    errors: tuple[ConfigError, ...] = ()
 
     def __init__(self, message: str, *, path: str | None = None, source: str | None = None) -> None:
         self.path = path
         self.source = source
+        self.errors = (self,)
         where = ": ".join(p for p in (source, path) if p)
         super().__init__(f"{where}: {message}" if where else message)
+
+    @classmethod
+    def of(cls, errors: list[ConfigError], *, source: str | None = None) -> ConfigError:
+        """One error that reports all of ``errors`` (each on a line of its own)."""
+        if len(errors) == 1:
+            return errors[0]
+        lines = "\n".join(f"  {e}" for e in errors)
+        combined = cls(f"{len(errors)} errors:\n{lines}", source=source)
+        combined.errors = tuple(errors)
+        return combined
 
 
 # --------------------------------------------------------------------------- per request

@@ -19,6 +19,8 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 #: A per-request deadline in seconds; at most a week (a larger one is a mistake, not a deadline).
 Timeout = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
+#: Longest prompt accepted, in characters.
+MAX_PROMPT_CHARS = 100_000
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -73,12 +75,6 @@ class GenericSamplingParams(msgspec.Struct, kw_only=True):
     stage_type: ClassVar[str] = "custom"
     timeout: Timeout | None = None
 
-
-PARAMS_BY_STAGE_TYPE: dict[str, type[msgspec.Struct]] = {
-    "diffusion": DiffusionSamplingParams,
-    "text": TextSamplingParams,
-    "echo": EchoSamplingParams,
-}
 
 _PATH_RE = re.compile(r" - at `\$\.?([^`]*)`")
 

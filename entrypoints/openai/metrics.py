@@ -10,13 +10,14 @@ and cost nothing between scrapes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from omni_runtime.outputs import OmniRequestOutput
+
+from ..async_omni import EngineHealth
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -27,21 +28,21 @@ _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1
 class _EngineCollector(Collector):
     """Engine gauges read at scrape time; nothing is exported before the engine has started."""
 
-    def __init__(self, engine: Callable[[], Any]) -> None:
-        self._engine = engine
+    def __init__(self, health: Callable[[], EngineHealth | None]) -> None:
+        self._health = health
 
     def collect(self) -> Iterator[Metric]:
-        engine = self._engine()
-        if engine is None:
+        h = self._health()
+        if h is None:
             return
         pending = GaugeMetricFamily("omni_engine_pending_requests", "Requests admitted and not yet finished.")
-        pending.add_metric([], engine.num_pending)
+        pending.add_metric([], h.pending)
         limit = GaugeMetricFamily("omni_engine_max_pending", "Admission limit; past it requests get 429.")
-        limit.add_metric([], engine.max_pending)
+        limit.add_metric([], h.max_pending)
         running = GaugeMetricFamily("omni_engine_running", "1 while the engine serves, 0 once it stopped.")
-        running.add_metric([], 1 if engine.is_running else 0)
+        running.add_metric([], 1 if h.status in ("ok", "unhealthy") else 0)
         dead = GaugeMetricFamily("omni_engine_dead", "1 once the engine can no longer serve (the server then exits).")
-        dead.add_metric([], 0 if engine.dead is None else 1)
+        dead.add_metric([], 1 if h.status == "dead" else 0)
         depth = GaugeMetricFamily(
             "omni_stage_queue_depth", "Requests inside a stage (waiting or running).", labels=["stage"]
         )
@@ -53,8 +54,8 @@ class _EngineCollector(Collector):
             "Replicas killed for missing heartbeats or a stalled forward.",
             labels=["stage"],
         )
-        for sid, status in sorted(engine.stage_status().items()):
-            label = [str(sid)]
+        for status in h.stages:
+            label = [str(status["stage_id"])]
             depth.add_metric(label, status.get("inflight", 0))
             live.add_metric(label, status.get("live_replicas", 0))
             replicas.add_metric(label, status.get("replicas", 0))
@@ -64,9 +65,9 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    """Every metric the server exports. ``engine`` returns the running AsyncOmniEngine or None."""
+    """Every metric the server exports. ``health`` returns the running engine's health, or None."""
 
-    def __init__(self, engine: Callable[[], Any]) -> None:
+    def __init__(self, health: Callable[[], EngineHealth | None]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_requests = Counter(
@@ -103,7 +104,7 @@ class ServerMetrics:
             "omni_requests_aborted", "Engine requests aborted by the server, by reason.", ["reason"], registry=r
         )
         self.images = Counter("omni_images_generated", "Images returned to clients.", registry=r)
-        r.register(_EngineCollector(engine))
+        r.register(_EngineCollector(health))
 
     def observe_output(self, out: OmniRequestOutput | None) -> None:
         """Record the engine metrics of one finished request (every final stage it went through)."""

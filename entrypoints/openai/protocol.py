@@ -24,7 +24,6 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
-from omni_runtime.engine.async_engine import MAX_PROMPT_CHARS
 from omni_runtime.exceptions import (
     EngineError,
     InvalidRequestError,
@@ -36,6 +35,7 @@ from omni_runtime.exceptions import (
     StageDeadError,
 )
 from omni_runtime.outputs import OmniRequestOutput
+from omni_runtime.params import MAX_PROMPT_CHARS
 from omni_runtime.serialization import find_unencodable
 
 logger = logging.getLogger(__name__)

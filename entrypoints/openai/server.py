@@ -34,7 +34,6 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_runtime.config import DeployConfig
-from omni_runtime.engine.async_engine import MAX_PROMPT_CHARS, params_class
 from omni_runtime.exceptions import (
     EngineDeadError,
     EngineError,
@@ -44,9 +43,10 @@ from omni_runtime.exceptions import (
     RequestAbortedError,
 )
 from omni_runtime.outputs import OmniRequestOutput
-from omni_runtime.params import DiffusionSamplingParams
+from omni_runtime.params import MAX_PROMPT_CHARS
+from omni_runtime.resolve import ResolvedConfig
 
-from ..async_omni import AsyncOmni, build_config
+from ..async_omni import AsyncOmni, ValidRequest, load_resolved
 from . import protocol as proto
 from .files import MEDIA_TYPES, FileStore, encode_images
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -98,7 +98,7 @@ class ServerState:
 
     def __init__(
         self,
-        config: DeployConfig,
+        resolved: ResolvedConfig,
         *,
         api_key: str | None,
         max_pending: int | None,
@@ -106,7 +106,8 @@ class ServerState:
         file_ttl_s: float,
         file_store_bytes: int,
     ) -> None:
-        self.config = config
+        self.resolved = resolved
+        self.config = config = resolved.config
         self.api_key = api_key.encode() if api_key else None
         self._engine_kwargs = {"max_pending": max_pending, "default_timeout": default_timeout}
         self.omni: AsyncOmni | None = None
@@ -115,7 +116,7 @@ class ServerState:
         self.dead: EngineDeadError | None = None
         #: Called (on the server's loop) when the engine dies: the CLI's server stops itself.
         self.on_dead: list[Callable[[EngineDeadError], None]] = []
-        self.metrics = ServerMetrics(lambda: self.omni.engine if self.omni is not None else None)
+        self.metrics = ServerMetrics(lambda: self.omni.health() if self.omni is not None else None)
         self.files = FileStore(file_ttl_s, file_store_bytes)
         self.inflight: set[str] = set()
         self.draining = False
@@ -123,19 +124,13 @@ class ServerState:
         self.model_name = config.model or "omni"
         finals = [s for s in config.stage_args if s.final_output]
         self.image_stage = next((s.stage_id for s in finals if s.final_output_type == "image"), None)
-        self._fields = {s.stage_id: set(params_class(s).__struct_fields__) for s in config.stage_args}
-        #: Stages that take image params: the image stage itself, and in a split pipeline the
-        #: denoiser that owns seed/size/steps and the encoder that owns the negative prompt.
-        self.image_param_stages = [
-            s.stage_id for s in config.stage_args if issubclass(params_class(s), DiffusionSamplingParams)
-        ]
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         # Stage processes load their models here: off the loop, which still answers signals.
-        self.omni = await loop.run_in_executor(None, lambda: AsyncOmni(self.config, **self._engine_kwargs))
+        self.omni = await loop.run_in_executor(None, lambda: AsyncOmni(self.resolved, **self._engine_kwargs))
         self.model_name = self.omni.model_name
         self.omni.on_dead(self._engine_died)
 
@@ -152,17 +147,18 @@ class ServerState:
             await asyncio.get_running_loop().run_in_executor(None, self.omni.close)
 
     def abort_all(self, reason: str) -> None:
-        """Abort every in-flight engine request; their handlers answer 503 with ``reason``."""
+        """Abort every in-flight engine request; their handlers answer 503 with ``reason``.
+        Runs on the server's loop (from a timer or a signal)."""
         ids = list(self.inflight)
         if ids and self.omni is not None:
             self.metrics.aborted.labels("shutdown").inc(len(ids))
-            self.omni.engine.abort(ids, reason=RequestAbortedError(reason))
+            self.omni.abort(ids, RequestAbortedError(reason))
 
     @property
-    def engine(self) -> Any:
+    def started(self) -> AsyncOmni:
         if self.omni is None:
             raise EngineError("the engine has not started")
-        return self.omni.engine
+        return self.omni
 
     def check_request(self, model: str | None) -> AsyncOmni:
         if self.draining:
@@ -192,23 +188,12 @@ class ServerState:
 
     # ------------------------------------------------------------------ running requests
 
-    def stage_params(self, by_stage: dict[int, dict[str, Any]], shared: dict[str, Any]) -> list[dict | None]:
-        """One params entry per stage: ``by_stage`` as given, ``shared`` where the stage takes it."""
-        params: list[dict | None] = []
-        for stage in self.config.stage_args:
-            entry = dict(by_stage.get(stage.stage_id, {}))
-            entry.update({k: v for k, v in shared.items() if v is not None and k in self._fields[stage.stage_id]})
-            params.append(entry or None)
-        return params
-
-    async def collect(
-        self, omni: AsyncOmni, prompt: str, params: Any, request_id: str, modalities: list[str] | None
-    ) -> OmniRequestOutput:
-        """Run one engine request to its end; its metrics go to Prometheus."""
+    async def collect(self, omni: AsyncOmni, request: ValidRequest, request_id: str) -> OmniRequestOutput:
+        """Run one validated engine request to its end; its metrics go to Prometheus."""
         last = None
         self.inflight.add(request_id)
         try:
-            async for out in omni.generate(prompt, params, request_id, modalities=modalities):
+            async for out in omni.generate(request, request_id=request_id):
                 last = out
         finally:
             self.inflight.discard(request_id)
@@ -227,7 +212,7 @@ class ServerState:
             request.scope[_DISCONNECTED] = True
             live = [rid for rid in ids if rid in self.inflight]
             self.metrics.aborted.labels("client_disconnect").inc(len(live))
-            await self.omni.abort(live)
+            self.omni.abort(live)
             raise ClientDisconnected()
         finally:
             watcher.cancel()
@@ -340,9 +325,9 @@ def create_app(
     The config is validated here (ConfigError at once); the engine starts with the app's lifespan.
     ``app.state.omni`` is the :class:`ServerState`.
     """
-    config = build_config(model, dict(engine_args or {}))
+    resolved = load_resolved(model, dict(engine_args or {}))
     state = ServerState(
-        config,
+        resolved,
         api_key=api_key,
         max_pending=max_pending,
         default_timeout=default_timeout,
@@ -384,30 +369,29 @@ _READYZ_FIELDS = (
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
-        engine = state.engine
-        if engine.dead is not None:
-            return SafeJSONResponse({"status": "dead", "reason": str(engine.dead)}, status_code=503)
-        dead = sorted(sid for sid, s in engine.stage_status().items() if s.get("live_replicas", 0) == 0)
-        if not engine.is_running or dead:
-            return SafeJSONResponse({"status": "unhealthy", "dead_stages": dead}, status_code=503)
-        return SafeJSONResponse({"status": "ok"})
+        h = state.started.health()
+        if h.ok:
+            return SafeJSONResponse({"status": "ok"})
+        if h.status == "dead":
+            return SafeJSONResponse({"status": "dead", "reason": h.reason}, status_code=503)
+        return SafeJSONResponse({"status": "unhealthy", "dead_stages": h.dead_stages}, status_code=503)
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        engine = state.engine
+        h = state.started.health()
         stages = [
             {k: s.get(k) for k in _READYZ_FIELDS}
             | {"queue_depth": s.get("inflight", 0), "per_replica_inflight": s.get("per_replica_inflight", [])}
-            for _, s in sorted(engine.stage_status().items())
+            for s in h.stages
         ]
-        ready = engine.is_running and not state.draining and all(s["live_replicas"] for s in stages)
+        ready = h.ok and not state.draining
         body = {
             "ready": ready,
-            "dead": None if engine.dead is None else str(engine.dead),
+            "dead": h.reason if h.status == "dead" else None,
             "draining": state.draining,
             "model": state.model_name,
-            "pending": engine.num_pending,
-            "max_pending": engine.max_pending,
+            "pending": h.pending,
+            "max_pending": h.max_pending,
             "stages": stages,
         }
         return SafeJSONResponse(body, status_code=200 if ready else 503)
@@ -439,11 +423,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         omni = state.check_request(body.model)
         if state.image_stage is None:
             raise ApiError(400, f"the model `{state.model_name}` has no image output", param="model", code="no_image")
-        if body.n > omni.engine.max_pending:
+        max_pending = omni.health().max_pending
+        if body.n > max_pending:
             # A 429 would invite retries that can never succeed.
             raise InvalidRequestError(
-                f"n={body.n} images exceed this server's admission limit of {omni.engine.max_pending} requests",
-                param="n",
+                f"n={body.n} images exceed this server's admission limit of {max_pending} requests", param="n"
             )
         size = body.dimensions()
         image: dict[str, Any] = {
@@ -458,10 +442,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
         def params(i: int) -> list[dict | None]:
             seed = {} if body.seed is None else {"seed": body.seed + i}
-            return state.stage_params({sid: image | seed for sid in state.image_param_stages}, {})
+            return omni.sampling_params(image=image | seed)
 
-        try:  # validate once, before any of the n requests is admitted
-            omni.engine.resolve_params(params(body.n - 1))
+        try:  # each of the n requests is validated once, before any of them is admitted
+            valid = [omni.validate(body.prompt, params(i), modalities=["image"]) for i in range(body.n)]
         except InvalidRequestError as e:
             if e.param in ("height", "width"):
                 e.param = "size"
@@ -469,9 +453,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         base = f"img-{uuid.uuid4().hex}"
         ids = [f"{base}-{i}" for i in range(body.n)]
         outs = await state.until_disconnect(
-            request,
-            ids,
-            _gather_or_abort([state.collect(omni, body.prompt, params(i), ids[i], ["image"]) for i in range(body.n)]),
+            request, ids, _gather_or_abort([state.collect(omni, valid[i], ids[i]) for i in range(body.n)])
         )
         images = [(img, out) for out in outs for img in out.images]
         encoded = await encode_images([img for img, _ in images], body.output_format, body.output_compression)
@@ -508,21 +490,20 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "seed": body.seed,
             "timeout": body.timeout,
         }
-        params = state.stage_params({}, shared)
-        resolved = omni.engine.resolve_params(params)
         modalities = list(body.modalities) if body.modalities else None
+        valid = omni.validate(prompt, omni.sampling_params(shared=shared), modalities=modalities)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await _stream_chat(state, omni, request, rid, prompt, params, modalities, resolved, include_usage)
-        out = await state.until_disconnect(request, [rid], state.collect(omni, prompt, params, rid, modalities))
+            return await _stream_chat(state, omni, request, rid, valid, include_usage)
+        out = await state.until_disconnect(request, [rid], state.collect(omni, valid, rid))
         texts = [r.text for _, r in sorted(out.outputs_by_stage.items()) if r.text is not None]
         content: str | list[dict[str, Any]]
         if out.images:
             content = [{"type": "text", "text": t} for t in texts] + await _image_parts(out.images)
         else:
             content = "\n".join(texts)
-        usage, finish = proto.usage_of(out, resolved)
+        usage, finish = proto.usage_of(out, valid.params)
         choice = proto.ChatChoice(message=proto.ResponseMessage(content=content), finish_reason=finish)
         resp = proto.ChatCompletionResponse(id=rid, model=state.model_name, choices=[choice], usage=usage)
         return SafeJSONResponse(resp.model_dump(exclude_none=True), headers={"X-Request-Id": rid})
@@ -559,13 +540,10 @@ async def _stream_chat(
     omni: AsyncOmni,
     request: Request,
     rid: str,
-    prompt: str,
-    params: Any,
-    modalities: list[str] | None,
-    resolved: dict[int, dict[str, Any]],
+    valid: ValidRequest,
     include_usage: bool,
 ) -> StreamingResponse:
-    agen = omni.generate(prompt, params, rid, modalities=modalities)
+    agen = omni.generate(valid, request_id=rid)
     state.inflight.add(rid)
     try:
         # Wait for the first output before sending headers, so that admission errors (429, 400,
@@ -597,7 +575,7 @@ async def _stream_chat(
                 out = await agen.__anext__()
             finished = True
             state.metrics.observe_output(out)
-            usage, finish = proto.usage_of(out, resolved)
+            usage, finish = proto.usage_of(out, valid.params)
             yield chunk(proto.DeltaMessage(), finish)
             if include_usage:
                 yield chunk(None, usage=usage)
@@ -612,7 +590,7 @@ async def _stream_chat(
         finally:
             state.inflight.discard(rid)
             if not finished:
-                await omni.abort(rid)
+                omni.abort(rid)
             await agen.aclose()
         yield "data: [DONE]\n\n"
 

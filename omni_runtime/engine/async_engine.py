@@ -29,12 +29,12 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import janus
 import msgspec
 
-from omni_runtime.config import DeployConfig, StageConfig
 from omni_runtime.engine.orchestrator import Orchestrator
 from omni_runtime.exceptions import (
     DuplicateRequestError,
@@ -56,13 +56,12 @@ from omni_runtime.messages import (
     ErrorInfo,
     RpcReplicaResult,
 )
-from omni_runtime.params import PARAMS_BY_STAGE_TYPE, check_constraints, resolve_params
+from omni_runtime.params import MAX_PROMPT_CHARS, check_constraints, resolve_params
+from omni_runtime.resolve import ResolvedConfig
 from omni_runtime.serialization import check_encodable
 
 logger = logging.getLogger(__name__)
 
-#: Longest prompt accepted, in characters.
-MAX_PROMPT_CHARS = 100_000
 #: Longest request id accepted, in characters.
 MAX_REQUEST_ID_CHARS = 256
 #: Longest control-call timeout accepted, in seconds.
@@ -71,13 +70,38 @@ MAX_RPC_TIMEOUT_S = 86_400.0
 DEADLINE_GRACE_S = 2.0
 
 
-def params_class(stage: StageConfig) -> type[msgspec.Struct]:
-    """The sampling-params class of a stage, without importing its (heavy) runner if builtin."""
-    if stage.stage_type in PARAMS_BY_STAGE_TYPE:
-        return PARAMS_BY_STAGE_TYPE[stage.stage_type]
-    from omni_runtime.stage.runners.base import runner_class
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request that passed validation (:meth:`AsyncOmniEngine.validate`): generate it without
+    checking it again. Valid for the engine that made it only."""
 
-    return runner_class(stage.stage_type).params_cls
+    prompt: str
+    #: Resolved params per stage id (defaults applied, validated, encodable).
+    params: dict[int, dict[str, Any]]
+    final_stage_ids: list[int]
+    #: The request's deadline in seconds, or None.
+    timeout: float | None
+    engine_id: str
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """A snapshot of :meth:`AsyncOmniEngine.health`."""
+
+    #: ``ok``; ``unhealthy`` (a stage has no live replica now, a restart may bring it back);
+    #: ``dead`` (it will not serve again: see EngineDeadError); ``closed``.
+    status: str
+    reason: str | None
+    pending: int
+    max_pending: int
+    #: Per stage: replicas, live_replicas, replica_states, restarts, unresponsive_kills,
+    #: inflight, per_replica_inflight.
+    stages: list[dict[str, Any]]
+    dead_stages: list[int]
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
 
 
 class _Channel:
@@ -111,12 +135,12 @@ class AsyncOmniEngine:
     """Starts the orchestrator thread and proxies requests, aborts and control calls to it."""
 
     def __init__(
-        self, config: DeployConfig, *, max_pending: int | None = None, default_timeout: float | None = None
+        self, resolved: ResolvedConfig, *, max_pending: int | None = None, default_timeout: float | None = None
     ) -> None:
-        self.config = config
+        self.resolved = resolved
+        self.config = config = resolved.config
         self.max_pending = max_pending or config.max_pending
         self.default_timeout = default_timeout if default_timeout is not None else config.default_timeout_s
-        self._params_cls = {s.stage_id: params_class(s) for s in config.stage_args}
         self._lock = threading.Lock()
         # Caller's request id -> its pending request. Inside the engine each admission has an id of
         # its own, so a caller may reuse an id once its request ended (aborted, timed out) and a
@@ -134,7 +158,7 @@ class AsyncOmniEngine:
         self._dead_callbacks: list[tuple[asyncio.AbstractEventLoop | None, Callable[[EngineDeadError], Any]]] = []
         # Room for every admitted request plus the aborts and control calls about them.
         self._orchestrator = Orchestrator(
-            config, request_queue_size=2 * self.max_pending + 256, on_dead=self._on_engine_dead
+            resolved, request_queue_size=2 * self.max_pending + 256, on_dead=self._on_engine_dead
         )
         self._orchestrator.start()
         self._finalizer = weakref.finalize(self, _stop_orchestrator, self._orchestrator)
@@ -144,6 +168,20 @@ class AsyncOmniEngine:
     @property
     def num_pending(self) -> int:
         return len(self._pending)
+
+    def health(self) -> EngineHealth:
+        """Whether the engine serves, and each stage's replicas and queues (any thread)."""
+        stages = [status for _, status in sorted(self._orchestrator.status().items())]
+        dead_stages = [s["stage_id"] for s in stages if s.get("live_replicas", 0) == 0]
+        if self._dead is not None:
+            state, reason = "dead", str(self._dead)
+        elif self._closed or not self._orchestrator.alive:
+            state, reason = "closed", "the engine is closed"
+        elif dead_stages:
+            state, reason = "unhealthy", f"no live replica in stage(s) {dead_stages}"
+        else:
+            state, reason = "ok", None
+        return EngineHealth(state, reason, len(self._pending), self.max_pending, stages, dead_stages)
 
     def stage_status(self) -> dict[int, dict[str, Any]]:
         return self._orchestrator.status()
@@ -179,7 +217,7 @@ class AsyncOmniEngine:
         Accepts None, one params object or dict (for a one-stage pipeline, or a typed object for
         the stages of its type), or a list with one entry per stage in ``stage_args`` order.
         """
-        stages = self.config.stage_args
+        stages = self.resolved.stages
         if sampling_params is None:
             given: list[Any] = [None] * len(stages)
         elif isinstance(sampling_params, list | tuple):
@@ -193,9 +231,7 @@ class AsyncOmniEngine:
         elif len(stages) == 1:
             given = [sampling_params]
         elif isinstance(sampling_params, msgspec.Struct):
-            given = [
-                sampling_params if isinstance(sampling_params, self._params_cls[s.stage_id]) else None for s in stages
-            ]
+            given = [sampling_params if isinstance(sampling_params, s.params_cls) else None for s in stages]
             if not any(g is not None for g in given):
                 raise InvalidRequestError(
                     f"no stage of this pipeline takes {type(sampling_params).__name__}", param="sampling_params"
@@ -207,7 +243,7 @@ class AsyncOmniEngine:
             )
         resolved = {}
         for stage, params in zip(stages, given, strict=True):
-            fields = resolve_params(self._params_cls[stage.stage_id], stage.default_sampling_params, params)
+            fields = resolve_params(stage.params_cls, stage.defaults, params)
             check_constraints(fields, self._orchestrator.constraints.get(stage.stage_id, {}))
             for name, value in fields.items():
                 check_encodable(value, name if isinstance(name, str) else repr(name))
@@ -235,20 +271,12 @@ class AsyncOmniEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(
-        self,
-        prompt: Any,
-        sampling_params: Any = None,
-        request_id: str | None = None,
-        modalities: Sequence[str] | None = None,
-    ) -> PendingRequest:
-        """Validate and enqueue one request; its outputs arrive on the returned request's stream.
-
-        Must be called on a running event loop (any loop: each gets its own output channel).
-        Raises InvalidRequestError, DuplicateRequestError, QueueFullError, EngineClosedError or
-        EngineDeadError at once.
-        """
-        self._ensure_open()
+    def validate(
+        self, prompt: Any, sampling_params: Any = None, modalities: Sequence[str] | None = None
+    ) -> ValidRequest:
+        """Check a request once, completely, before anything is queued: the prompt, every stage's
+        params (defaults applied, model constraints), the requested outputs, and that all of it can
+        travel. Raises InvalidRequestError naming the field."""
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
         if len(prompt) > MAX_PROMPT_CHARS:
@@ -256,6 +284,32 @@ class AsyncOmniEngine:
                 f"prompt is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}", param="prompt"
             )
         check_encodable(prompt, "prompt")
+        params = self.resolve_params(sampling_params)
+        finals = self.final_stages(modalities)
+        timeout = next((p["timeout"] for p in params.values() if p.get("timeout")), self.default_timeout)
+        return ValidRequest(prompt, params, finals, timeout, self._id_prefix)
+
+    def add_request(
+        self,
+        request: ValidRequest | Any,
+        sampling_params: Any = None,
+        request_id: str | None = None,
+        modalities: Sequence[str] | None = None,
+    ) -> PendingRequest:
+        """Enqueue one request (a prompt, validated here, or a :class:`ValidRequest`); its outputs
+        arrive on the returned request's stream.
+
+        Must be called on a running event loop (any loop: each gets its own output channel).
+        Raises InvalidRequestError, DuplicateRequestError, QueueFullError, EngineClosedError or
+        EngineDeadError at once.
+        """
+        self._ensure_open()
+        if isinstance(request, ValidRequest):
+            if request.engine_id != self._id_prefix:
+                raise InvalidRequestError("this request was validated by another engine", param="request")
+            valid = request
+        else:
+            valid = self.validate(request, sampling_params, modalities)
         if request_id is None:
             # Unique per engine without a system call per request (uuid4 reads os.urandom).
             request_id = f"{self._id_prefix}-{next(self._auto_ids)}"
@@ -266,9 +320,7 @@ class AsyncOmniEngine:
             )
         else:
             check_encodable(request_id, "request_id")
-        params = self.resolve_params(sampling_params)
-        finals = self.final_stages(modalities)
-        timeout = next((p["timeout"] for p in params.values() if p.get("timeout")), self.default_timeout)
+        timeout = valid.timeout
         channel = self._channel()
         with self._lock:
             self._ensure_open()
@@ -282,9 +334,9 @@ class AsyncOmniEngine:
             msg = EngineRequest(
                 request_id=wire_id,
                 channel=channel.id,
-                prompt=prompt,
-                params=params,
-                final_stage_ids=finals,
+                prompt=valid.prompt,
+                params=valid.params,
+                final_stage_ids=valid.final_stage_ids,
                 arrival_time=time.time(),
                 deadline=time.monotonic() + timeout if timeout else None,
             )

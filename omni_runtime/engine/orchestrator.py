@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
 import logging
 import threading
 import time
@@ -47,6 +46,7 @@ from omni_runtime.messages import (
     StageOutput,
     StageRequest,
 )
+from omni_runtime.resolve import ResolvedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +69,13 @@ class Orchestrator:
 
     def __init__(
         self,
-        config: DeployConfig,
+        resolved: ResolvedConfig,
         *,
         request_queue_size: int = 0,
         on_dead: Callable[[EngineDeadError], None] | None = None,
         make_backends: Callable[[DeployConfig, EngineResources], dict[str, StageBackend]] = make_backends,
     ) -> None:
-        self.config = config
+        self.config = config = resolved.config
         self.request_queue: janus.Queue = janus.Queue(maxsize=request_queue_size)
         #: Output queues by channel id, one per caller event loop; the caller registers and
         #: unregisters them (a dict write is atomic), this thread only reads.
@@ -92,11 +92,7 @@ class Orchestrator:
         for s in config.stage_args:
             for src in s.engine_input_source:
                 self._downstream[src].append(s.stage_id)
-        self._input_funcs = {
-            s.stage_id: _load_func(s.custom_process_input_func)
-            for s in config.stage_args
-            if s.custom_process_input_func
-        }
+        self._input_funcs = {s.stage_id: s.input_func for s in resolved.stages if s.input_func is not None}
         self._thread: threading.Thread | None = None
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
         self._tasks: set[asyncio.Task] = set()
@@ -470,8 +466,3 @@ def _error_output(
         error=ErrorInfo.from_exception(exc, stage_id if sid is None else sid),
         metrics=metrics or {},
     )
-
-
-def _load_func(spec: str):
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)

@@ -53,7 +53,7 @@ async def test_abort_releases_the_caller_at_once(echo):
     task = asyncio.create_task(last(echo, "slow", SLOW, request_id="to-abort"))
     await asyncio.sleep(0.2)
     start = time.monotonic()
-    await echo.abort("to-abort")
+    echo.abort("to-abort")
     with pytest.raises(RequestAbortedError):
         await task
     assert time.monotonic() - start < 0.5
@@ -75,7 +75,7 @@ async def test_duplicate_request_id_is_rejected(echo):
     await asyncio.sleep(0.05)
     with pytest.raises(DuplicateRequestError):
         await last(echo, "again", request_id="dup")
-    await echo.abort("dup")
+    echo.abort("dup")
     with pytest.raises(RequestAbortedError):
         await task
 
@@ -94,7 +94,7 @@ async def test_max_pending_refuses_at_once(echo):
     with pytest.raises(QueueFullError):
         await last(echo, "one too many")
     assert time.monotonic() - start < 0.1
-    await echo.abort([f"fill-{i}" for i in range(64)])
+    echo.abort([f"fill-{i}" for i in range(64)])
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert all(isinstance(r, RequestAbortedError) for r in results)
 

@@ -141,7 +141,7 @@ async def test_abort_while_stage_1_runs_cancels_it_there(relay):
         return (await stats(relay, 1))[0]["running"] == 1
 
     await wait_for(running_at_1)
-    await relay.abort("abort-at-1")
+    relay.abort("abort-at-1")
     with pytest.raises(RequestAbortedError):
         await task
 
@@ -163,7 +163,7 @@ async def test_abort_while_stage_0_runs_means_stage_1_never_sees_it(relay):
         return (await stats(relay, 0))[0]["running"] == 1
 
     await wait_for(running_at_0)
-    await relay.abort("abort-at-0")
+    relay.abort("abort-at-0")
     with pytest.raises(RequestAbortedError):
         await task
     await asyncio.sleep(0.8)  # past stage 0's delay: had it not been aborted, it would be at stage 1

@@ -97,7 +97,7 @@ async def run(engine, plans: list[Plan], tag: str) -> dict[int, str]:
     async def abort_later(task: asyncio.Task, plan: Plan, request_id: str) -> None:
         await asyncio.sleep(plan.abort_after_s)
         if plan.abort == "abort":
-            await engine.abort(request_id)
+            engine.abort(request_id)
         else:
             task.cancel()
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from omni_runtime.config import StageConfig
-from omni_runtime.params import GenericSamplingParams
+from omni_runtime.params import DiffusionSamplingParams, EchoSamplingParams, GenericSamplingParams, TextSamplingParams
 
 
 @dataclass
@@ -76,6 +76,8 @@ class StageRunner(ABC):
     max_batch_size: int | None = None
     #: Which replica of its stage this runner serves (set by the worker before ``load``).
     replica_id: int = 0
+    #: Whether the stage must name a ``model:`` (checked when the config is resolved, not in load).
+    needs_model: ClassVar[bool] = False
 
     def __init__(self, stage: StageConfig) -> None:
         self.stage = stage
@@ -111,21 +113,32 @@ class StageRunner(ABC):
         return {}
 
 
+@dataclass(frozen=True)
+class BuiltinRunner:
+    """What the caller's side knows of a builtin stage type without importing its runner (which
+    would load torch and diffusers into a process that only routes)."""
+
+    #: ``module:Class`` of the runner.
+    path: str
+    params_cls: type[msgspec.Struct]
+    needs_model: bool
+    max_batch_size: int | None = None
+
+
+BUILTIN_RUNNERS: dict[str, BuiltinRunner] = {
+    "diffusion": BuiltinRunner(
+        "omni_runtime.stage.runners.diffusion:DiffusionRunner", DiffusionSamplingParams, needs_model=True
+    ),
+    "text": BuiltinRunner("omni_runtime.stage.runners.text:TextRunner", TextSamplingParams, needs_model=True),
+    "echo": BuiltinRunner("omni_runtime.stage.runners.echo:EchoRunner", EchoSamplingParams, needs_model=False),
+}
+
+
 def runner_class(stage_type: str) -> type[StageRunner]:
-    """The runner class for a ``stage_type``: a builtin name or ``module:Class``."""
-    if stage_type == "diffusion":
-        from omni_runtime.stage.runners.diffusion import DiffusionRunner
-
-        return DiffusionRunner
-    if stage_type == "text":
-        from omni_runtime.stage.runners.text import TextRunner
-
-        return TextRunner
-    if stage_type == "echo":
-        from omni_runtime.stage.runners.echo import EchoRunner
-
-        return EchoRunner
-    module_name, _, class_name = stage_type.partition(":")
+    """The runner class for a ``stage_type``: a builtin name or ``module:Class``. Raises
+    ImportError, AttributeError or TypeError (not a StageRunner) for a bad ``module:Class``."""
+    builtin = BUILTIN_RUNNERS.get(stage_type)
+    module_name, _, class_name = (builtin.path if builtin else stage_type).partition(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     if not (isinstance(cls, type) and issubclass(cls, StageRunner)):
         raise TypeError(f"{stage_type} is not a StageRunner subclass")

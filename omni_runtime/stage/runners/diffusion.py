@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from omni_runtime.config import StageConfig
-from omni_runtime.exceptions import ConfigError, RequestAbortedError, StageAsleepError
+from omni_runtime.exceptions import RequestAbortedError, StageAsleepError
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import DiffusionSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
@@ -104,6 +104,7 @@ class DiffusionRunner(StageRunner):
     """
 
     params_cls = DiffusionSamplingParams
+    needs_model = True
 
     def __init__(self, stage: StageConfig) -> None:
         super().__init__(stage)
@@ -122,8 +123,6 @@ class DiffusionRunner(StageRunner):
     # ------------------------------------------------------------------ lifecycle
 
     def load(self) -> None:
-        if not self.stage.model:
-            raise ConfigError(f"stage {self.stage.stage_id}: a diffusion stage needs `model:`")
         self._model_dir = resolve_model(self.stage.model)
         self._load_pipeline()
         pipe = self.pipe

@@ -33,7 +33,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from omni_runtime.config import StageConfig
-from omni_runtime.exceptions import ConfigError, InvalidRequestError, RequestAbortedError, StageAsleepError
+from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, StageAsleepError
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import DiffusionSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
@@ -77,6 +77,7 @@ class _SplitRunner(StageRunner):
     """What the three share: the model directory, dtype, and sleep/wake by dropping the modules."""
 
     params_cls = DiffusionSamplingParams
+    needs_model = True
     #: Attributes holding loaded modules; ``sleep`` drops them and ``wake_up`` reloads.
     _module_attrs: ClassVar[tuple[str, ...]] = ()
 
@@ -85,8 +86,6 @@ class _SplitRunner(StageRunner):
         self._model_dir = ""
 
     def load(self) -> None:
-        if not self.stage.model:
-            raise ConfigError(f"stage {self.stage.stage_id}: a {type(self).__name__} stage needs `model:`")
         from diffusers.utils import logging as diffusers_logging
         from transformers.utils import logging as transformers_logging
 

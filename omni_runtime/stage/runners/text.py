@@ -18,7 +18,6 @@ import msgspec
 import torch
 
 from omni_runtime.exceptions import (
-    ConfigError,
     InvalidRequestError,
     RequestAbortedError,
     StageAsleepError,
@@ -105,6 +104,7 @@ class TextRunner(StageRunner):
     """Text generation with any local causal LM (``AutoModelForCausalLM``) and its tokenizer."""
 
     params_cls: ClassVar[type[msgspec.Struct]] = TextSamplingParams
+    needs_model = True
 
     model: Any = None
     tokenizer: Any = None
@@ -112,11 +112,6 @@ class TextRunner(StageRunner):
     def load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if not self.stage.model:
-            raise ConfigError(
-                "a text stage needs `model:` (a local model directory or builtin:tiny-lm)",
-                path=f"stage_args[{self.stage.stage_id}].model",
-            )
         path = resolve_model(self.stage.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         # Batched generation appends on the right, so prompts are aligned on the left padding.

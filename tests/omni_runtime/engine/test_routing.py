@@ -33,6 +33,7 @@ from omni_runtime.messages import (
     StageRpc,
     StageRpcResult,
 )
+from omni_runtime.resolve import resolve_config
 from tests.conftest import echo_stage, make_config
 
 pytestmark = pytest.mark.unit
@@ -98,7 +99,7 @@ class Harness:
             self.backend = FakeBackend(cfg, resources)
             return {"process": self.backend}
 
-        self.orch = Orchestrator(config, on_dead=self.deaths.append, make_backends=backends)
+        self.orch = Orchestrator(resolve_config(config), on_dead=self.deaths.append, make_backends=backends)
         self.out: janus.Queue = janus.Queue()
         self.orch.channels[CHANNEL] = self.out
         self.task: asyncio.Task | None = None
