@@ -93,7 +93,7 @@ class AsyncOmni:
                 if msg.error is not None:
                     out.finished = True
                     out.error = msg.error.to_exception()
-                    out.metrics = {**out.metrics, **msg.metrics}
+                    out.metrics = {**out.metrics, **msg.payload.metrics}
                     raise out.error
                 apply_output(out, msg)
                 yield out.snapshot()
@@ -156,19 +156,20 @@ def apply_output(out: OmniRequestOutput, msg: EngineOutput) -> None:
     """Fold one engine output into the caller's accumulated OmniRequestOutput."""
     from PIL import Image
 
+    payload = msg.payload
     out.stage_id = msg.stage_id
     out.finished = msg.finished
-    out.metrics = dict(msg.metrics)
+    out.metrics = dict(payload.metrics)
     result = out.outputs_by_stage.setdefault(msg.stage_id, StageResult(stage_id=msg.stage_id))
     if msg.stage_finished:
-        images = [Image.fromarray(a) for a in msg.images]
-        result.images, result.tensors, result.metrics = images, dict(msg.tensors), dict(msg.metrics)
-        if msg.text is not None:
-            result.text = msg.text
+        images = [Image.fromarray(a) for a in payload.images]
+        result.images, result.tensors, result.metrics = images, dict(payload.tensors), dict(payload.metrics)
+        if payload.text is not None:
+            result.text = payload.text
         out.text_delta = None
     else:
-        result.text = (result.text or "") + (msg.text or "")
-        out.text_delta = msg.text
+        result.text = (result.text or "") + (payload.text or "")
+        out.text_delta = payload.text
     out.images = [img for r in out.outputs_by_stage.values() for img in r.images]
     texts = [r.text for r in out.outputs_by_stage.values() if r.text is not None]
     out.text = texts[-1] if texts else None

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import janus
+import msgspec
 
 from omni_runtime.config import DeployConfig, StageConfig
 from omni_runtime.engine.backends import EngineResources, StageBackend, make_backends
@@ -43,6 +44,7 @@ from omni_runtime.messages import (
     EngineRpcResult,
     EngineShutdown,
     ErrorInfo,
+    Payload,
     StageOutput,
     StageRequest,
 )
@@ -359,18 +361,21 @@ class Orchestrator:
         if func is not None:
             result = func(
                 state.msg.prompt,
-                {sid: {"text": o.text, "images": o.images, "tensors": o.tensors} for sid, o in upstream.items()},
+                {
+                    sid: {"text": o.payload.text, "images": o.payload.images, "tensors": o.payload.tensors}
+                    for sid, o in upstream.items()
+                },
             )
             return result.get("prompt", state.msg.prompt), dict(result.get("inputs", {}))
         # Default: upstream text becomes the prompt; tensors pass through by name.
         inputs: dict[str, Any] = {}
         texts = []
         for o in upstream.values():
-            inputs.update(o.tensors)
-            if o.images:
-                inputs["images"] = o.images
-            if o.text is not None:
-                texts.append(o.text)
+            inputs.update(o.payload.tensors)
+            if o.payload.images:
+                inputs["images"] = o.payload.images
+            if o.payload.text is not None:
+                texts.append(o.payload.text)
         if texts:
             inputs["text"] = "\n".join(texts)
             return inputs["text"], inputs
@@ -379,9 +384,10 @@ class Orchestrator:
     def _deliver(
         self, state: _Request, stage_id: int, out: StageOutput, *, finished: bool, stage_finished: bool
     ) -> None:
-        metrics = dict(out.metrics)
+        payload = out.payload
         if stage_finished:
-            metrics["e2e_ms"] = (time.time() - state.msg.arrival_time) * 1000.0
+            e2e_ms = (time.time() - state.msg.arrival_time) * 1000.0
+            payload = msgspec.structs.replace(payload, metrics={**payload.metrics, "e2e_ms": e2e_ms})
         self._emit(
             state.msg.channel,
             EngineOutput(
@@ -389,10 +395,7 @@ class Orchestrator:
                 stage_id=stage_id,
                 finished=finished,
                 stage_finished=stage_finished,
-                text=out.text,
-                images=out.images,
-                tensors=out.tensors,
-                metrics=metrics,
+                payload=payload,
             ),
         )
 
@@ -464,5 +467,5 @@ def _error_output(
         stage_id=stage_id,
         finished=True,
         error=ErrorInfo.from_exception(exc, stage_id if sid is None else sid),
-        metrics=metrics or {},
+        payload=Payload(metrics=metrics or {}),
     )

@@ -35,6 +35,7 @@ from omni_runtime.messages import (
     RpcReplicaResult,
     StageAbort,
     StageOutput,
+    StageOutputs,
     StagePing,
     StagePong,
     StageRequest,
@@ -176,6 +177,10 @@ class StagePool:
             entry = self._rpc.pop(msg.call_id, None)
             if entry is not None and not entry[1].done():
                 entry[1].set_result(msg)
+            return
+        if isinstance(msg, StageOutputs):
+            for out in msg.outputs:
+                self._on_output(self.stage_id, out)
             return
         if not isinstance(msg, StageOutput):  # e.g. a second READY: nothing to route
             logger.warning("stage %d: dropped unexpected %s", self.stage_id, type(msg).__name__)

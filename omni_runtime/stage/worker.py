@@ -30,8 +30,10 @@ from omni_runtime.exceptions import (
 )
 from omni_runtime.messages import (
     ErrorInfo,
+    Payload,
     StageAbort,
     StageOutput,
+    StageOutputs,
     StagePing,
     StagePong,
     StageReady,
@@ -201,6 +203,7 @@ class StageWorker:
         finally:
             self.scheduler.finish(wave.batch_id)
         elapsed_ms = (time.perf_counter() - start) * 1000.0
+        done: list[StageOutput] = []
         for req, out in zip(batch, outputs, strict=True):
             rid = req.request_id
             if rid in self._released:
@@ -219,16 +222,15 @@ class StageWorker:
                 self._served += 1
             else:
                 self._failed += 1
-            self._emit(
+            done.append(
                 StageOutput(
                     request_id=rid,
-                    text=out.text,
-                    images=out.images,
-                    tensors=out.tensors,
-                    metrics=metrics,
+                    payload=Payload(text=out.text, images=out.images, tensors=out.tensors, metrics=metrics),
                     error=None if out.error is None else ErrorInfo.from_exception(out.error, self.stage_id),
                 )
             )
+        if done:
+            self._emit(StageOutputs(outputs=done) if len(done) > 1 else done[0])
 
     async def _execute(self, loop: asyncio.AbstractEventLoop, batch: list[RunnerRequest]) -> list[RunnerOutput]:
         """One fused forward; if it raises, each request again alone so only the culprit fails."""
@@ -269,16 +271,8 @@ class StageWorker:
 
     def _emit_partial(self, rid: str, part: RunnerOutput) -> None:
         if rid not in self._released:
-            self._emit(
-                StageOutput(
-                    request_id=rid,
-                    finished=False,
-                    text=part.text,
-                    images=part.images,
-                    tensors=part.tensors,
-                    metrics=part.metrics,
-                )
-            )
+            payload = Payload(text=part.text, images=part.images, tensors=part.tensors, metrics=part.metrics)
+            self._emit(StageOutput(request_id=rid, finished=False, payload=payload))
 
     def _emit(self, msg: Any) -> None:
         """Send ``msg``. One that cannot be encoded (a runner's text with a lone surrogate, an int
@@ -287,6 +281,10 @@ class StageWorker:
         try:
             self._send(msg)
         except msgspec.EncodeError as e:
+            if isinstance(msg, StageOutputs):
+                for out in msg.outputs:  # find the one that cannot travel; the rest go on
+                    self._emit(out)
+                return
             logger.error("stage %d: cannot send %s: %s", self.stage_id, type(msg).__name__, e)
             if isinstance(msg, StageOutput) and msg.error is None:
                 if not msg.finished:

@@ -13,6 +13,7 @@ from hypothesis import given
 from omni_runtime.exceptions import InvalidRequestError, StageDeadError
 from omni_runtime.messages import (
     ErrorInfo,
+    Payload,
     StageAbort,
     StageOutput,
     StageReady,
@@ -59,9 +60,8 @@ def test_inbound_messages_roundtrip(msg):
         StageReady(stage_id=1, replica_id=0, pid=42, constraints={"size_multiple": 8}),
         StageOutput(
             request_id="r",
-            text="hi",
-            metrics={"batch_size": 2},
             error=ErrorInfo(type="StageExecutionError", message="boom", stage_id=1),
+            payload=Payload(text="hi", metrics={"batch_size": 2}),
         ),
         StageRpcResult(call_id=3, result={"ok": [1, 2]}),
     ],
@@ -75,15 +75,19 @@ def test_arrays_and_tensors_travel_as_raw_frames():
     latents = torch.randn(2, 4, 8, 8)
     half = torch.randn(32, 32).to(torch.bfloat16)
     small = np.float32([1.5, 2.5])
-    msg = StageOutput(request_id="r", images=[image], tensors={"latents": latents, "bf": half, "small": small})
+    msg = StageOutput(
+        request_id="r", payload=Payload(images=[image], tensors={"latents": latents, "bf": half, "small": small})
+    )
     out, frames = roundtrip(msg, outbound_decoder())
     # Header + one frame per large array; the small one is inlined.
     assert len(frames) == 1 + 3
     assert small.nbytes < INLINE_MAX
-    assert out.images[0].dtype == np.uint8 and np.array_equal(out.images[0], image)
-    assert isinstance(out.tensors["latents"], torch.Tensor) and torch.equal(out.tensors["latents"], latents)
-    assert out.tensors["bf"].dtype == torch.bfloat16 and torch.equal(out.tensors["bf"], half)
-    assert isinstance(out.tensors["small"], np.ndarray) and np.array_equal(out.tensors["small"], small)
+    assert out.payload.images[0].dtype == np.uint8 and np.array_equal(out.payload.images[0], image)
+    assert isinstance(out.payload.tensors["latents"], torch.Tensor) and torch.equal(
+        out.payload.tensors["latents"], latents
+    )
+    assert out.payload.tensors["bf"].dtype == torch.bfloat16 and torch.equal(out.payload.tensors["bf"], half)
+    assert isinstance(out.payload.tensors["small"], np.ndarray) and np.array_equal(out.payload.tensors["small"], small)
     # The large frame is the array's own memory, not a copy inside the header.
     assert len(frames[0]) < 1024
 
@@ -98,7 +102,7 @@ def test_unsupported_objects_are_refused_not_pickled():
     [
         (StageRequest(request_id="r", prompt="a\ud800b", params={}), "UnicodeEncodeError"),
         (StageRpc(call_id=1, method="set_batching", kwargs={"max_num_seqs": 10**30}), "OverflowError"),
-        (StageOutput(request_id="r", metrics={"n": -(2**64)}), "OverflowError"),
+        (StageOutput(request_id="r", payload=Payload(metrics={"n": -(2**64)})), "OverflowError"),
     ],
 )
 def test_what_msgpack_cannot_carry_is_one_typed_encode_error(msg, why):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from omni_runtime import shm
-from omni_runtime.messages import StageOutput, StageRequest
+from omni_runtime.messages import Payload, StageOutput, StageRequest
 from omni_runtime.serialization import Encoder, inbound_decoder, outbound_decoder
 from tests.conftest import shm_segments
 
@@ -177,9 +177,9 @@ def test_a_mapped_array_frees_its_slot_only_when_its_last_alias_goes(engine, poo
 
 def test_without_a_pool_arrays_are_frames_as_before():
     big = np.arange(BIG, dtype=np.float32)
-    frames = Encoder().encode(StageOutput(request_id="r", tensors={"x": big}))
+    frames = Encoder().encode(StageOutput(request_id="r", payload=Payload(tensors={"x": big})))
     assert len(frames) == 2
-    assert np.array_equal(outbound_decoder().decode(frames).tensors["x"], big)
+    assert np.array_equal(outbound_decoder().decode(frames).payload.tensors["x"], big)
 
 
 def test_refs_are_taken_handed_off_or_released_when_dropped(engine):
@@ -187,9 +187,11 @@ def test_refs_are_taken_handed_off_or_released_when_dropped(engine):
     relay = shm.ShmPool(shm.orchestrator_prefix(engine))
     try:
         arr = np.arange(BIG, dtype=np.float32)
-        frames = Encoder(producer).encode(StageOutput(request_id="r", tensors={"a": arr, "b": arr + 1, "c": arr + 2}))
+        frames = Encoder(producer).encode(
+            StageOutput(request_id="r", payload=Payload(tensors={"a": arr, "b": arr + 1, "c": arr + 2}))
+        )
         out = outbound_decoder(engine).decode(frames)
-        refs = out.tensors
+        refs = out.payload.tensors
         assert all(isinstance(r, shm.ShmRef) for r in refs.values())
         handles = {k: r.handle for k, r in refs.items()}
         # take: an owned copy, slot freed.
@@ -217,11 +219,13 @@ def test_a_ref_to_a_dead_producers_segment_is_copied_not_handed_off(engine):
     producer = shm.ShmPool(shm.replica_prefix(engine, 0, 0, 0))
     relay = shm.ShmPool(shm.orchestrator_prefix(engine))
     arr = np.arange(BIG, dtype=np.float32)
-    out = outbound_decoder(engine).decode(Encoder(producer).encode(StageOutput(request_id="r", tensors={"a": arr})))
+    out = outbound_decoder(engine).decode(
+        Encoder(producer).encode(StageOutput(request_id="r", payload=Payload(tensors={"a": arr})))
+    )
     producer.close()  # as the orchestrator does once a crashed replica has exited
     try:
         enc = Encoder(relay)
-        frames = enc.encode(StageRequest(request_id="r", prompt="", params={}, inputs={"a": out.tensors["a"]}))
+        frames = enc.encode(StageRequest(request_id="r", prompt="", params={}, inputs={"a": out.payload.tensors["a"]}))
         # Still readable through our mapping; re-sent from the relay's own pool.
         assert [h.name.startswith(relay.prefix) for h in enc.handles] == [True]
         assert np.array_equal(inbound_decoder(engine).decode(frames).inputs["a"], arr)
@@ -241,7 +245,7 @@ def test_a_handle_to_a_vanished_segment_fails_that_message_with_its_contents(eng
 
 def test_handles_to_foreign_segments_are_refused(engine, pool):
     x = np.zeros(BIG, np.float32)
-    frames = Encoder(pool).encode(StageOutput(request_id="r", tensors={"x": x}))
+    frames = Encoder(pool).encode(StageOutput(request_id="r", payload=Payload(tensors={"x": x})))
     with pytest.raises(msgspec.DecodeError, match="not this engine's"):
         outbound_decoder(shm.engine_prefix()).decode(frames)
     frames = Encoder(pool).encode(StageRequest(request_id="r", prompt="", params={}, inputs={"x": x}))
@@ -252,18 +256,20 @@ def test_handles_to_foreign_segments_are_refused(engine, pool):
 def test_a_failed_encode_gives_its_slots_back(pool):
     enc = Encoder(pool)
     with pytest.raises(msgspec.EncodeError):
-        enc.encode(StageOutput(request_id="r", tensors={"a": np.zeros(BIG, np.float32), "b": object()}))
+        enc.encode(
+            StageOutput(request_id="r", payload=Payload(tensors={"a": np.zeros(BIG, np.float32), "b": object()}))
+        )
     assert pool.stats()["busy"] == 0
 
 
 def test_materialize_walks_structs_and_containers(engine, pool):
     arr = np.arange(BIG, dtype=np.float32)
     out = outbound_decoder(engine).decode(
-        Encoder(pool).encode(StageOutput(request_id="r", images=[arr], tensors={"t": arr}, text="x"))
+        Encoder(pool).encode(StageOutput(request_id="r", payload=Payload(images=[arr], tensors={"t": arr}, text="x")))
     )
     plain = shm.materialize(out)
-    assert isinstance(plain, StageOutput) and plain.text == "x"
-    assert np.array_equal(plain.images[0], arr) and np.array_equal(plain.tensors["t"], arr)
+    assert isinstance(plain, StageOutput) and plain.payload.text == "x"
+    assert np.array_equal(plain.payload.images[0], arr) and np.array_equal(plain.payload.tensors["t"], arr)
     assert pool.stats()["busy"] == 0
     assert shm.materialize(plain) is plain  # nothing left to copy
 

@@ -33,6 +33,7 @@ import zmq
 
 from omni_runtime.messages import (
     ErrorInfo,
+    Payload,
     StageOutput,
     StageReady,
     StageRequest,
@@ -72,7 +73,7 @@ def malformed(to_stage: bool) -> dict[str, list[bytes]]:
         "msgpack int": [_pack(42)],
         "msgpack list": [_pack([1, "two", 3.0])],
         "wrong direction (READY)": [bytes(encoder.encode(StageReady(stage_id=0, replica_id=0, pid=1))[0])],
-        "wrong direction (output)": [bytes(encoder.encode(StageOutput(request_id="x", text="t"))[0])],
+        "wrong direction (output)": [bytes(encoder.encode(StageOutput(request_id="x", payload=Payload(text="t")))[0])],
         "unknown tag": [_pack({"type": "launch", "request_id": "x"})],
         "missing fields": [_pack({"type": "request", "request_id": "x"})],
         "wrong field type": [_pack({"type": "request", "request_id": 7, "prompt": "p", "params": {}})],
@@ -173,7 +174,12 @@ def test_the_stage_drops_and_logs_every_malformed_message_and_keeps_serving(raw_
 
     raw_stage.send(encoder.encode(StageRequest(request_id="ok", prompt="still here", params={})))
     out = raw_stage.recv()
-    assert isinstance(out, StageOutput) and out.request_id == "ok" and out.text == "still here" and out.error is None
+    assert (
+        isinstance(out, StageOutput)
+        and out.request_id == "ok"
+        and out.payload.text == "still here"
+        and out.error is None
+    )
     assert raw_stage.proc.poll() is None
 
     deadline = time.monotonic() + 5  # stderr is written by the stage as it goes
@@ -215,7 +221,7 @@ def foreign_messages_for_the_engine() -> dict[str, list[bytes]]:
         "wrong direction (request)": enc(StageRequest(request_id="x", prompt="p", params={})),
         "a second READY": enc(StageReady(stage_id=0, replica_id=0, pid=1)),
         "a reply to no call": enc(StageRpcResult(call_id=10**9, result="?")),
-        "an output for no request": enc(StageOutput(request_id="nobody", text="boo")),
+        "an output for no request": enc(StageOutput(request_id="nobody", payload=Payload(text="boo"))),
         "an error for no request": enc(
             StageOutput(request_id="nobody", error=ErrorInfo(type="StageDeadError", message="boo"))
         ),

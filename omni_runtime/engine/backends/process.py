@@ -33,7 +33,14 @@ import msgspec
 from omni_runtime import shm
 from omni_runtime.config import DeployConfig, StageConfig
 from omni_runtime.exceptions import StageDeadError, StageStartupError
-from omni_runtime.messages import ErrorInfo, StageOutput, StageReady, StageShutdown, StageStartupFailed
+from omni_runtime.messages import (
+    ErrorInfo,
+    StageOutput,
+    StageOutputs,
+    StageReady,
+    StageShutdown,
+    StageStartupFailed,
+)
 from omni_runtime.transport import SocketReader
 
 from .base import EngineResources, OnDead, OnMessage, StageBackend, StageClient
@@ -151,6 +158,9 @@ class ProcessStageClient(StageClient):
             return await self._start()
         except BaseException as e:
             await self.close(timeout=1.0)
+            fut = self._ready_fut
+            if fut is not None and fut.done() and not fut.cancelled():
+                fut.exception()  # the exit that ended the wait was seen; nobody else will look
             if isinstance(e, TimeoutError):
                 raise StageStartupError(
                     f"stage {self.stage_id} replica {self.replica_id} did not say READY "
@@ -226,7 +236,7 @@ class ProcessStageClient(StageClient):
         except msgspec.DecodeError as e:
             logger.warning("stage %d: dropped a malformed message: %s", self.stage_id, e)
             return
-        if not isinstance(msg, StageOutput):
+        if not isinstance(msg, StageOutput | StageOutputs):
             msg = shm.materialize(msg)  # only stage outputs are routed on as refs
         if self._ready_fut is not None and not self._ready_fut.done():
             if isinstance(msg, StageReady):
@@ -259,12 +269,16 @@ class ProcessStageClient(StageClient):
             logger.error("%s", reason)
             self._on_dead(self, reason)
 
-    def _lost_output(self, exc: shm.ShmLostError) -> StageOutput | None:
+    def _lost_output(self, exc: shm.ShmLostError) -> StageOutput | StageOutputs | None:
+        """An output whose shared memory vanished fails its request (every request of its wave,
+        which cannot be told apart)."""
         logger.warning("stage %d: %s", self.stage_id, exc)
-        if not isinstance(exc.message, StageOutput):
+        message = exc.message
+        outputs = message.outputs if isinstance(message, StageOutputs) else [message]
+        if not all(isinstance(o, StageOutput) for o in outputs):
             return None
         err = ErrorInfo(type="StageExecutionError", message=f"output lost: {exc}", stage_id=self.stage_id)
-        return StageOutput(request_id=exc.message.request_id, error=err)
+        return StageOutputs(outputs=[StageOutput(request_id=o.request_id, error=err) for o in outputs])
 
     def send(self, msg: Any) -> None:
         import zmq

@@ -24,6 +24,7 @@ from omni_runtime.messages import (
     EngineRpcResult,
     EngineShutdown,
     ErrorInfo,
+    Payload,
     StageAbort,
     StageOutput,
     StagePing,
@@ -162,14 +163,14 @@ async def test_a_request_flows_down_the_graph_and_is_delivered_once():
         [req0] = await h.sent(0)
         assert req0.request_id == rid and req0.prompt == "hello"
         assert not h.replica(1).sent  # stage 1 waits for stage 0
-        h.replica(0).say(StageOutput(request_id=rid, text="HELLO", metrics={"batch_size": 1}))
+        h.replica(0).say(StageOutput(request_id=rid, payload=Payload(text="HELLO", metrics={"batch_size": 1})))
         [req1] = await h.sent(1)
         assert req1.prompt == "HELLO" and req1.inputs == {"text": "HELLO"}
         assert h.backend.settled == [(rid, 1)]  # one consumer, no input function: handed over as it is
-        h.replica(1).say(StageOutput(request_id=rid, text="done"))
+        h.replica(1).say(StageOutput(request_id=rid, payload=Payload(text="done")))
         out = await h.output()
-        assert isinstance(out, EngineOutput) and out.finished and out.stage_id == 1 and out.text == "done"
-        assert out.metrics["e2e_ms"] >= 0
+        assert isinstance(out, EngineOutput) and out.finished and out.stage_id == 1 and out.payload.text == "done"
+        assert out.payload.metrics["e2e_ms"] >= 0
         assert h.backend.settled[-1] == (rid, None)  # delivered to the caller: plain values
         await asyncio.sleep(0)
         h.nothing_more()
@@ -188,19 +189,19 @@ async def test_fan_out_then_fan_in_waits_for_every_source_and_calls_the_input_fu
     async with Harness(make_config(stages)) as h:
         rid = h.submit("x")
         await h.sent(0)
-        h.replica(0).say(StageOutput(request_id=rid, text="a"))
+        h.replica(0).say(StageOutput(request_id=rid, payload=Payload(text="a")))
         await h.sent(1)
         await h.sent(2)
         assert (rid, None) in h.backend.settled  # two consumers: each gets its own values
-        h.replica(2).say(StageOutput(request_id=rid, text="c"))
+        h.replica(2).say(StageOutput(request_id=rid, payload=Payload(text="c")))
         first = await h.output()
         assert first.stage_id == 2 and not first.finished
         await asyncio.sleep(0)
         assert not h.replica(3).sent  # still waits for stage 1
-        h.replica(1).say(StageOutput(request_id=rid, text="b"))
+        h.replica(1).say(StageOutput(request_id=rid, payload=Payload(text="b")))
         [req3] = await h.sent(3)
         assert req3.prompt == "1:B | 2:C" and req3.inputs == {"original": "x"}
-        h.replica(3).say(StageOutput(request_id=rid, text="end"))
+        h.replica(3).say(StageOutput(request_id=rid, payload=Payload(text="end")))
         last = await h.output()
         assert last.finished and last.stage_id == 3
 
@@ -212,7 +213,7 @@ async def test_only_the_stages_a_requested_output_needs_run():
     async with Harness(config) as h:
         rid = h.submit("only zero", finals=[0])
         await h.sent(0)
-        h.replica(0).say(StageOutput(request_id=rid, text="zero"))
+        h.replica(0).say(StageOutput(request_id=rid, payload=Payload(text="zero")))
         out = await h.output()
         assert out.finished and out.stage_id == 0
         await asyncio.sleep(0)
@@ -229,7 +230,7 @@ async def test_an_abort_reaches_the_replica_and_a_late_output_is_dropped():
         assert abort.request_ids == [rid]
         out = await h.output()
         assert out.finished and out.error.type == "RequestAbortedError"
-        h.replica(0).say(StageOutput(request_id=rid, text="too late"))
+        h.replica(0).say(StageOutput(request_id=rid, payload=Payload(text="too late")))
         await asyncio.sleep(0.01)
         h.nothing_more()
         assert not h.replica(1).sent
@@ -261,11 +262,11 @@ async def test_streamed_pieces_reach_the_caller_before_the_end():
     async with Harness(make_config([echo_stage(0)])) as h:
         rid = h.submit()
         await h.sent(0)
-        h.replica(0).say(StageOutput(request_id=rid, finished=False, text="par"))
-        h.replica(0).say(StageOutput(request_id=rid, finished=False, text="tial"))
-        h.replica(0).say(StageOutput(request_id=rid, text="partial"))
+        h.replica(0).say(StageOutput(request_id=rid, finished=False, payload=Payload(text="par")))
+        h.replica(0).say(StageOutput(request_id=rid, finished=False, payload=Payload(text="tial")))
+        h.replica(0).say(StageOutput(request_id=rid, payload=Payload(text="partial")))
         outs = [await h.output() for _ in range(3)]
-        assert [(o.text, o.finished, o.stage_finished) for o in outs] == [
+        assert [(o.payload.text, o.finished, o.stage_finished) for o in outs] == [
             ("par", False, False),
             ("tial", False, False),
             ("partial", True, True),
