@@ -1,16 +1,82 @@
-"""Shared fixtures. Engines are expensive (processes, models): keep them module-scoped."""
+"""Shared fixtures, and the markers of every test file by its path.
+
+Engines are expensive (processes, models): keep them module-scoped. A test's kind follows from
+where it lives (:data:`MARKERS`), so ``pytest -m unit`` does not even import the files of the
+other kinds: no torch, no processes, seconds for the whole selection.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import psutil
 import pytest
+from _pytest.mark.expression import Expression
 
 from omni_runtime.config import DeployConfig, parse_config
 
 REPO = Path(__file__).resolve().parent.parent
+
+#: How each test file is marked: the first rule whose path (relative to the repository) starts
+#: with the prefix wins. ``unit``: pure logic, milliseconds, no process and no model.
+MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("tests/reliability/test_http_", ("reliability", "e2e")),
+    ("tests/reliability/test_soak.py", ("reliability", "slow")),
+    ("tests/reliability/", ("reliability",)),
+    ("tests/entrypoints/openai/", ("e2e",)),
+    ("tests/entrypoints/test_cli.py", ("e2e",)),
+    ("tests/entrypoints/", ("integration",)),
+    ("tests/omni_runtime/models/", ("integration",)),
+    ("tests/omni_runtime/stage/runners/", ("integration",)),
+    ("tests/omni_runtime/engine/test_orchestrator.py", ("integration",)),
+    ("tests/omni_runtime/engine/test_stage_client.py", ("integration",)),
+    ("tests/omni_runtime/test_processes.py", ("integration",)),
+    ("tests/omni_runtime/", ("unit",)),
+)
+
+
+def markers_for(path: Path) -> tuple[str, ...]:
+    try:
+        relative = path.resolve().relative_to(REPO).as_posix()
+    except ValueError:
+        return ()
+    return next((marks for prefix, marks in MARKERS if relative.startswith(prefix)), ())
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m EXPR``, a test file whose markers cannot match is not imported at all."""
+    expr = config.option.markexpr
+    if not expr or not collection_path.name.startswith("test_") or collection_path.suffix != ".py":
+        return None
+    marks = set(markers_for(collection_path))
+    return None if Expression.compile(expr).evaluate(lambda name, **_: name in marks) else True
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for mark in markers_for(item.path):
+            item.add_marker(mark)
+
+
+async def eventually(
+    predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "condition"
+) -> float:
+    """Wait until ``predicate()`` (a bool, or a coroutine giving one) holds; returns the seconds it took."""
+    start = time.monotonic()
+    while not await _value(predicate()):
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{what} not reached within {timeout:g} s")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+async def _value(x: bool | Awaitable[bool]) -> bool:
+    return await x if inspect.isawaitable(x) else x
 
 
 def make_config(stages: list[dict], **top: object) -> DeployConfig:

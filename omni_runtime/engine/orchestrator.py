@@ -49,6 +49,7 @@ from omni_runtime.messages import (
     StageRequest,
 )
 from omni_runtime.resolve import ResolvedConfig
+from omni_runtime.tasks import BackgroundTasks
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class Orchestrator:
         self._input_funcs = {s.stage_id: s.input_func for s in resolved.stages if s.input_func is not None}
         self._thread: threading.Thread | None = None
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = BackgroundTasks()  # control calls in progress
         #: Everything the engine holds outside Python objects; made before any of it exists.
         self.resources = EngineResources()
         self.backends: dict[str, StageBackend] = {}
@@ -224,9 +225,7 @@ class Orchestrator:
             for rid in msg.request_ids:
                 self._finish_with_error(rid, reason, stage_id=None)
         elif isinstance(msg, EngineRpc):
-            task = asyncio.get_running_loop().create_task(self._rpc(msg))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks.spawn(self._rpc(msg), name=f"rpc-{msg.call_id}")
         else:
             logger.warning("dropped unexpected %s", type(msg).__name__)
 

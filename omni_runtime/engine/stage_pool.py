@@ -42,6 +42,7 @@ from omni_runtime.messages import (
     StageRpc,
     StageRpcResult,
 )
+from omni_runtime.tasks import BackgroundTasks
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class StagePool:
         self.unresponsive_kills = 0
         self.constraints: dict[str, Any] = {}
         self._rpc: dict[int, tuple[int, asyncio.Future]] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = BackgroundTasks()  # restarts, and the closing of dead replicas
         self._restarting: dict[int, asyncio.Task] = {}
         self._pong_at = [0.0] * n
         self._stalled: list[float | None] = [None] * n
@@ -117,7 +118,7 @@ class StagePool:
         # the closing of dead replicas, so nothing is left when this returns.
         for task in self._restarting.values():
             task.cancel()
-        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._tasks.wait()
         await asyncio.gather(*(c.close(timeout) for c in self.replicas if c is not None), return_exceptions=True)
         for _, fut in self._rpc.values():
             if not fut.done():
@@ -203,21 +204,15 @@ class StagePool:
         if lost:
             self._on_requests_lost(self.stage_id, lost, StageDeadError(reason, stage_id=self.stage_id))
         # Free the dead replica's sockets and reader now; a restart gets fresh ones.
-        self._spawn(client.close(timeout=0.5))
+        self._tasks.spawn(client.close(timeout=0.5))
         if restart:
-            self._restarting[replica] = self._spawn(self._restart(replica))
+            self._restarting[replica] = self._tasks.spawn(self._restart(replica))
         else:
             self._check_gone(reason)
 
     def _check_gone(self, reason: str) -> None:
         if not self._closed and not self.live and not self._restarting and self._on_gone is not None:
             self._on_gone(self.stage_id, reason)
-
-    def _spawn(self, coro: Any) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     async def _restart(self, replica: int) -> None:
         """Start a new process for ``replica`` after a backoff, retrying within ``max_restarts``."""

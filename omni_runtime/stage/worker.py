@@ -40,10 +40,10 @@ from omni_runtime.messages import (
     StageRequest,
     StageRpc,
     StageRpcResult,
-    StageShutdown,
 )
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, runner_class
 from omni_runtime.stage.scheduler import RequestScheduler, Wave
+from omni_runtime.tasks import BackgroundTasks
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class StageWorker:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage_id}-forward")
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
-        self._rpc_tasks: set[asyncio.Task] = set()
+        self._rpc_tasks = BackgroundTasks()
         self._released: set[str] = set()  # aborted while running: caller already answered
         #: The one truth about sleep: set before the model is freed, cleared once it is back, so
         #: no wave ever runs on a freed model and every request meanwhile gets StageAsleepError.
@@ -133,17 +133,11 @@ class StageWorker:
                 for rid in msg.request_ids:
                     self._abort(rid)
             elif isinstance(msg, StageRpc):
-                # Keep a reference: the loop holds tasks only weakly, and an RPC may take a while.
-                task = asyncio.get_running_loop().create_task(self._rpc(msg))
-                self._rpc_tasks.add(task)
-                task.add_done_callback(self._rpc_tasks.discard)
+                self._rpc_tasks.spawn(self._rpc(msg))
             elif isinstance(msg, StagePing):
                 stalled = None if self._progress_at is None else time.monotonic() - self._progress_at
                 self._emit(StagePong(seq=msg.seq, stalled_s=stalled))
-            elif isinstance(msg, StageShutdown):
-                self._closed = True
-                self._wake.set()
-            else:
+            else:  # StageShutdown is the process's to act on, and never reaches here
                 logger.warning("stage %d: dropped unexpected message %r", self.stage_id, type(msg).__name__)
         except Exception:
             logger.exception("stage %d: failed to handle %s", self.stage_id, type(msg).__name__)

@@ -17,9 +17,7 @@ from omni_runtime.exceptions import (
     RequestTimeoutError,
     StageDeadError,
 )
-from tests.conftest import echo_stage, make_config
-
-pytestmark = pytest.mark.integration
+from tests.conftest import echo_stage, eventually, make_config
 
 SLOW = {"delay_ms": 10_000}
 
@@ -44,6 +42,11 @@ async def stage_pid(engine) -> int:
     return res.result["pid"]
 
 
+async def in_stage(engine: AsyncOmni, n: int) -> None:
+    """Until ``n`` requests are inside the stage (waiting or running there)."""
+    await eventually(lambda: engine.health().stages[0]["inflight"] == n, what=f"{n} request(s) in the stage")
+
+
 async def test_generate_yields_a_finished_output(echo):
     out = await last(echo, "hello", request_id="r-hello")
     assert out.finished and out.text == "hello" and out.request_id == "r-hello"
@@ -51,7 +54,7 @@ async def test_generate_yields_a_finished_output(echo):
 
 async def test_abort_releases_the_caller_at_once(echo):
     task = asyncio.create_task(last(echo, "slow", SLOW, request_id="to-abort"))
-    await asyncio.sleep(0.2)
+    await in_stage(echo, 1)
     start = time.monotonic()
     echo.abort("to-abort")
     with pytest.raises(RequestAbortedError):
@@ -63,7 +66,7 @@ async def test_abort_releases_the_caller_at_once(echo):
 
 async def test_cancelling_the_consumer_aborts_the_request(echo):
     task = asyncio.create_task(last(echo, "slow", SLOW, request_id="cancelled"))
-    await asyncio.sleep(0.2)
+    await in_stage(echo, 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -72,7 +75,7 @@ async def test_cancelling_the_consumer_aborts_the_request(echo):
 
 async def test_duplicate_request_id_is_rejected(echo):
     task = asyncio.create_task(last(echo, "slow", SLOW, request_id="dup"))
-    await asyncio.sleep(0.05)
+    await in_stage(echo, 1)
     with pytest.raises(DuplicateRequestError):
         await last(echo, "again", request_id="dup")
     echo.abort("dup")
@@ -89,7 +92,7 @@ async def test_deadline_aborts_and_raises_timeout(echo):
 
 async def test_max_pending_refuses_at_once(echo):
     tasks = [asyncio.create_task(last(echo, f"p{i}", SLOW, request_id=f"fill-{i}")) for i in range(64)]
-    await asyncio.sleep(0.1)
+    await eventually(lambda: echo.health().pending == 64, what="all 64 admitted")
     start = time.monotonic()
     with pytest.raises(QueueFullError):
         await last(echo, "one too many")
@@ -102,7 +105,7 @@ async def test_max_pending_refuses_at_once(echo):
 async def test_sigkill_fails_in_flight_requests_fast_then_the_replica_restarts(echo):
     pid = await stage_pid(echo)
     tasks = [asyncio.create_task(last(echo, f"k{i}", SLOW)) for i in range(3)]
-    await asyncio.sleep(0.3)
+    await in_stage(echo, 3)
     start = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -112,10 +115,7 @@ async def test_sigkill_fails_in_flight_requests_fast_then_the_replica_restarts(e
     with pytest.raises(StageDeadError):
         await last(echo, "no one home")
     # The pool restarts the replica (backoff 0.5 s): wait for it, then serve again.
-    for _ in range(100):
-        if echo.engine.stage_status()[0]["live_replicas"] == 1:
-            break
-        await asyncio.sleep(0.05)
-    assert echo.engine.stage_status()[0]["restarts"] == 1
+    await eventually(lambda: echo.health().stages[0]["live_replicas"] == 1, what="the restart")
+    assert echo.health().stages[0]["restarts"] == 1
     assert await stage_pid(echo) != pid
     assert (await last(echo, "back")).text == "back"

@@ -11,9 +11,7 @@ import pytest
 
 from omni_runtime import AsyncOmni
 from omni_runtime.exceptions import RequestAbortedError, StageExecutionError
-from tests.conftest import make_config
-
-pytestmark = pytest.mark.integration
+from tests.conftest import eventually, make_config
 
 DEFAULTS = {"num_inference_steps": 4, "guidance_scale": 7.5, "height": 64, "width": 64}
 
@@ -96,7 +94,10 @@ async def test_abort_mid_forward_releases_the_caller_at_once(engine):
     steps = {"num_inference_steps": 300}
     slow = asyncio.create_task(run(engine, "slow", seed=1, **steps))
     other = asyncio.create_task(run(engine, "other", seed=2, **steps))
-    await asyncio.sleep(1.0)  # both are in the same running forward by now
+    await eventually(  # both are in the same running forward by now
+        lambda: engine.health().stages[0]["inflight"] == 2, what="both requests in the stage"
+    )
+    await asyncio.sleep(0.2)  # a few steps into it
     first, second = list(engine.engine._pending)
     start = time.monotonic()
     engine.abort(first)

@@ -12,8 +12,6 @@ from PIL import Image
 
 from tests.entrypoints.openai.server_process import CLI, REPO, start_server, stop_server, write_config
 
-pytestmark = pytest.mark.e2e
-
 KEY = "sk-cli"
 
 

@@ -19,8 +19,6 @@ from tests.conftest import echo_stage, make_config
 from tests.entrypoints.openai.server_process import CLI, REPO
 from tests.reliability.support import http_config
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture(scope="module")
 def echo():
@@ -113,7 +111,10 @@ def test_omni_close_while_other_threads_wait_and_after():
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(waiting)
         started.wait()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while omni.engine.num_pending < 3:  # the three are admitted
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         start = time.monotonic()
         omni.close()
         outs = fut.result(timeout=10)

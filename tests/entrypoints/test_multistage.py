@@ -17,8 +17,6 @@ from omni_runtime.exceptions import RequestAbortedError, StageDeadError, StageEx
 from tests.conftest import children, echo_stage, make_config, shm_segments
 from tests.multistage_helpers import payload
 
-pytestmark = pytest.mark.integration
-
 SOURCE = "tests.multistage_helpers:TensorSourceRunner"
 FLAKY = "tests.helpers:FlakyRunner"
 

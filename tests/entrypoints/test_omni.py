@@ -12,8 +12,6 @@ from omni_runtime import DiffusionSamplingParams, Omni
 from omni_runtime.exceptions import InvalidRequestError, StageAsleepError
 from tests.conftest import children, echo_stage, make_config
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture(scope="module")
 def sd():

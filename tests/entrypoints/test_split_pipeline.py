@@ -15,8 +15,6 @@ from omni_runtime.config import DeployConfig, load_config
 from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.params import DiffusionSamplingParams
 
-pytestmark = pytest.mark.integration
-
 #: Requests compared between the two pipelines: guidance with and without a negative prompt,
 #: no guidance, and two images from one prompt.
 CASES: list[tuple[str, DiffusionSamplingParams]] = [

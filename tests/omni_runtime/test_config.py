@@ -11,8 +11,6 @@ from omni_runtime.config import load_config, parse_config, with_engine_overrides
 from omni_runtime.exceptions import ConfigError
 from tests.strategies import ANY_TEXT, JSON_VALUES
 
-pytestmark = pytest.mark.unit
-
 FINAL = {"final_output": True, "final_output_type": "image"}
 
 

@@ -12,8 +12,6 @@ from omni_runtime.messages import ErrorInfo, StageOutput
 from omni_runtime.serialization import Encoder, outbound_decoder
 from tests.strategies import ANY_TEXT
 
-pytestmark = pytest.mark.unit
-
 
 def _instance(cls: type[OmniError], message: str, param: str | None, stage_id: int | None) -> OmniError:
     if issubclass(cls, RequestError):

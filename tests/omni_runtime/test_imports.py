@@ -7,10 +7,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
-pytestmark = pytest.mark.unit
-
 HEAVY = ("janus", "omni_runtime.engine", "omni_runtime.entrypoints", "fastapi", "uvicorn")
 
 

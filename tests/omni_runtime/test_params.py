@@ -13,8 +13,6 @@ from omni_runtime.params import (
     resolve_params,
 )
 
-pytestmark = pytest.mark.unit
-
 
 def test_defaults_then_request_values_win():
     p = resolve_params(

@@ -11,8 +11,6 @@ from omni_runtime.params import DiffusionSamplingParams, EchoSamplingParams, Gen
 from omni_runtime.resolve import config_errors, resolve_config
 from omni_runtime.stage.runners.base import BUILTIN_RUNNERS, runner_class
 
-pytestmark = pytest.mark.unit
-
 
 def stage(sid: int = 0, **kw: object) -> dict:
     base = {"stage_id": sid, "stage_type": "echo", "final_output": True, "final_output_type": "text"}

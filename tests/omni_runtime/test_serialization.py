@@ -7,7 +7,6 @@ import functools
 import msgspec
 import numpy as np
 import pytest
-import torch
 from hypothesis import given
 
 from omni_runtime.exceptions import InvalidRequestError, StageDeadError
@@ -31,8 +30,6 @@ from omni_runtime.serialization import (
     outbound_decoder,
 )
 from tests.strategies import JSON_VALUES
-
-pytestmark = pytest.mark.unit
 
 
 def roundtrip(msg, decoder):
@@ -71,6 +68,8 @@ def test_outbound_messages_roundtrip(msg):
 
 
 def test_arrays_and_tensors_travel_as_raw_frames():
+    import torch
+
     image = (np.arange(64 * 64 * 3) % 251).astype(np.uint8).reshape(64, 64, 3)
     latents = torch.randn(2, 4, 8, 8)
     half = torch.randn(32, 32).to(torch.bfloat16)
@@ -141,6 +140,8 @@ def test_find_unencodable_agrees_with_the_encoder(value):
 
 
 def test_find_unencodable_names_the_path_and_the_reason():
+    import torch
+
     assert find_unencodable({"a": [1, {"b": "x\udfffy"}]}, "kwargs") == (
         "kwargs.a[1].b",
         "contains U+DFFF at index 1, which cannot be encoded as UTF-8",

@@ -1,43 +1,20 @@
-"""Shared-memory transfer: slot reuse, release rules, lost segments, and the wire encoding around it."""
+"""Shared-memory transfer: slot reuse, release rules, lost segments, and the wire encoding around it.
+
+What needs a second process is in test_processes.py."""
 
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 
 import msgspec
 import numpy as np
 import pytest
-import torch
 
 from omni_runtime import shm
 from omni_runtime.messages import Payload, StageOutput, StageRequest
 from omni_runtime.serialization import Encoder, inbound_decoder, outbound_decoder
-from tests.conftest import shm_segments
-
-pytestmark = pytest.mark.unit
 
 BIG = shm.SHM_MIN_BYTES  # floats of this count: 4x the threshold
-
-
-@pytest.fixture
-def engine():
-    """An engine prefix whose segments are all gone after the test."""
-    before = shm_segments()
-    prefix = shm.engine_prefix()
-    yield prefix
-    shm.unlink_prefix(prefix + "-")
-    gc.collect()
-    assert shm_segments() - before == set()
-
-
-@pytest.fixture
-def pool(engine):
-    p = shm.ShmPool(shm.orchestrator_prefix(engine))
-    yield p
-    p.close()
 
 
 def put(pool: shm.ShmPool, arr: np.ndarray) -> shm.ShmHandle:
@@ -116,25 +93,12 @@ def test_close_unlinks_every_segment_even_while_busy(engine):
         shm.read(h)
 
 
-def test_sweep_removes_segments_of_engines_whose_process_is_gone(engine):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)
-    name = f"{shm.NAME_ROOT}-{dead_pid}-feedbeef-o-0"
-    shm.Segment.create(name, 4096).close()
-    mine = shm.ShmPool(engine + "-live")
-    try:
-        live = put(mine, np.zeros(BIG, dtype=np.float32))
-        shm.sweep_dead_engines()
-        assert shm.segment_names(name) == []
-        assert shm.pending(live)  # this process's segments stay
-    finally:
-        mine.close()
-
-
 # --------------------------------------------------------------------------- the wire
 
 
 def test_encoder_puts_large_arrays_in_shared_memory_and_the_worker_maps_them(engine, pool):
+    import torch
+
     big = np.random.default_rng(0).standard_normal((4, 8192)).astype(np.float32)
     latents = torch.randn(2, 4, 64, 64)
     half = torch.randn(256, 256).to(torch.bfloat16)
@@ -158,6 +122,8 @@ def test_encoder_puts_large_arrays_in_shared_memory_and_the_worker_maps_them(eng
 
 
 def test_a_mapped_array_frees_its_slot_only_when_its_last_alias_goes(engine, pool):
+    import torch
+
     arr = np.arange(BIG, dtype=np.float32)
     handle = put(pool, arr)
     mapped = shm.map_array(handle)
@@ -272,19 +238,3 @@ def test_materialize_walks_structs_and_containers(engine, pool):
     assert np.array_equal(plain.payload.images[0], arr) and np.array_equal(plain.payload.tensors["t"], arr)
     assert pool.stats()["busy"] == 0
     assert shm.materialize(plain) is plain  # nothing left to copy
-
-
-def test_no_resource_tracker_involvement(engine):
-    # multiprocessing's tracker would warn about (or unlink) segments it does not own at exit.
-    code = (
-        "import numpy as np, sys\n"
-        "from omni_runtime import shm\n"
-        f"p = shm.ShmPool({engine + '-child'!r})\n"
-        "h = p.put(np.zeros(1 << 18, np.float32), '<f4', False)\n"
-        "print(h.name)\n"
-    )
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.getcwd())
-    assert child.returncode == 0, child.stderr
-    assert "resource_tracker" not in child.stderr and "leaked" not in child.stderr
-    # The child did not close its pool: the segment is there for its owner (here: us) to unlink.
-    assert shm.segment_names(child.stdout.strip()) == [child.stdout.strip()]

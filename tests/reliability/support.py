@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
-import time
-from collections.abc import Awaitable, Callable
 
 import psutil
 
 from omni_runtime import AsyncOmni
-from tests.conftest import echo_stage, make_config
+from tests.conftest import echo_stage, eventually, make_config  # noqa: F401 - eventually: re-exported
 
 FAULTS = "tests.reliability.runners:FaultRunner"
 
@@ -50,22 +47,6 @@ async def pids(engine: AsyncOmni, stage_id: int = 0) -> dict[int, int]:
 async def stats(engine: AsyncOmni, stage_id: int = 0) -> dict[int, dict]:
     results = await engine.collective_rpc("get_stats", stage_ids=[stage_id], timeout=5)
     return {r.replica_id: r.result for r in results if r.ok}
-
-
-async def eventually(
-    predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "condition"
-) -> float:
-    """Wait until ``predicate()`` (a bool, or a coroutine giving one) holds; returns the seconds it took."""
-    start = time.monotonic()
-    while not await _value(predicate()):
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"{what} not reached within {timeout:g} s")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
-
-
-async def _value(x: bool | Awaitable[bool]) -> bool:
-    return await x if inspect.isawaitable(x) else x
 
 
 def status(engine: AsyncOmni, stage_id: int = 0) -> dict:

@@ -20,8 +20,6 @@ from tests.strategies import ANY_TEXT, JSON_VALUES
 
 from .support import pids
 
-pytestmark = pytest.mark.reliability
-
 FUZZ = settings(
     max_examples=200,
     deadline=None,

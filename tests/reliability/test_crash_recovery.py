@@ -17,8 +17,6 @@ import pytest
 from omni_runtime.exceptions import EngineDeadError, StageDeadError
 from tests.reliability.support import close, eventually, fault_stage, last, pids, start, stats, status
 
-pytestmark = pytest.mark.reliability
-
 SLOW = {"delay_ms": 10_000}
 
 

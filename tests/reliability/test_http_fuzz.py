@@ -22,8 +22,6 @@ from tests.entrypoints.openai.server_process import start_server, write_config
 from tests.reliability.support import http_config
 from tests.strategies import ANY_TEXT, EDGE_INTS
 
-pytestmark = [pytest.mark.reliability, pytest.mark.e2e]
-
 FUZZ = settings(
     max_examples=300,
     deadline=None,

@@ -21,12 +21,9 @@ from dataclasses import dataclass
 
 import httpx
 import psutil
-import pytest
 
 from tests.entrypoints.openai.server_process import start_server, write_config
 from tests.reliability.support import http_config
-
-pytestmark = [pytest.mark.reliability, pytest.mark.e2e]
 
 CLIENTS = 16
 DELAY_MS = 300

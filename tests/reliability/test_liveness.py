@@ -16,8 +16,6 @@ from tests.conftest import echo_stage
 
 from .support import close, eventually, last, pids, start, status
 
-pytestmark = pytest.mark.reliability
-
 WEDGE = "tests.reliability.runners:WedgeRunner"
 
 

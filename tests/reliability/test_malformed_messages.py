@@ -46,8 +46,6 @@ from omni_runtime.stage.process import StageProcessArgs
 from tests.conftest import echo_stage, make_config
 from tests.reliability.support import close, last, pids, start, status
 
-pytestmark = pytest.mark.reliability
-
 _pack = msgspec.msgpack.Encoder().encode
 Ext = msgspec.msgpack.Ext
 

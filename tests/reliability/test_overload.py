@@ -17,8 +17,6 @@ from omni_runtime.exceptions import QueueFullError
 from tests.conftest import echo_stage
 from tests.reliability.support import close, last, start, status, tree_rss
 
-pytestmark = pytest.mark.reliability
-
 MAX_PENDING = 50
 OFFERED = 1_000
 SLOW = {"delay_ms": 20}  # 8 per 20 ms: about 400 requests/s, well below the offered rate

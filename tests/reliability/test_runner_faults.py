@@ -18,8 +18,6 @@ import pytest
 from omni_runtime.exceptions import RequestTimeoutError, StageExecutionError
 from tests.reliability.support import close, eventually, fault_stage, last, pids, start, stats, status
 
-pytestmark = pytest.mark.reliability
-
 
 @pytest.fixture(scope="module")
 async def one():

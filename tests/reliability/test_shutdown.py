@@ -12,8 +12,6 @@ import pytest
 from omni_runtime.exceptions import EngineClosedError
 from tests.reliability.support import close, eventually, fault_stage, last, start, stats, status
 
-pytestmark = pytest.mark.reliability
-
 
 async def runs(engine, n: int) -> bool:
     return sum(s["running"] for s in (await stats(engine)).values()) == n

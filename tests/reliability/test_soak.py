@@ -23,8 +23,6 @@ from omni_runtime.exceptions import OmniError, RequestAbortedError, RequestTimeo
 from tests.conftest import echo_stage
 from tests.reliability.support import close, eventually, start, stats, status, tree_rss
 
-pytestmark = [pytest.mark.reliability, pytest.mark.slow]
-
 SEED = 20_251_121
 REQUESTS = 10_000
 WARMUP = 2_000

@@ -23,9 +23,7 @@ from omni_runtime.exceptions import (
 )
 from tests.conftest import children, echo_stage, make_config
 
-from .support import close, eventually, last, pids, start, status
-
-pytestmark = pytest.mark.reliability
+from .support import close, eventually, last, pids, start, stats, status
 
 RUNNERS = "tests.reliability.runners"
 
@@ -162,7 +160,11 @@ async def test_a_typed_error_raised_by_a_runner_keeps_its_type(typed):
 async def test_requests_during_sleep_get_stage_asleep_never_a_freed_model(typed):
     """The defect: asleep was set after the model was freed, so a wave ran on a freed model (500)."""
     sleeping = asyncio.create_task(typed.collective_rpc("sleep", timeout=10))
-    await asyncio.sleep(0.2)  # sleep() is freeing the model now
+
+    async def asleep() -> bool:  # sleep() is freeing the model now (it takes a second)
+        return (await stats(typed))[0]["asleep"]
+
+    await eventually(asleep, what="the stage marked asleep")
     with pytest.raises(StageAsleepError):
         await last(typed, "during")
     [res] = await sleeping

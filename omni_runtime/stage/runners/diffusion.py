@@ -8,11 +8,9 @@ them, each request with its own generators: its result does not depend on its ba
 
 from __future__ import annotations
 
-import gc
 import inspect
 import logging
 import math
-import secrets
 import time
 from collections.abc import Hashable
 from typing import Any
@@ -25,12 +23,9 @@ from omni_runtime.exceptions import RequestAbortedError, StageAsleepError
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import DiffusionSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
+from omni_runtime.stage.runners.torch_common import WaveAborted, image_generators, release_memory, request_seeds
 
 logger = logging.getLogger(__name__)
-
-
-class _WaveAborted(Exception):
-    """Raised from the step callback to leave the denoising loop once every request is aborted."""
 
 
 def accepts_batched_inputs(signature: inspect.Signature) -> bool:
@@ -167,10 +162,7 @@ class DiffusionRunner(StageRunner):
 
     def sleep(self) -> dict[str, Any]:
         self.pipe = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return {"released": True}
+        return release_memory()
 
     def wake_up(self) -> dict[str, Any]:
         if self.pipe is not None:
@@ -220,7 +212,7 @@ class DiffusionRunner(StageRunner):
         output_type = first.get("output_type") or "pil"
 
         # 1) Seeds: the request's own, or a fresh one reported back so the image can be redone.
-        seeds = [int(r.params["seed"]) if r.params.get("seed") is not None else secrets.randbelow(2**32) for r in batch]
+        seeds = request_seeds(batch)
         metrics = [{"seed": s, "batch_size": len(batch)} for s in seeds]
 
         def aborted_outputs(ms: float) -> list[RunnerOutput]:
@@ -234,9 +226,7 @@ class DiffusionRunner(StageRunner):
 
         # 2) One generator per output image, in the pipeline's prompt-major order (req0's k images,
         #    then req1's...); image j of a request uses seed + j, whatever its batch-mates.
-        generators = [
-            torch.Generator(device=self.device).manual_seed(seed + j) for seed in seeds for j in range(per_prompt)
-        ]
+        generators = image_generators(seeds, per_prompt, self.device)
 
         # 3) Call arguments; absent params are left out so the pipeline's own defaults apply, except
         #    the size (the model's native one, see below).
@@ -266,7 +256,7 @@ class DiffusionRunner(StageRunner):
         #    with a live request finishes (the worker drops the aborted ones' outputs).
         def check_abort() -> None:
             if all(ctx.is_aborted(rid) for rid in ids):
-                raise _WaveAborted
+                raise WaveAborted
 
         if "callback_on_step_end" in self._call_params:
 
@@ -284,7 +274,7 @@ class DiffusionRunner(StageRunner):
         try:
             with torch.inference_mode():
                 result = self.pipe(**kwargs)
-        except _WaveAborted:
+        except WaveAborted:
             return aborted_outputs((time.perf_counter() - start) * 1e3)
         elapsed_ms = (time.perf_counter() - start) * 1e3
         images = result.images if hasattr(result, "images") else result[0]

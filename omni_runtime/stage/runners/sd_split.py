@@ -24,10 +24,8 @@ for the params class alone and need not load torch for that.
 
 from __future__ import annotations
 
-import gc
 import inspect
 import math
-import secrets
 import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -40,10 +38,6 @@ from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, Runner
 
 if TYPE_CHECKING:
     import torch
-
-
-class _WaveAborted(Exception):
-    """Raised from the step callback to leave the denoising loop once every request is aborted."""
 
 
 def _as_tensor(value: Any, device: str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -109,14 +103,11 @@ class _SplitRunner(StageRunner):
             raise StageAsleepError(f"stage {self.stage.stage_id} is asleep; call wake_up first")
 
     def sleep(self) -> dict[str, Any]:
-        import torch
+        from omni_runtime.stage.runners.torch_common import release_memory
 
         for name in self._module_attrs:
             setattr(self, name, None)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return {"released": True}
+        return release_memory()
 
     def wake_up(self) -> dict[str, Any]:
         if all(getattr(self, name) is not None for name in self._module_attrs):
@@ -267,6 +258,8 @@ class SDDenoiseRunner(_SplitRunner):
     def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
         import torch
 
+        from omni_runtime.stage.runners.torch_common import WaveAborted, image_generators, request_seeds
+
         self._check_awake()
         ids = [r.request_id for r in batch]
         if all(ctx.is_aborted(rid) for rid in ids):
@@ -276,13 +269,10 @@ class SDDenoiseRunner(_SplitRunner):
         guided = float(first.get("guidance_scale", self._call_defaults.get("guidance_scale")) or 0.0) > 1.0
 
         # 1) Seeds: the request's own, or a fresh one reported back so the image can be redone.
-        seeds = [int(r.params["seed"]) if r.params.get("seed") is not None else secrets.randbelow(2**32) for r in batch]
+        seeds = request_seeds(batch)
 
-        # 2) One generator per image, prompt-major; image j of a request uses seed + j, exactly as
-        #    the one-stage diffusion runner seeds it.
-        generators = [
-            torch.Generator(device=self.device).manual_seed(seed + j) for seed in seeds for j in range(per_prompt)
-        ]
+        # 2) One generator per image, seeded exactly as the one-stage diffusion runner seeds it.
+        generators = image_generators(seeds, per_prompt, self.device)
 
         # 3) The batch's embeddings, request after request, as the pipeline stacks its prompts.
         dtype = self._pipe.unet.dtype
@@ -305,7 +295,7 @@ class SDDenoiseRunner(_SplitRunner):
         # 4) Abort while running: leave the loop only when no one is waiting for this wave.
         def on_step_end(pipe: Any, step: int, timestep: Any, callback_kwargs: dict) -> dict:
             if all(ctx.is_aborted(rid) for rid in ids):
-                raise _WaveAborted
+                raise WaveAborted
             return callback_kwargs
 
         kwargs["callback_on_step_end"] = on_step_end
@@ -315,7 +305,7 @@ class SDDenoiseRunner(_SplitRunner):
         try:
             with torch.inference_mode():
                 latents = self._pipe(**kwargs).images
-        except _WaveAborted:
+        except WaveAborted:
             return _aborted(batch)
         elapsed_ms = (time.perf_counter() - start) * 1e3
 

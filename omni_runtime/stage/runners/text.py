@@ -8,7 +8,6 @@ streamed as deltas after every step through ``ExecuteContext.emit``.
 
 from __future__ import annotations
 
-import gc
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from omni_runtime.exceptions import (
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import TextSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
+from omni_runtime.stage.runners.torch_common import release_memory
 
 DEFAULTS: dict[str, Any] = {"max_tokens": 32, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop": []}
 
@@ -135,10 +135,7 @@ class TextRunner(StageRunner):
 
     def sleep(self) -> dict[str, Any]:
         self.model = self.tokenizer = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return {"released": True}
+        return release_memory()
 
     def wake_up(self) -> dict[str, Any]:
         if self.model is None:

@@ -14,8 +14,6 @@ from PIL import Image
 
 from .server_process import start_server, stop_server, write_config
 
-pytestmark = pytest.mark.e2e
-
 PIPELINE = {
     "model": "echo-sd",
     "stage_args": [

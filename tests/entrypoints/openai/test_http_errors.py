@@ -14,8 +14,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .server_process import flaky_echo_config, start_server, stop_server, wait_for
 
-pytestmark = pytest.mark.e2e
-
 DELAY_S = 0.6
 
 

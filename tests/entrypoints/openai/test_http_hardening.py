@@ -17,8 +17,6 @@ from tests.reliability.support import http_config
 
 from .server_process import assert_gone, start_server, stop_server, wait_for, write_config
 
-pytestmark = pytest.mark.e2e
-
 MAX_BODY = 8 * 1024 * 1024
 
 

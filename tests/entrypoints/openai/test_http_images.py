@@ -15,8 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .server_process import start_server, stop_server
 
-pytestmark = pytest.mark.e2e
-
 KEY = "sk-test-key"
 
 

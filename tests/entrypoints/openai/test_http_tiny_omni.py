@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .server_process import REPO, start_server, stop_server
-
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        not (REPO / "stage_configs" / "tiny-omni.yaml").is_file(), reason="stage_configs/tiny-omni.yaml not present"
-    ),
-]
+from .server_process import start_server, stop_server
 
 
 @pytest.fixture(scope="module")

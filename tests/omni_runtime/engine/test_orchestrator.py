@@ -10,8 +10,6 @@ from omni_runtime import AsyncOmni
 from omni_runtime.exceptions import InvalidRequestError, StageExecutionError
 from tests.conftest import echo_stage, make_config
 
-pytestmark = pytest.mark.unit
-
 INPROC = {"backend": "inproc"}
 
 

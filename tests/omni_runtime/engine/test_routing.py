@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import janus
-import pytest
 
 from omni_runtime.config import DeployConfig, StageConfig
 from omni_runtime.engine.backends import EngineResources, StageBackend, StageClient
@@ -36,8 +35,6 @@ from omni_runtime.messages import (
 )
 from omni_runtime.resolve import resolve_config
 from tests.conftest import echo_stage, make_config
-
-pytestmark = pytest.mark.unit
 
 CHANNEL = 1
 

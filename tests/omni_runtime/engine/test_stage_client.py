@@ -20,8 +20,6 @@ from omni_runtime.exceptions import StageDeadError, StageStartupError
 from omni_runtime.messages import StagePing, StageRequest
 from tests.conftest import echo_stage, make_config
 
-pytestmark = pytest.mark.integration
-
 FAULTS = "tests.reliability.runners"
 
 
@@ -126,8 +124,12 @@ async def test_a_runner_module_that_does_not_exist_is_a_startup_error(no_leaks):
 async def test_cancelling_a_start_leaves_no_process(no_leaks):
     h = Harness(stage_config(stage_type=f"{FAULTS}:LoadFailRunner", runner_args={"fail_replicas": [], "load_s": 30}))
     task = asyncio.ensure_future((await h.open()).start())
-    await asyncio.sleep(1.0)  # the process runs and is loading
-    assert h.client._proc is not None and h.client._proc.poll() is None
+    deadline = time.monotonic() + 10
+    while h.client._proc is None:  # spawned: it is loading (for 30 s) now
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.2)
+    assert h.client._proc.poll() is None
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

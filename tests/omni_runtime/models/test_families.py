@@ -30,8 +30,6 @@ from omni_runtime.models.builtin import BUILDERS, CACHE_VERSION
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 
-pytestmark = pytest.mark.integration
-
 NOT_ABORTED = ExecuteContext(lambda rid: False)
 PROMPTS = ["a cup of coffee", "a toy dinosaur", "a fox yawning", "the running river"]
 

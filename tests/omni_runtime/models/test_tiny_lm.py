@@ -41,14 +41,12 @@ def tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-@pytest.mark.unit
 def test_byte_symbols_are_distinct_and_visible() -> None:
     symbols = _byte_symbols()
     assert len(set(symbols)) == 256
     assert all(s.isprintable() and not s.isspace() for s in symbols)
 
 
-@pytest.mark.unit
 def test_every_merge_joins_known_symbols() -> None:
     vocab, merges = _tokenizer_vocab()
     for a, b in merges:
@@ -56,7 +54,6 @@ def test_every_merge_joins_known_symbols() -> None:
     assert sorted(vocab.values()) == list(range(len(vocab)))
 
 
-@pytest.mark.integration
 def test_two_builds_are_identical(tmp_path: Path) -> None:
     build_tiny_lm(tmp_path / "a")
     build_tiny_lm(tmp_path / "b")
@@ -67,7 +64,6 @@ def test_two_builds_are_identical(tmp_path: Path) -> None:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
-@pytest.mark.integration
 def test_reloads_offline_in_a_fresh_process(model_dir: Path) -> None:
     # A fresh interpreter, so the hub's offline switch is read at import as a user would set it.
     code = (
@@ -87,7 +83,6 @@ def test_reloads_offline_in_a_fresh_process(model_dir: Path) -> None:
     assert 100_000 < params < 1_000_000
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("text", PROMPTS)
 def test_any_text_tokenizes_and_round_trips(tokenizer, text: str) -> None:
     ids = tokenizer(text)["input_ids"]
@@ -97,7 +92,6 @@ def test_any_text_tokenizes_and_round_trips(tokenizer, text: str) -> None:
     assert tokenizer.decode(ids) == unicodedata.normalize("NFC", text)
 
 
-@pytest.mark.integration
 def test_tokens_left_unsuppressed_decode_to_printable_text(model_dir: Path, tokenizer) -> None:
     from transformers import GenerationConfig
 

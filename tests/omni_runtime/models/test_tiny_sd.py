@@ -17,7 +17,6 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.unit
 def test_clip_vocab_matches_the_text_encoder(tmp_path: Path) -> None:
     write_clip_vocab(tmp_path)
     vocab = json.loads((tmp_path / "vocab.json").read_text())
@@ -30,7 +29,6 @@ def test_clip_vocab_matches_the_text_encoder(tmp_path: Path) -> None:
     assert all(a + b in vocab for a, b in (m.split() for m in merges[1:]))
 
 
-@pytest.mark.integration
 def test_two_builds_are_identical_and_fast(tmp_path: Path) -> None:
     build_tiny_sd(tmp_path / "a")  # the first build also pays for lazy imports
     start = time.perf_counter()
@@ -44,7 +42,6 @@ def test_two_builds_are_identical_and_fast(tmp_path: Path) -> None:
     assert "local_files_only" not in tokenizer_config
 
 
-@pytest.mark.integration
 def test_loads_offline_and_makes_a_small_image_quickly(tmp_path: Path) -> None:
     import torch
     from diffusers import DiffusionPipeline
@@ -93,7 +90,6 @@ def _ensure_in_child(barrier, results) -> None:
     results.put((str(path), type(pipe).__name__, pipe.unet.config.sample_size))
 
 
-@pytest.mark.integration
 def test_ensure_builtin_from_two_processes_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Spawned children inherit the environment: a private cache, and the hub switched off.
     monkeypatch.setenv("OMNI_RUNTIME_CACHE", str(tmp_path))

@@ -11,8 +11,6 @@ from hypothesis import strategies as st
 from omni_runtime.exceptions import DuplicateRequestError, QueueFullError
 from omni_runtime.stage.scheduler import RequestScheduler, Wave
 
-pytestmark = pytest.mark.unit
-
 
 class FakeClock:
     """A clock in seconds that moves only when told, in milliseconds."""

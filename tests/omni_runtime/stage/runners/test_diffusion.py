@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
-from types import SimpleNamespace as NS
 from typing import Any
 
 import msgspec
@@ -15,7 +13,7 @@ import torch
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import RequestAbortedError
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
-from omni_runtime.stage.runners.diffusion import DiffusionRunner, accepts_batched_inputs, native_size, size_multiple
+from omni_runtime.stage.runners.diffusion import DiffusionRunner
 
 NOT_ABORTED = ExecuteContext(lambda rid: False)
 #: What the caller merges in from the stage's default_sampling_params.
@@ -55,63 +53,15 @@ def floats(out: RunnerOutput) -> np.ndarray:
     return out.tensors["images"]
 
 
-# ---------------------------------------------------------------------------- pure
-
-
-@pytest.mark.unit
-def test_batched_inputs_are_read_from_the_call_signature() -> None:
-    def lists(prompt: str | list[str], generator: Any | list[Any] | None = None): ...
-    def scalar(prompt: str, generator: Any = None): ...
-    def no_generator(prompt: str | list[str]): ...
-    def untyped(prompt, generator=None): ...
-
-    assert accepts_batched_inputs(inspect.signature(lists))
-    assert not accepts_batched_inputs(inspect.signature(scalar))
-    assert not accepts_batched_inputs(inspect.signature(no_generator))
-    assert accepts_batched_inputs(inspect.signature(untyped))
-
-
-def fake_pipe(scale: int = 8, processor_scale: int | None = None, **parts: object) -> NS:
-    """The attributes of a pipeline that native_size and size_multiple read."""
-    processor = NS(config=NS(vae_scale_factor=processor_scale or scale))
-    return NS(vae_scale_factor=scale, image_processor=processor, **parts)
-
-
-@pytest.mark.unit
-def test_native_size_comes_from_the_model_configs() -> None:
-    unet = NS(config=NS(sample_size=32))
-    assert native_size(fake_pipe(2, unet=unet, default_sample_size=32)) == (64, 64)
-    assert native_size(fake_pipe(8, unet=NS(config=NS(sample_size=(96, 64))))) == (768, 512)
-    # A transformer's sample size wins over a pipeline constant; without one, the VAE's own size.
-    dit = NS(config=NS(sample_size=4, patch_size=1))
-    assert native_size(fake_pipe(32, transformer=dit, default_sample_size=32)) == (128, 128)
-    flux = NS(config=NS(patch_size=1))
-    vae = NS(config=NS(sample_size=64))
-    assert native_size(fake_pipe(2, 4, transformer=flux, vae=vae, default_sample_size=128)) == (64, 64)
-    assert native_size(fake_pipe(8, transformer=flux, default_sample_size=128)) == (1024, 1024)
-    assert native_size(fake_pipe(8)) == (None, None)
-
-
-@pytest.mark.unit
-def test_size_multiple_is_vae_factor_times_patch_and_at_least_8() -> None:
-    assert size_multiple(fake_pipe(2, unet=NS(config=NS(sample_size=32)))) == 8
-    assert size_multiple(fake_pipe(8, transformer=NS(config=NS(patch_size=2)))) == 16  # SD3, PixArt
-    assert size_multiple(fake_pipe(32, transformer=NS(config=NS(patch_size=1)))) == 32  # Sana
-    assert size_multiple(fake_pipe(8, 16, transformer=NS(config=NS(patch_size=1)))) == 16  # Flux packs 2x2
-    assert size_multiple(NS()) == 8
-
-
 # ---------------------------------------------------------------------------- model
 
 
-@pytest.mark.integration
 def test_load_facts(runner: DiffusionRunner) -> None:
     assert runner.max_batch_size is None  # StableDiffusion takes lists
     # tiny-sd's VAE scale is 2, but StableDiffusionPipeline itself insists on multiples of 8.
     assert runner.constraints() == {"size_multiple": 8, "max_pixels": 2048 * 2048}
 
 
-@pytest.mark.integration
 def test_output_types_and_sizes(runner: DiffusionRunner) -> None:
     pil = run(runner, req("a", seed=1, output_type="pil"))[0]
     assert len(pil.images) == 1
@@ -126,7 +76,6 @@ def test_output_types_and_sizes(runner: DiffusionRunner) -> None:
     assert floats(run(runner, bare)[0]).shape == (1, 64, 64, 3)
 
 
-@pytest.mark.integration
 def test_same_seed_is_bitwise_reproducible_and_seeds_differ(runner: DiffusionRunner) -> None:
     first = floats(run(runner, req("a", seed=7, output_type="np"))[0])
     again = floats(run(runner, req("b", seed=7, output_type="np"))[0])
@@ -135,7 +84,6 @@ def test_same_seed_is_bitwise_reproducible_and_seeds_differ(runner: DiffusionRun
     assert np.abs(first - other).max() > 0.05
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("output_type", ["np", "pil"])
 def test_a_batch_equals_each_request_run_alone(runner: DiffusionRunner, output_type: str) -> None:
     prompts = ["a cup of coffee", "a toy dinosaur", "a fox yawning", "the running river"]
@@ -153,7 +101,6 @@ def test_a_batch_equals_each_request_run_alone(runner: DiffusionRunner, output_t
     assert not np.array_equal(first, second)
 
 
-@pytest.mark.integration
 def test_fresh_seed_is_reported_and_reproduces_the_image(runner: DiffusionRunner) -> None:
     a, b = run(runner, req("a", output_type="np"), req("b", output_type="np"))
     seed = a.metrics["seed"]
@@ -162,7 +109,6 @@ def test_fresh_seed_is_reported_and_reproduces_the_image(runner: DiffusionRunner
     assert np.array_equal(floats(a), floats(redo[0]))
 
 
-@pytest.mark.integration
 def test_num_images_per_prompt(runner: DiffusionRunner) -> None:
     a, b = run(
         runner,
@@ -181,7 +127,6 @@ def test_num_images_per_prompt(runner: DiffusionRunner) -> None:
     assert len(pil.images) == 2
 
 
-@pytest.mark.integration
 def test_negative_prompts(runner: DiffusionRunner) -> None:
     plain = floats(run(runner, req("a", seed=3, output_type="np"))[0])
     batch = [
@@ -194,7 +139,6 @@ def test_negative_prompts(runner: DiffusionRunner) -> None:
         np.testing.assert_allclose(floats(out), floats(run(runner, request)[0]), rtol=0, atol=1e-4)
 
 
-@pytest.mark.integration
 def test_batch_key(runner: DiffusionRunner) -> None:
     key = runner.batch_key(req("a", seed=1))
     assert runner.batch_key(req("b", "something else", seed=2)) == key
@@ -215,7 +159,6 @@ def test_batch_key(runner: DiffusionRunner) -> None:
     hash(key)
 
 
-@pytest.mark.integration
 def test_abort_of_the_whole_wave_stops_the_forward_early(runner: DiffusionRunner) -> None:
     unet_calls = []
     hook = runner.pipe.unet.register_forward_hook(lambda *args: unet_calls.append(1))
@@ -241,13 +184,11 @@ def test_abort_of_the_whole_wave_stops_the_forward_early(runner: DiffusionRunner
         hook.remove()
 
 
-@pytest.mark.integration
 def test_pipeline_errors_propagate(runner: DiffusionRunner) -> None:
     with pytest.raises(ValueError):
         run(runner, req("a", height=36))  # StableDiffusionPipeline wants multiples of 8
 
 
-@pytest.mark.integration
 def test_sleep_and_wake_up(runner: DiffusionRunner) -> None:
     before = floats(run(runner, req("a", seed=11, output_type="np"))[0])
     assert runner.sleep() == {"released": True}
@@ -259,7 +200,6 @@ def test_sleep_and_wake_up(runner: DiffusionRunner) -> None:
     assert np.array_equal(before, after)
 
 
-@pytest.mark.integration
 def test_engine_dtype_is_applied_and_outputs_stay_float32(runner: DiffusionRunner) -> None:
     stage = msgspec.convert(
         {"stage_id": 1, "stage_type": "diffusion", "model": "builtin:tiny-sd", "engine_args": {"dtype": "bfloat16"}},

@@ -86,7 +86,6 @@ def make_row(**overrides: Any) -> _Row:
     return _Row(**{**fields, **overrides})
 
 
-@pytest.mark.unit
 def test_stop_string_split_across_deltas_is_held_back_then_cut() -> None:
     row = make_row(stop=["STOP"])
     row.add_text("abc S")
@@ -97,7 +96,6 @@ def test_stop_string_split_across_deltas_is_held_back_then_cut() -> None:
     assert (row.text, row.done) == ("abc ", True)
 
 
-@pytest.mark.unit
 def test_text_that_cannot_start_a_stop_string_is_not_held() -> None:
     row = make_row(stop=["xyz", "END"])
     row.add_text("abcx")
@@ -106,7 +104,6 @@ def test_text_that_cannot_start_a_stop_string_is_not_held() -> None:
     assert (row.held, row.done) == (0, False)
 
 
-@pytest.mark.unit
 def test_pick_respects_top_k_and_top_p() -> None:
     logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
     for params, allowed in (({"top_k": 1}, {1}), ({"top_k": 2}, {1, 2}), ({"top_p": 0.5}, {1})):
@@ -119,7 +116,6 @@ def test_pick_respects_top_k_and_top_p() -> None:
 # --------------------------------------------------------------------------- with the tiny LM
 
 
-@pytest.mark.integration
 def test_greedy_is_deterministic_and_reports_metrics(runner: TextRunner) -> None:
     a, b = solo(runner, PROMPTS[0], GREEDY), solo(runner, PROMPTS[0], GREEDY)
     assert a.error is None and a.text and a.text == b.text
@@ -130,7 +126,6 @@ def test_greedy_is_deterministic_and_reports_metrics(runner: TextRunner) -> None
     assert 1 <= a.metrics["completion_tokens"] <= 16
 
 
-@pytest.mark.integration
 def test_seeds_reproduce_and_differ(runner: TextRunner) -> None:
     params = {"temperature": 1.0, "max_tokens": 16}
     a = solo(runner, PROMPTS[0], {**params, "seed": 1})
@@ -142,7 +137,6 @@ def test_seeds_reproduce_and_differ(runner: TextRunner) -> None:
     assert solo(runner, PROMPTS[0], {**params, "seed": drawn.metrics["seed"]}).text == drawn.text
 
 
-@pytest.mark.integration
 def test_batched_rows_equal_their_solo_runs(runner: TextRunner) -> None:
     # Mixed params in one wave. Batched logits differ from solo ones by float round-off (~1e-5,
     # against gaps of ~0.1 between candidate tokens of this model), so the texts are expected equal.
@@ -159,7 +153,6 @@ def test_batched_rows_equal_their_solo_runs(runner: TextRunner) -> None:
         assert out.text == solo(runner, prompt, params).text
 
 
-@pytest.mark.integration
 def test_streamed_deltas_concatenate_to_the_final_text(runner: TextRunner) -> None:
     rec = Recorder()
     specs = [(p, {"temperature": 1.0, "seed": i, "max_tokens": 12}) for i, p in enumerate(PROMPTS)]
@@ -169,7 +162,6 @@ def test_streamed_deltas_concatenate_to_the_final_text(runner: TextRunner) -> No
         assert "".join(rec.deltas[f"r{i}"]) == out.text
 
 
-@pytest.mark.integration
 def test_stop_string_cuts_the_text_and_is_never_streamed(runner: TextRunner) -> None:
     full = solo(runner, PROMPTS[0], GREEDY).text
     assert len(full) > 9
@@ -181,7 +173,6 @@ def test_stop_string_cuts_the_text_and_is_never_streamed(runner: TextRunner) -> 
     assert out.metrics["completion_tokens"] < 16
 
 
-@pytest.mark.integration
 def test_aborting_one_row_mid_generation(runner: TextRunner) -> None:
     rec = Recorder(abort=lambda rid, deltas: rid == "r1" and len(deltas) >= 3)
     params = {"temperature": 1.0, "seed": 3, "max_tokens": 16}
@@ -195,21 +186,18 @@ def test_aborting_one_row_mid_generation(runner: TextRunner) -> None:
         assert outs[i].text == solo(runner, *specs[i]).text
 
 
-@pytest.mark.integration
 def test_all_aborted_stops_before_any_step(runner: TextRunner) -> None:
     outs = run(runner, [(p, GREEDY) for p in PROMPTS[:2]], Recorder(abort=lambda rid, deltas: True))
     assert all(isinstance(o.error, RequestAbortedError) for o in outs)
     assert all(o.metrics["completion_tokens"] == 0 and o.text == "" for o in outs)
 
 
-@pytest.mark.integration
 def test_a_bad_prompt_fails_alone(runner: TextRunner) -> None:
     outs = run(runner, [(PROMPTS[0], GREEDY), ({"not": "text"}, GREEDY)])  # type: ignore[list-item]
     assert outs[0].error is None and outs[0].text
     assert outs[1].error is not None and outs[1].error.param == "prompt"
 
 
-@pytest.mark.integration
 def test_sleep_and_wake_up_round_trip(runner: TextRunner) -> None:
     before = solo(runner, PROMPTS[0], GREEDY).text
     assert runner.sleep() == {"released": True}
@@ -219,7 +207,6 @@ def test_sleep_and_wake_up_round_trip(runner: TextRunner) -> None:
     assert solo(runner, PROMPTS[0], GREEDY).text == before
 
 
-@pytest.mark.integration
 def test_loads_in_bfloat16(runner: TextRunner) -> None:
     # The `runner` fixture keeps its cache directory set for this module: the model is not rebuilt.
     r = TextRunner(make_stage(engine_args={"dtype": "bfloat16"}))

@@ -1,0 +1,36 @@
+"""What the torch runners share: per-request seeds and generators, leaving a wave early, and
+giving memory back on ``sleep``. Imported by runners only (it imports torch)."""
+
+from __future__ import annotations
+
+import gc
+import secrets
+from typing import Any
+
+import torch
+
+from omni_runtime.stage.runners.base import RunnerRequest
+
+
+class WaveAborted(Exception):
+    """Raised from a step callback to leave the denoising loop once every request is aborted."""
+
+
+def request_seeds(batch: list[RunnerRequest]) -> list[int]:
+    """Each request's own seed, or a fresh one (reported back, so its image can be made again)."""
+    return [int(r.params["seed"]) if r.params.get("seed") is not None else secrets.randbelow(2**32) for r in batch]
+
+
+def image_generators(seeds: list[int], per_prompt: int, device: str) -> list[torch.Generator]:
+    """One generator per output image in a pipeline's prompt-major order (the first request's k
+    images, then the next request's...): image j of a request uses seed + j, so a request's
+    images do not depend on what it was batched with."""
+    return [torch.Generator(device=device).manual_seed(seed + j) for seed in seeds for j in range(per_prompt)]
+
+
+def release_memory() -> dict[str, Any]:
+    """After a runner dropped its model: collect it, and hand cached GPU memory back."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"released": True}
