@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[test,bench]"
+	$(PIP) install -q -c constraints.txt -e ".[test,bench,ray]"
 	touch $@
 
 serve: $(STAMP)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from omni_runtime.config import DeployConfig, load_config, with_engine_overrides
+from omni_runtime.config import DeployConfig, load_config, with_engine_overrides, with_ray_address
 from omni_runtime.engine.async_engine import AsyncOmniEngine, EngineHealth, ValidRequest
 from omni_runtime.exceptions import EngineDeadError
 from omni_runtime.messages import EngineOutput, RpcReplicaResult
@@ -23,16 +23,18 @@ from omni_runtime.resolve import ResolvedConfig, resolve_config
 __all__ = ["AsyncOmni", "EngineHealth", "ValidRequest", "apply_output", "load_resolved"]
 
 
-def load_resolved(model: str | Path | DeployConfig | ResolvedConfig, engine_args: dict[str, Any]) -> ResolvedConfig:
+def load_resolved(
+    model: str | Path | DeployConfig | ResolvedConfig, engine_args: dict[str, Any], ray_address: str | None = None
+) -> ResolvedConfig:
     """``model`` (a bundled config name, a deploy YAML, a model directory or a config) with the
-    keyword engine args applied, resolved: every mistake in it is a ConfigError now."""
+    keyword engine args applied (and ``ray_address`` for its ray stages), resolved: every mistake
+    in it is a ConfigError now."""
     if isinstance(model, ResolvedConfig):
-        if any(v is not None for v in engine_args.values()):
-            model = model.config
-        else:
+        if ray_address is None and all(v is None for v in engine_args.values()):
             return model
+        model = model.config
     config = model if isinstance(model, DeployConfig) else load_config(model)
-    config = with_engine_overrides(config, **engine_args)
+    config = with_ray_address(with_engine_overrides(config, **engine_args), ray_address)
     return resolve_config(config, source=config.model or "config")
 
 
@@ -41,7 +43,8 @@ class AsyncOmni:
 
     ``model``: a bundled config name (``tiny-sd``), a deploy YAML path, a local diffusers model
     directory, or a DeployConfig. Keyword engine args (``max_num_seqs``,
-    ``request_batch_max_wait_ms``, ...) override the diffusion stage's YAML values.
+    ``request_batch_max_wait_ms``, ...) override the diffusion stage's YAML values;
+    ``ray_address`` the cluster of its ``backend: ray`` stages.
 
     The engine starts in the constructor (stage processes load their models) and stops in
     :meth:`close`, also on ``async with`` / ``with`` exit.
@@ -53,9 +56,10 @@ class AsyncOmni:
         *,
         max_pending: int | None = None,
         default_timeout: float | None = None,
+        ray_address: str | None = None,
         **engine_args: Any,
     ) -> None:
-        self.resolved = load_resolved(model, engine_args)
+        self.resolved = load_resolved(model, engine_args, ray_address)
         self.config = self.resolved.config
         self.engine = AsyncOmniEngine(self.resolved, max_pending=max_pending, default_timeout=default_timeout)
 

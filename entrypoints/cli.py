@@ -172,6 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_pending=args.max_pending,
         default_timeout=args.default_timeout,
         engine_args={"max_num_seqs": args.max_num_seqs, "request_batch_max_wait_ms": args.request_batch_max_wait_ms},
+        ray_address=args.ray_address,
         file_ttl_s=args.file_ttl,
         file_store_bytes=int(args.file_store_mb * 1024 * 1024),
     )
@@ -221,7 +222,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from .async_omni import AsyncOmni, load_resolved
 
-    resolved = load_resolved(args.model, {"max_num_seqs": args.max_num_seqs})
+    resolved = load_resolved(args.model, {"max_num_seqs": args.max_num_seqs}, args.ray_address)
     config = resolved.config
     image_stage = next((s.stage_id for s in config.stage_args if s.final_output_type == "image"), None)
     if image_stage is None:
@@ -298,6 +299,50 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if "error" in r:
             print(f"error: request {r['index']} ({r['prompt'][:40]!r}): {r['error']}", file=sys.stderr)
     return 1 if report["failed"] else 0
+
+
+# --------------------------------------------------------------------------- worker
+
+
+def worker_command(args: argparse.Namespace) -> list[str]:
+    """The ``ray start`` that joins this machine to the cluster at ``args.address``, offering the
+    custom resources the given configs' ray stages ask for (enough for all of a stage's replicas
+    on this node), merged with ``--resources``."""
+    from omni_runtime.config import load_config
+
+    offered: dict[str, float] = {}
+    for name in args.configs:
+        for stage in load_config(name).stage_args:
+            if stage.runtime.backend != "ray":
+                continue
+            for key, amount in stage.runtime.resources.items():
+                if key not in ("CPU", "GPU"):
+                    offered[key] = max(offered.get(key, 0.0), amount * stage.runtime.num_replicas)
+    offered.update(args.resources)
+    ray = Path(sys.executable).with_name("ray")
+    cmd = [str(ray) if ray.exists() else "ray", "start", "--address", args.address, "--block", "--disable-usage-stats"]
+    if args.num_cpus is not None:
+        cmd += ["--num-cpus", str(args.num_cpus)]
+    if args.num_gpus is not None:
+        cmd += ["--num-gpus", str(args.num_gpus)]
+    if offered:
+        cmd += ["--resources", json.dumps(offered, sort_keys=True)]
+    if args.object_store_mb is not None:
+        cmd += ["--object-store-memory", str(int(args.object_store_mb * 1024 * 1024))]
+    return cmd
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import os
+
+    cmd = worker_command(args)
+    print("$ " + " ".join(cmd), flush=True)
+    if args.dry_run:
+        return 0
+    # Become `ray start --block`: the node runs while this process does, and a signal to it (Ctrl-C,
+    # SIGTERM from a supervisor) stops the node, whose replicas the engine replaces elsewhere.
+    os.execv(cmd[0], cmd) if os.path.isabs(cmd[0]) else os.execvp(cmd[0], cmd)
+    return 0  # not reached
 
 
 # --------------------------------------------------------------------------- validate, models
@@ -433,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=_int(1, 65535), default=8000)
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route")
     s.add_argument("--max-num-seqs", type=_positive_int, help="most requests fused into one forward")
+    s.add_argument("--ray-address", help="Ray cluster of the config's ray stages (auto, HOST:PORT, or local)")
     s.add_argument("--request-batch-max-wait-ms", type=_float(0), help="extra admission wait for a wave (ms)")
     s.add_argument("--max-pending", type=_positive_int, help="most requests admitted at once (then 429)")
     s.add_argument("--default-timeout", type=_float(0, strict=True), help="deadline (s) of a request without one")
@@ -459,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--size", type=_size, help="WIDTHxHEIGHT")
     g.add_argument("--guidance-scale", type=_float(0))
     g.add_argument("--max-num-seqs", type=_positive_int)
+    g.add_argument("--ray-address", help="Ray cluster of the config's ray stages (auto, HOST:PORT, or local)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
 
@@ -466,6 +513,24 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("config", help="deploy YAML path or bundled config name")
     v.add_argument("--format", choices=["yaml", "json"], default="yaml")
     v.set_defaults(func=cmd_validate)
+
+    w = sub.add_parser(
+        "worker",
+        help="join this machine to a Ray cluster as a node for ray stages",
+        description="Runs `ray start --address ADDRESS --block` with the node resources the given deploy configs' "
+        "ray stages ask for (e.g. a custom resource that pins a stage to this kind of machine). The node lives "
+        "as long as this command; see docs/distributed.md.",
+    )
+    w.add_argument("--address", required=True, help="the Ray head, HOST:PORT")
+    w.add_argument(
+        "configs", nargs="*", metavar="CONFIG", help="deploy YAMLs or bundled names whose resources to offer"
+    )
+    w.add_argument("--num-cpus", type=_int(0), help="CPUs this node offers (default: all)")
+    w.add_argument("--num-gpus", type=_int(0), help="GPUs this node offers (default: all)")
+    w.add_argument("--resources", type=_json_value(dict), default={}, help="more custom resources, JSON")
+    w.add_argument("--object-store-mb", type=_float(0, strict=True), help="object store size (MiB)")
+    w.add_argument("--dry-run", action="store_true", help="print the ray start command and exit")
+    w.set_defaults(func=cmd_worker)
 
     m = sub.add_parser("models", help="list bundled configs and builtin models")
     m.add_argument("--json", action="store_true")

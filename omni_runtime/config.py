@@ -19,9 +19,10 @@ from omni_runtime.exceptions import ConfigError
 _Struct = {"kw_only": True, "forbid_unknown_fields": True}
 
 
-#: Where a stage's replicas run: ``process`` (a spawned process each, ZMQ and shared memory) or
-#: ``inproc`` (in the orchestrator's own process; for tests and for debugging a runner).
-Backend = Literal["process", "inproc"]
+#: Where a stage's replicas run: ``process`` (a spawned process each, ZMQ and shared memory),
+#: ``inproc`` (in the orchestrator's own process; for tests and for debugging a runner) or ``ray``
+#: (Ray actors placed across a Ray cluster; ``pip install omni_runtime[ray]``).
+Backend = Literal["process", "inproc", "ray"]
 
 
 class RuntimeConfig(msgspec.Struct, **_Struct):
@@ -53,6 +54,20 @@ class RuntimeConfig(msgspec.Struct, **_Struct):
     #: ``ctx.is_aborted`` or ``ctx.emit``) for this many seconds is wedged, e.g. stuck in native
     #: code; its replica is killed and restarted like a silent one. 0 = off.
     stall_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 120.0
+
+    #: ``ray`` backend: Ray resources each replica needs, e.g. ``{"GPU": 1}`` or a custom node
+    #: resource ``{"stage_node_a": 1}`` (``CPU`` defaults to 1). Ignored by other backends.
+    resources: dict[str, Annotated[float, msgspec.Meta(ge=0)]] = msgspec.field(default_factory=dict)
+    #: ``ray`` backend: ``spread`` the replicas over the nodes, or ``pack`` them (Ray's default).
+    placement: Literal["spread", "pack"] = "pack"
+    #: ``ray`` backend: the cluster to join: ``auto`` (the one this machine belongs to), a
+    #: ``host:port`` / ``ray://`` address, or ``local`` (start one in this process). Every ray
+    #: stage of a config must name the same; ``Omni(..., ray_address=...)`` and ``serve
+    #: --ray-address`` set it for all of them.
+    ray_address: str = "auto"
+    #: ``ray`` backend: arrays at least this large travel through Ray's object store (handed
+    #: from actor to actor); smaller ones ride in the message, as each stored object costs a few ms.
+    object_store_min_bytes: Annotated[int, msgspec.Meta(ge=0)] = 1 << 20
 
     def __post_init__(self) -> None:
         if self.process is not None:
@@ -325,6 +340,17 @@ def single_diffusion_config(model_dir: str, name: str) -> DeployConfig:
         },
         source=name,
     )
+
+
+def with_ray_address(config: DeployConfig, address: str | None) -> DeployConfig:
+    """``runtime.ray_address`` set to ``address`` on every ray stage (None: unchanged)."""
+    if address is None or not any(s.runtime.backend == "ray" for s in config.stage_args):
+        return config
+    data = msgspec.to_builtins(config)
+    for s in data["stage_args"]:
+        if s["runtime"]["backend"] == "ray":
+            s["runtime"]["ray_address"] = address
+    return parse_config(data, source="ray_address")
 
 
 def with_engine_overrides(config: DeployConfig, **overrides: Any) -> DeployConfig:

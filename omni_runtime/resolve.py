@@ -93,6 +93,14 @@ def resolve_config(config: DeployConfig, source: str = "<config>") -> ResolvedCo
         errors.extend(found)
         if resolved is not None:
             stages.append(resolved)
+    addresses = {s.runtime.ray_address for s in config.stage_args if s.runtime.backend == "ray"}
+    if len(addresses) > 1:
+        # One process joins one Ray cluster.
+        errors.append(
+            ConfigError(
+                f"the ray stages name different clusters: {sorted(addresses)}", path="stage_args", source=source
+            )
+        )
     if errors:
         raise ConfigError.of(errors, source=source)
     return ResolvedConfig(config, tuple(stages))

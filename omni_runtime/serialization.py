@@ -36,6 +36,7 @@ MAX_DEPTH = 32
 _EXT_ARRAY_FRAME = 1  # payload: (dtype, shape, frame index, is_torch)
 _EXT_ARRAY_INLINE = 2  # payload: (dtype, shape, bytes, is_torch)
 _EXT_ARRAY_SHM = 3  # payload: ShmHandle fields (name, offset, nbytes, gen, dtype, shape, is_torch)
+_EXT_ARRAY_REMOTE = 4  # payload: (index into the message's remote handles, dtype, shape, is_torch)
 
 _meta_encoder = msgspec.msgpack.Encoder()
 _meta_decoder = msgspec.msgpack.Decoder(tuple)
@@ -71,6 +72,62 @@ def _rebuild(dtype: str, shape: tuple[int, ...], buf: Any, is_torch: bool) -> An
         # torch wants a writable buffer; a tensor the receiver may mutate gets its own copy.
         return _torch().from_numpy(arr.copy())
     return arr
+
+
+class RemoteArray:
+    """An array that stays where it was made (e.g. in Ray's object store) and travels as a handle:
+    the transport moves ``handle`` beside the message bytes, and a receiver that needs the values
+    fetches them. Handed on unchanged, it reaches the next stage without passing through here."""
+
+    __slots__ = ("dtype", "handle", "is_torch", "shape")
+
+    def __init__(self, handle: Any, dtype: str, shape: tuple[int, ...], is_torch: bool) -> None:
+        self.handle = handle
+        self.dtype = dtype
+        self.shape = shape
+        self.is_torch = is_torch
+
+    def value(self, arr: Any) -> Any:
+        """``arr`` (the fetched array, often read-only) as the kind of object that was sent."""
+        return _rebuild(self.dtype, self.shape, arr, self.is_torch) if self.is_torch else arr
+
+    def __repr__(self) -> str:
+        return f"RemoteArray({self.dtype}{list(self.shape)})"
+
+
+def remote_arrays(obj: Any) -> list[RemoteArray]:
+    """Every RemoteArray inside ``obj`` (dicts, lists, tuples, msgspec Structs)."""
+    found: list[RemoteArray] = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, RemoteArray):
+            found.append(o)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, list | tuple):
+            for v in o:
+                walk(v)
+        elif isinstance(o, msgspec.Struct):
+            for f in o.__struct_fields__:
+                walk(getattr(o, f))
+
+    walk(obj)
+    return found
+
+
+def replace_remote(obj: Any, values: dict[int, Any]) -> Any:
+    """``obj`` with each RemoteArray replaced by ``values[id(that RemoteArray)]``."""
+    if isinstance(obj, RemoteArray):
+        return values[id(obj)]
+    if isinstance(obj, dict):
+        return {k: replace_remote(v, values) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(replace_remote(v, values) for v in obj)
+    if isinstance(obj, msgspec.Struct):
+        changes = {f: replace_remote(getattr(obj, f), values) for f in obj.__struct_fields__}
+        return msgspec.structs.replace(obj, **changes)
+    return obj
 
 
 # --------------------------------------------------------------------------- what can travel
@@ -158,14 +215,34 @@ class Encoder:
     and sent as frames.
     """
 
-    def __init__(self, shm_pool: shm.ShmPool | None = None, shm_min_bytes: int = shm.SHM_MIN_BYTES) -> None:
+    def __init__(
+        self,
+        shm_pool: shm.ShmPool | None = None,
+        shm_min_bytes: int = shm.SHM_MIN_BYTES,
+        *,
+        remote_put: Any = None,
+        remote_min_bytes: int = 1 << 20,
+    ) -> None:
         self._frames: list[Any] = []
         self._pool = shm_pool
         self._shm_min = shm_min_bytes
         self.handles: list[shm.ShmHandle] = []
+        #: ``put(array) -> handle``: arrays of at least ``remote_min_bytes`` are stored with it and
+        #: travel as RemoteArrays (a Ray object store); None: they travel as frames.
+        self._remote_put = remote_put
+        self._remote_min = remote_min_bytes
+        #: The remote handles the last message carries, in the order its extensions index them.
+        self.remote: list[Any] = []
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
 
+    def _remote_ext(self, ref: RemoteArray) -> msgspec.msgpack.Ext:
+        self.remote.append(ref.handle)
+        meta = (len(self.remote) - 1, ref.dtype, ref.shape, ref.is_torch)
+        return msgspec.msgpack.Ext(_EXT_ARRAY_REMOTE, _meta_encoder.encode(meta))
+
     def _enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, RemoteArray):
+            return self._remote_ext(obj)
         if isinstance(obj, shm.ShmRef):
             if self._pool is not None and obj.can_hand_off():
                 return self._shm_ext(obj.hand_off())
@@ -184,6 +261,8 @@ class Encoder:
             handle = self._pool.put(arr, dtype, is_torch)
             if handle is not None:
                 return self._shm_ext(handle)
+        if self._remote_put is not None and arr.nbytes >= self._remote_min:
+            return self._remote_ext(RemoteArray(self._remote_put(arr), dtype, tuple(arr.shape), is_torch))
         self._frames.append(memoryview(arr).cast("B"))
         return msgspec.msgpack.Ext(
             _EXT_ARRAY_FRAME, _meta_encoder.encode((dtype, arr.shape, len(self._frames), is_torch))
@@ -198,6 +277,7 @@ class Encoder:
         past 64 bits, an unknown type) raises :class:`msgspec.EncodeError` saying what."""
         self._frames = []
         self.handles = []
+        self.remote = []
         try:
             header = self._encoder.encode(msg)
             return [header, *self._frames]
@@ -227,11 +307,17 @@ class Decoder:
         self._shm_prefix = shm_prefix
         self._shm_refs = shm_refs
         self._lost: list[str] = []
+        self._remote: list[Any] = []
+        self._remote_values: list[Any] | None = None
         self._decoder = msgspec.msgpack.Decoder(msg_type, ext_hook=self._ext_hook)
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
         if code == _EXT_ARRAY_SHM:
             return self._shm_array(data)
+        if code == _EXT_ARRAY_REMOTE:
+            index, dtype, shape, is_torch = _meta_decoder.decode(data)
+            ref = RemoteArray(self._remote[index], dtype, tuple(shape), bool(is_torch))
+            return ref if self._remote_values is None else ref.value(self._remote_values[index])
         dtype, shape, ref, is_torch = _meta_decoder.decode(data)
         if code == _EXT_ARRAY_INLINE:
             return _rebuild(dtype, tuple(shape), ref, is_torch)
@@ -254,16 +340,21 @@ class Decoder:
             self._lost.append(str(e))
         return None
 
-    def decode(self, frames: list[Any]) -> Any:
-        """Raises msgspec.DecodeError / ValidationError for a malformed or foreign message."""
+    def decode(self, frames: list[Any], remote: list[Any] = (), remote_values: list[Any] | None = None) -> Any:
+        """Raises msgspec.DecodeError / ValidationError for a malformed or foreign message.
+
+        ``remote``: the remote handles that came with the frames; their arrays decode as
+        RemoteArrays, or, given ``remote_values`` (the fetched arrays, same order), as values."""
         self._frames = [f.buffer if hasattr(f, "buffer") else f for f in frames]
         self._lost = []
+        self._remote, self._remote_values = list(remote), remote_values
         try:
             msg = self._decoder.decode(self._frames[0])
         except Exception as e:  # whatever a corrupt header makes numpy raise (np.dtype(",") is a SyntaxError)
             raise msgspec.DecodeError(f"malformed message: {type(e).__name__}: {e}") from None
         finally:
             self._frames = []
+            self._remote, self._remote_values = [], None
         if self._lost:
             raise shm.ShmLostError("; ".join(self._lost), msg)
         return msg

@@ -35,6 +35,7 @@ MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tests/omni_runtime/stage/runners/", ("integration",)),
     ("tests/omni_runtime/engine/test_orchestrator.py", ("integration",)),
     ("tests/omni_runtime/engine/test_stage_client.py", ("integration",)),
+    ("tests/omni_runtime/engine/backends/", ("integration",)),
     ("tests/omni_runtime/test_processes.py", ("integration",)),
     ("tests/omni_runtime/", ("unit",)),
 )

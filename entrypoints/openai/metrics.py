@@ -49,6 +49,9 @@ class _EngineCollector(Collector):
         live = GaugeMetricFamily("omni_stage_live_replicas", "Live replicas of a stage.", labels=["stage"])
         replicas = GaugeMetricFamily("omni_stage_replicas", "Configured replicas of a stage.", labels=["stage"])
         restarts = CounterMetricFamily("omni_stage_restarts", "Replica restarts of a stage.", labels=["stage"])
+        by_node = GaugeMetricFamily(
+            "omni_stage_replicas_by_node", "Live replicas of a stage on each node.", labels=["stage", "node"]
+        )
         kills = CounterMetricFamily(
             "omni_stage_unresponsive_kills",
             "Replicas killed for missing heartbeats or a stalled forward.",
@@ -61,7 +64,15 @@ class _EngineCollector(Collector):
             replicas.add_metric(label, status.get("replicas", 0))
             restarts.add_metric(label, status.get("restarts", 0))
             kills.add_metric(label, status.get("unresponsive_kills", 0))
-        yield from (pending, limit, running, dead, depth, live, replicas, restarts, kills)
+            nodes = status.get("replica_nodes", [])
+            for node in sorted({n for n in nodes if n is not None}):
+                alive = sum(
+                    1
+                    for n, st in zip(nodes, status.get("replica_states", []), strict=False)
+                    if n == node and st == "live"
+                )
+                by_node.add_metric([label[0], node], alive)
+        yield from (pending, limit, running, dead, depth, live, replicas, by_node, restarts, kills)
 
 
 class ServerMetrics:

@@ -317,6 +317,7 @@ def create_app(
     max_pending: int | None = None,
     default_timeout: float | None = None,
     engine_args: dict[str, Any] | None = None,
+    ray_address: str | None = None,
     file_ttl_s: float = 600.0,
     file_store_bytes: int = 256 * 1024 * 1024,
 ) -> FastAPI:
@@ -325,7 +326,7 @@ def create_app(
     The config is validated here (ConfigError at once); the engine starts with the app's lifespan.
     ``app.state.omni`` is the :class:`ServerState`.
     """
-    resolved = load_resolved(model, dict(engine_args or {}))
+    resolved = load_resolved(model, dict(engine_args or {}), ray_address)
     state = ServerState(
         resolved,
         api_key=api_key,
@@ -360,6 +361,7 @@ _READYZ_FIELDS = (
     "replicas",
     "live_replicas",
     "replica_states",
+    "replica_nodes",
     "restarts",
     "unresponsive_kills",
     "inflight",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import logging
 import threading
 import time
@@ -57,7 +58,7 @@ logger = logging.getLogger(__name__)
 class _Request:
     """Routing state of one request inside the orchestrator."""
 
-    __slots__ = ("done", "finals_left", "msg", "running", "timer")
+    __slots__ = ("done", "finals_left", "msg", "running", "settling", "timer")
 
     def __init__(self, msg: EngineRequest, finals: set[int]) -> None:
         self.msg = msg
@@ -65,6 +66,8 @@ class _Request:
         self.done: dict[int, StageOutput] = {}
         self.running: set[int] = set()
         self.timer: asyncio.TimerHandle | None = None
+        #: The last of this request's outputs whose arrays a backend is still fetching.
+        self.settling: asyncio.Task | None = None
 
 
 class Orchestrator:
@@ -318,7 +321,11 @@ class Orchestrator:
         backend = self._backend_of[stage_id]
         if not out.finished:  # a streamed delta: pass it on if the caller asked for this stage
             if stage_id in state.msg.final_stage_ids:
-                self._deliver(state, stage_id, backend.settle(out, None), finished=False, stage_finished=False)
+                self._after_settle(
+                    state,
+                    backend.settle(out, None),
+                    lambda o: self._deliver(state, stage_id, o, finished=False, stage_finished=False),
+                )
             return
         self.pools[stage_id].done(out.request_id)
         state.running.discard(stage_id)
@@ -329,7 +336,40 @@ class Orchestrator:
         # The output goes on as it is only to a single consumer that takes it unchanged (no input
         # function); the caller, several stages or a function get plain values.
         only = consumers[0] if len(consumers) == 1 and not deliver and consumers[0] not in self._input_funcs else None
-        out = backend.settle(out, None if only is None else self.config.stage(only))
+        settled = backend.settle(out, None if only is None else self.config.stage(only))
+        self._after_settle(state, settled, lambda o: self._forward(state, stage_id, o, deliver, consumers, needed))
+
+    def _after_settle(self, state: _Request, settled: Any, then: Callable[[StageOutput], None]) -> None:
+        """``then(output)`` now, or, when a backend must fetch the output's arrays first, once it
+        has: after every earlier output of the same request, which keeps their order."""
+        if not inspect.isawaitable(settled) and state.settling is None:
+            then(settled)
+            return
+        previous = state.settling
+        rid = state.msg.request_id
+
+        async def in_order() -> None:
+            if previous is not None:
+                await asyncio.gather(previous, return_exceptions=True)
+            try:
+                out = await settled if inspect.isawaitable(settled) else settled
+                if self._requests.get(rid) is state:
+                    then(out)
+            except Exception as e:
+                logger.warning("request %s: %s", rid, e)
+                self._finish_with_error(rid, e, None)
+            finally:
+                if state.settling is task:
+                    state.settling = None
+
+        task = self._tasks.spawn(in_order(), name=f"settle-{rid}")
+        state.settling = task
+
+    def _forward(
+        self, state: _Request, stage_id: int, out: StageOutput, deliver: bool, consumers: list[int], needed: set[int]
+    ) -> None:
+        """A stage finished with a request: deliver its output if the caller asked for it, and
+        submit the request to each needed downstream stage whose inputs are all here."""
         state.done[stage_id] = out
         if deliver:
             finished = not state.finals_left

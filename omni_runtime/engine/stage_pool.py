@@ -330,6 +330,7 @@ class StagePool:
             "replicas": len(self.replicas),
             "live_replicas": len(live),
             "replica_states": states,
+            "replica_nodes": [None if c is None else c.node for c in self.replicas],
             "restarts": sum(self.restarts),
             "unresponsive_kills": self.unresponsive_kills,
             "inflight": sum(len(s) for s in self.inflight),

@@ -19,6 +19,10 @@ def make_backends(config: DeployConfig, resources: EngineResources) -> dict[str,
         from .inproc import InProcBackend
 
         backends["inproc"] = InProcBackend(config, resources)
+    if "ray" in kinds:
+        from .ray_backend import RayBackend
+
+        backends["ray"] = RayBackend(config, resources)
     return backends
 
 

@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 from omni_runtime.config import DeployConfig, StageConfig
 from omni_runtime.messages import StageOutput, StageReady
 
 logger = logging.getLogger(__name__)
+
+_HOSTNAME = socket.gethostname()
 
 OnMessage = Callable[["StageClient", Any], None]
 OnDead = Callable[["StageClient", str], None]
@@ -44,6 +47,9 @@ class StageClient(ABC):
     @property
     def pid(self) -> int | None:
         return self.ready.pid if self.ready else None
+
+    #: The machine (a Ray node id for remote replicas) the replica runs on.
+    node: str | None = _HOSTNAME
 
     @abstractmethod
     async def start(self) -> StageReady:
@@ -84,11 +90,12 @@ class StageBackend(ABC):
     ) -> StageClient:
         """A client for one replica of ``stage``, not started yet. ``generation`` counts restarts."""
 
-    def settle(self, out: StageOutput, consumer: StageConfig | None) -> StageOutput:
+    def settle(self, out: StageOutput, consumer: StageConfig | None) -> StageOutput | Awaitable[StageOutput]:
         """``out`` (produced by a stage of this backend) as it travels on: to ``consumer``, the one
         stage that consumes it (a backend may hand its arrays over as they are, without a copy), or
         with ``consumer=None`` to anyone else (the caller, several stages, an input function),
-        which need plain values."""
+        which need plain values. An awaitable when the values must be fetched first (the
+        orchestrator keeps each request's outputs in order meanwhile)."""
         return out
 
 
