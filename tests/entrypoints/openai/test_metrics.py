@@ -1,0 +1,36 @@
+"""The engine gauges of /metrics, from a health snapshot: replicas per node, kills, a dead engine."""
+
+from __future__ import annotations
+
+from omni_runtime.entrypoints.async_omni import EngineHealth
+from omni_runtime.entrypoints.openai.metrics import ServerMetrics
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def samples(health: EngineHealth) -> dict[tuple[str, tuple], float]:
+    text = ServerMetrics(lambda: health).render().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_replicas_are_counted_per_node_and_the_dead_engine_shows():
+    stage = {
+        "stage_id": 0,
+        "replicas": 3,
+        "live_replicas": 2,
+        "replica_states": ["live", "restarting", "live"],
+        "replica_nodes": ["node-a", "node-b", "node-b"],
+        "restarts": 1,
+        "unresponsive_kills": 1,
+        "inflight": 4,
+    }
+    got = samples(EngineHealth("ok", None, 4, 16, [stage], []))
+    assert got[("omni_stage_replicas_by_node", (("node", "node-a"), ("stage", "0")))] == 1
+    assert got[("omni_stage_replicas_by_node", (("node", "node-b"), ("stage", "0")))] == 1  # one restarting
+    assert got[("omni_stage_unresponsive_kills_total", (("stage", "0"),))] == 1
+    assert got[("omni_engine_dead", ())] == 0 and got[("omni_engine_running", ())] == 1
+    dead = samples(EngineHealth("dead", "stage 0 has no live replica", 0, 16, [stage], [0]))
+    assert dead[("omni_engine_dead", ())] == 1 and dead[("omni_engine_running", ())] == 0
