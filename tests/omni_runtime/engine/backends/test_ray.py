@@ -229,3 +229,39 @@ def test_omni_runtime_worker_joins_the_cluster_with_the_resources_a_config_asks_
     while any(n["Alive"] and "echo_box" in n["Resources"] for n in ray.nodes()):
         assert time.monotonic() < deadline, "the node did not leave"
         time.sleep(0.5)
+
+
+def test_ray_address_local_starts_a_cluster_of_its_own_and_stops_it():
+    """In a fresh process (this one already joined the test cluster): the engine starts a local
+    Ray cluster, serves from it, and leaves no Ray process behind when it closes."""
+    import subprocess
+    import sys
+
+    code = """
+import os, sys, psutil
+from omni_runtime import Omni
+from tests.conftest import echo_stage, make_config
+config = make_config([echo_stage(runtime={"backend": "ray", "resources": {"CPU": 0}})])
+with Omni(config, ray_address="local") as omni:
+    print(omni.generate("from a local cluster", use_tqdm=False)[0].text)
+left = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+print("left", len(left))
+"""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    token = Path.home() / ".ray" / "auth_token"
+    had_token = token.exists()
+    ray_tmp = tempfile.mkdtemp(prefix="omr-")  # short: Ray's unix socket paths must fit 107 bytes
+    try:
+        env = {**os.environ, "RAY_TMPDIR": ray_tmp}
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env, cwd=os.getcwd()
+        )
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        if not had_token:
+            token.unlink(missing_ok=True)  # a new local cluster writes one
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "from a local cluster" in out.stdout and "left 0" in out.stdout, out.stdout
