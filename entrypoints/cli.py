@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -96,6 +97,17 @@ def _url(text: str) -> str:
 # --------------------------------------------------------------------------- serve
 
 
+def _placement_args(args: argparse.Namespace) -> dict[str, Any]:
+    """--device, --dtype and --replicas as engine overrides of the model's (diffusion) stages."""
+    return {"devices": args.device, "dtype": args.dtype, "num_replicas": args.replicas}
+
+
+def _add_placement_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", help="torch device of the model's stages: cpu, cuda, cuda:1 (default: the config's)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights' dtype (default: the config's)")
+    p.add_argument("--replicas", type=_int(1, 64), help="replicas of the model's stages (default: the config's)")
+
+
 def _make_server(config: Any, state: Any, shutdown_timeout: float) -> Any:
     import uvicorn
 
@@ -171,8 +183,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_pending=args.max_pending,
         default_timeout=args.default_timeout,
-        engine_args={"max_num_seqs": args.max_num_seqs, "request_batch_max_wait_ms": args.request_batch_max_wait_ms},
+        engine_args={
+            "max_num_seqs": args.max_num_seqs,
+            "request_batch_max_wait_ms": args.request_batch_max_wait_ms,
+            **_placement_args(args),
+        },
         ray_address=args.ray_address,
+        allowed_origins=args.allowed_origins,
         file_ttl_s=args.file_ttl,
         file_store_bytes=int(args.file_store_mb * 1024 * 1024),
     )
@@ -211,6 +228,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if state.dead is not None:
         # Non-zero, so that a supervisor (systemd, Kubernetes) starts a fresh server.
         raise CliError(f"the engine died, so the server stopped: {state.dead}")
+    if state.failed is not None:
+        raise CliError(f"the engine failed to start, so the server stopped: {state.failed}")
     return 0
 
 
@@ -222,7 +241,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from .async_omni import AsyncOmni, load_resolved
 
-    resolved = load_resolved(args.model, {"max_num_seqs": args.max_num_seqs}, args.ray_address)
+    resolved = load_resolved(args.model, {"max_num_seqs": args.max_num_seqs, **_placement_args(args)}, args.ray_address)
     config = resolved.config
     image_stage = next((s.stage_id for s in config.stage_args if s.final_output_type == "image"), None)
     if image_stage is None:
@@ -233,44 +252,61 @@ def cmd_generate(args: argparse.Namespace) -> int:
     jobs = []  # (prompt, seed) for every image: each is its own request, so they batch together
     for prompt in args.prompts:
         jobs.extend((prompt, None if args.seed is None else args.seed + i) for i in range(args.n))
+    say = (lambda *_: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
+    results: list[Any] = [None] * len(jobs)  # filled as requests end: a Ctrl-C reports what is done
+    used: list[dict[str, Any]] = [{} for _ in jobs]
 
-    async def run() -> tuple[list[Any], float]:
+    async def run() -> float:
+        say(f"loading {config.model or args.model} ({len(config.stage_args)} stage(s))...")
+        started = time.perf_counter()
         async with AsyncOmni(resolved) as omni:
+            say(f"loaded in {time.perf_counter() - started:.1f} s; generating {len(jobs)} image(s)")
             # Every stage that takes image params gets them (in a split pipeline the denoiser owns
             # seed and size, the encoder the negative prompt); each request is validated once,
-            # all before the first runs.
+            # all before the first runs, and the report says what each really ran with.
             requests = [
                 omni.validate(p, omni.sampling_params(image={**image, "seed": seed}), modalities=["image"])
                 for p, seed in jobs
             ]
+            for i, request in enumerate(requests):
+                used[i] = request.params.get(image_stage, {})
             bar = tqdm(total=len(jobs), desc="generate", unit="img", disable=args.quiet)
             # More images than the engine admits at once are submitted as earlier ones finish.
             slots = asyncio.Semaphore(omni.health().max_pending)
 
-            async def one(request: Any) -> Any:
-                last = None
+            async def one(i: int, request: Any) -> None:
                 try:
                     async with slots:
                         async for out in omni.generate(request):
-                            last = out
-                    return last
+                            results[i] = out
                 except OmniError as e:
-                    return e
+                    results[i] = e
                 finally:
                     bar.update(1)
 
             start = time.perf_counter()
-            results = await asyncio.gather(*(one(r) for r in requests))
-            wall = time.perf_counter() - start
-            bar.close()
-            return results, wall
+            try:
+                await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+            finally:
+                bar.close()
+            return time.perf_counter() - start
 
-    results, wall = asyncio.run(run())
+    interrupted = False
+    wall = 0.0
+    started = time.perf_counter()
+    try:
+        wall = asyncio.run(run())
+    except KeyboardInterrupt:
+        # Cancelling aborts every request still running; what finished is written below.
+        interrupted, wall = True, time.perf_counter() - started
+        print("interrupted: writing what finished", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     records, images = [], 0
     for i, ((prompt, _), res) in enumerate(zip(jobs, results, strict=True)):
-        record: dict[str, Any] = {"index": i, "prompt": prompt}
-        if isinstance(res, Exception):
+        record: dict[str, Any] = {"index": i, "prompt": prompt, "params": used[i]}
+        if res is None or (not isinstance(res, Exception) and not res.finished):
+            record["error"] = "not finished (interrupted)"
+        elif isinstance(res, Exception):
             record["error"] = f"{type(res).__name__}: {res}"
         else:
             seed = res.outputs_by_stage[image_stage].metrics.get("seed")
@@ -284,10 +320,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         records.append(record)
     report = {
         "model": config.model,
-        "params": image,
+        "params": {k: v for k, v in image.items() if v is not None},
         "requests": len(jobs),
         "images": images,
         "failed": sum("error" in r for r in records),
+        "interrupted": interrupted,
         "wall_s": round(wall, 4),
         "images_per_s": round(images / wall, 3) if wall > 0 else None,
         "results": records,
@@ -296,8 +333,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     report_path.write_text(json.dumps(report, indent=2, default=str))
     print(f"{images} image(s) in {wall:.2f} s -> {args.out}/ (report: {report_path})")
     for r in records:
-        if "error" in r:
+        if "error" in r and not interrupted:
             print(f"error: request {r['index']} ({r['prompt'][:40]!r}): {r['error']}", file=sys.stderr)
+    if interrupted:
+        return 130
     return 1 if report["failed"] else 0
 
 
@@ -468,58 +507,131 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- parser
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Help with each option's default (unless it is none or the help already says it), and
+    descriptions and examples as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help = action.help or ""
+        if "(default" in help or action.default in (None, False, argparse.SUPPRESS):
+            return help
+        return super()._get_help_string(action)
+
+
+def _api_key_default() -> str | None:
+    # For the client commands only: the key a server was started with, as OpenAI tools read it.
+    return os.environ.get("OMNI_RUNTIME_API_KEY") or os.environ.get("OPENAI_API_KEY")
+
+
+_RPC_METHODS = """built-in methods:
+  ping           {pid, stage_id, replica_id} of each replica
+  get_stats      requests served/failed, queue length, running, waves, batch-size histogram
+  set_batching   --kwargs '{"max_num_seqs": 8, "request_batch_max_wait_ms": 10}'
+  sleep          release the model's memory (requests get 503 until wake_up)
+  wake_up        reload the model
+  a custom runner's rpc_<name> methods are called by <name>
+
+examples:
+  omni-runtime rpc ping
+  omni-runtime rpc set_batching --kwargs '{"max_num_seqs": 8}' --stage-ids 0
+  omni-runtime rpc get_stats --url http://gpu-box:8000 --api-key "$KEY"
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="omni-runtime", description="Serve and run multi-stage generation models.")
+    p = argparse.ArgumentParser(
+        prog="omni-runtime",
+        description="Serve and run multi-stage generation models (diffusion, text-to-image pipelines).",
+        epilog="Run `omni-runtime COMMAND --help` for a command's options and examples.",
+        formatter_class=_Help,
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("serve", help="run the OpenAI-style HTTP server")
+    def command(name: str, summary: str, examples: str, description: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=summary,
+            description=description or summary,
+            epilog=f"examples:\n{examples}",
+            formatter_class=_Help,
+        )
+
+    s = command(
+        "serve",
+        "run the OpenAI-style HTTP server",
+        "  omni-runtime serve                                # tiny-sd on http://127.0.0.1:8000\n"
+        "  omni-runtime serve small-sd --port 9000 --max-num-seqs 8\n"
+        "  omni-runtime serve ./my-sdxl --device cuda --dtype float16 --replicas 2 --host 0.0.0.0\n"
+        '  omni-runtime serve pipeline.yaml --api-key "$KEY" --ray-address head:6379',
+        "Run the OpenAI-style HTTP server (docs/http_api.md). It answers at once: /health is 503\n"
+        "`loading` until the models are loaded, then 200. SIGTERM drains, then exits 0; a dead engine\n"
+        "makes it exit 1.",
+    )
     s.add_argument("model", nargs="?", default="tiny-sd", help="bundled config name, deploy YAML or model dir")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    s.add_argument("--port", type=_int(1, 65535), default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=_int(1, 65535), default=8000, help="port to listen on")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route")
+    s.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", help="allow browsers from these origins (CORS)")
     s.add_argument("--max-num-seqs", type=_positive_int, help="most requests fused into one forward")
-    s.add_argument("--ray-address", help="Ray cluster of the config's ray stages (auto, HOST:PORT, or local)")
     s.add_argument("--request-batch-max-wait-ms", type=_float(0), help="extra admission wait for a wave (ms)")
+    _add_placement_args(s)
+    s.add_argument("--ray-address", help="Ray cluster of the config's ray stages (auto, HOST:PORT, or local)")
     s.add_argument("--max-pending", type=_positive_int, help="most requests admitted at once (then 429)")
     s.add_argument("--default-timeout", type=_float(0, strict=True), help="deadline (s) of a request without one")
     s.add_argument("--shutdown-timeout", type=_float(0), default=30.0, help="grace period (s) on SIGTERM")
-    s.add_argument(
-        "--header-timeout", type=_float(0, strict=True), default=10.0, help="time (s) a client has to send its headers"
-    )
-    s.add_argument(
-        "--body-timeout", type=_float(0, strict=True), default=60.0, help="time (s) a client has to send its body"
-    )
+    s.add_argument("--header-timeout", type=_float(0, strict=True), default=10.0, help="time (s) to send headers")
+    s.add_argument("--body-timeout", type=_float(0, strict=True), default=60.0, help="time (s) to send a body")
     s.add_argument("--file-ttl", type=_float(0, strict=True), default=600.0, help="life (s) of response_format=url")
     s.add_argument("--file-store-mb", type=_float(0, strict=True), default=256.0, help="memory for url images")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="server log level",
+    )
+    s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False, help="log every request")
     s.set_defaults(func=cmd_serve)
 
-    g = sub.add_parser("generate", help="generate images in process and write PNGs and a report")
-    g.add_argument("prompts", nargs="+", metavar="PROMPT")
+    g = command(
+        "generate",
+        "generate images in process and write PNGs and a report",
+        '  omni-runtime generate "a lighthouse at dusk"\n'
+        '  omni-runtime generate "a fox" "a cat" -n 4 --seed 42 --steps 8 --size 64x64 --out out/\n'
+        '  omni-runtime generate "a boat" --model ./my-sdxl --device cuda --dtype float16',
+    )
+    g.add_argument("prompts", nargs="+", metavar="PROMPT", help="one or more prompts")
     g.add_argument("-n", type=_positive_int, default=1, help="images per prompt (one request each)")
-    g.add_argument("--out", type=Path, default=Path("outputs"), help="output folder (default: outputs)")
-    g.add_argument("--model", default="tiny-sd")
-    g.add_argument("--seed", type=int, help="seed of the first image; image i gets seed + i")
-    g.add_argument("--steps", type=_positive_int, help="num_inference_steps")
-    g.add_argument("--size", type=_size, help="WIDTHxHEIGHT")
-    g.add_argument("--guidance-scale", type=_float(0))
-    g.add_argument("--max-num-seqs", type=_positive_int)
+    g.add_argument("--out", type=Path, default=Path("outputs"), help="output folder")
+    g.add_argument("--model", default="tiny-sd", help="bundled config name, deploy YAML or model dir")
+    g.add_argument("--seed", type=int, help="seed of the first image; image i gets seed + i (default: random)")
+    g.add_argument("--steps", type=_positive_int, help="num_inference_steps (default: the model's)")
+    g.add_argument("--size", type=_size, help="WIDTHxHEIGHT (default: the model's)")
+    g.add_argument("--guidance-scale", type=_float(0), help="classifier-free guidance (default: the model's)")
+    g.add_argument("--max-num-seqs", type=_positive_int, help="most requests fused into one forward")
+    _add_placement_args(g)
     g.add_argument("--ray-address", help="Ray cluster of the config's ray stages (auto, HOST:PORT, or local)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
 
-    v = sub.add_parser("validate", help="check a deploy YAML and print the resolved config")
+    v = command(
+        "validate",
+        "check a deploy YAML and print the resolved config",
+        "  omni-runtime validate my-pipeline.yaml\n  omni-runtime validate tiny-omni --format json",
+        "Check a deploy YAML as the engine does at start-up (keys, types, ranges, runners, input\n"
+        "functions, models) and print it with every default filled in; report every mistake at once.",
+    )
     v.add_argument("config", help="deploy YAML path or bundled config name")
-    v.add_argument("--format", choices=["yaml", "json"], default="yaml")
+    v.add_argument("--format", choices=["yaml", "json"], default="yaml", help="output format")
     v.set_defaults(func=cmd_validate)
 
-    w = sub.add_parser(
+    w = command(
         "worker",
-        help="join this machine to a Ray cluster as a node for ray stages",
-        description="Runs `ray start --address ADDRESS --block` with the node resources the given deploy configs' "
-        "ray stages ask for (e.g. a custom resource that pins a stage to this kind of machine). The node lives "
-        "as long as this command; see docs/distributed.md.",
+        "join this machine to a Ray cluster as a node for ray stages",
+        "  omni-runtime worker --address head:6379 my-pipeline.yaml --num-gpus 1\n"
+        "  omni-runtime worker --address head:6379 --resources '{\"sdxl_box\": 2}' --dry-run",
+        "Run `ray start --address ADDRESS --block` with the node resources the given deploy configs'\n"
+        "ray stages ask for (a custom resource that pins a stage to this kind of machine, say). The\n"
+        "node lives as long as this command; see docs/distributed.md.",
     )
     w.add_argument("--address", required=True, help="the Ray head, HOST:PORT")
     w.add_argument(
@@ -532,32 +644,51 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dry-run", action="store_true", help="print the ray start command and exit")
     w.set_defaults(func=cmd_worker)
 
-    m = sub.add_parser("models", help="list bundled configs and builtin models")
-    m.add_argument("--json", action="store_true")
+    m = command(
+        "models",
+        "list bundled configs and builtin models",
+        "  omni-runtime models\n  omni-runtime models --json | jq '.configs[].name'",
+    )
+    m.add_argument("--json", action="store_true", help="print JSON")
     m.set_defaults(func=cmd_models)
 
-    r = sub.add_parser("rpc", help="run a control call on a running server's stage replicas")
-    r.add_argument("method")
-    r.add_argument("--url", type=_url, default="http://127.0.0.1:8000")
+    r = command("rpc", "run a control call on a running server's stage replicas", "", "")
+    r.description = "Run a control call on every replica of a running server's stages; print JSON."
+    r.epilog = _RPC_METHODS
+    r.add_argument("method", help="a built-in method (below) or a custom runner's")
+    r.add_argument("--url", type=_url, default="http://127.0.0.1:8000", help="the server")
     r.add_argument("--args", type=_json_value(list), default=[], help="JSON list of positional args")
     r.add_argument("--kwargs", type=_json_value(dict), default={}, help="JSON object of keyword args")
     r.add_argument("--stage-ids", type=int, nargs="+", help="stages to call (default: all)")
-    r.add_argument("--timeout", type=_float(0, strict=True), help="per-replica timeout (s)")
-    r.add_argument("--api-key")
+    r.add_argument("--timeout", type=_float(0, strict=True), help="per-replica timeout (s) (default: 30)")
+    r.add_argument(
+        "--api-key",
+        default=_api_key_default(),
+        help="the server's key (default: $OMNI_RUNTIME_API_KEY or $OPENAI_API_KEY)",
+    )
     r.set_defaults(func=cmd_rpc)
 
-    b = sub.add_parser("bench", help="HTTP load generator against a running server")
-    b.add_argument("--url", type=_url, default="http://127.0.0.1:8000")
-    b.add_argument("--endpoint", choices=["images", "chat"], default="images")
-    b.add_argument("--concurrency", type=_positive_int, default=16)
-    b.add_argument("--total", type=_positive_int, default=64)
+    b = command(
+        "bench",
+        "HTTP load generator against a running server",
+        "  omni-runtime bench --concurrency 16 --total 64\n"
+        "  omni-runtime bench --endpoint chat --rate 5 --total 200 --json run.json --plot run.png",
+    )
+    b.add_argument("--url", type=_url, default="http://127.0.0.1:8000", help="the server")
+    b.add_argument("--endpoint", choices=["images", "chat"], default="images", help="which route to load")
+    b.add_argument("--concurrency", type=_positive_int, default=16, help="requests in flight (closed loop)")
+    b.add_argument("--total", type=_positive_int, default=64, help="requests in all")
     b.add_argument("--rate", type=_float(0, strict=True), help="Poisson arrivals per second (default: closed loop)")
-    b.add_argument("--prompt", default="a red fox in the snow")
+    b.add_argument("--prompt", default="a red fox in the snow", help="the prompt of every request")
     b.add_argument("-n", type=_positive_int, default=1, help="images per request")
-    b.add_argument("--size", type=_size)
-    b.add_argument("--steps", type=_positive_int)
-    b.add_argument("--model")
-    b.add_argument("--api-key")
+    b.add_argument("--size", type=_size, help="WIDTHxHEIGHT (default: the model's)")
+    b.add_argument("--steps", type=_positive_int, help="num_inference_steps (default: the model's)")
+    b.add_argument("--model", help="model name to send (default: none)")
+    b.add_argument(
+        "--api-key",
+        default=_api_key_default(),
+        help="the server's key (default: $OMNI_RUNTIME_API_KEY or $OPENAI_API_KEY)",
+    )
     b.add_argument("--timeout", type=_float(0, strict=True), default=600.0, help="per-request timeout (s)")
     b.add_argument("--json", type=Path, help="write the summary and every sample here")
     b.add_argument("--plot", type=Path, help="write latency-over-time and throughput charts (PNG)")
@@ -575,6 +706,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`omni-runtime models --json | head`): nothing more to say.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -90,11 +90,15 @@ class Omni:
     ) -> list[OmniRequestOutput]:
         """Submit one request per prompt and wait for all; one output per prompt, in input order.
 
-        ``sampling_params_list``: one entry per stage (None = defaults), or a single params object
-        or dict for a one-stage pipeline; the same params apply to every prompt. A request that
-        fails has its typed error in ``output.error`` (and its ``request_id``); the others are
-        unaffected. More prompts than ``max_pending`` are submitted as earlier ones finish.
-        Invalid params raise InvalidRequestError before anything is submitted.
+        ``sampling_params_list`` applies to every prompt: a params object or dict (a one-stage
+        pipeline), or a list with one entry per stage (None = that stage's defaults). To give each
+        prompt its own, pass a list with one entry per prompt: for a one-stage pipeline each entry
+        is a params object or dict, for several stages each entry is itself a per-stage list.
+        (For several stages, a flat list is always per stage, even when its length equals the
+        number of prompts.) A request that fails has its typed error in ``output.error`` (and its
+        ``request_id``); the others are unaffected. More prompts than ``max_pending`` are
+        submitted as earlier ones finish. Invalid params raise InvalidRequestError before anything
+        is submitted.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -109,9 +113,9 @@ class Omni:
         # modalities raise here; a bad prompt is that prompt's error output.
         ids = [f"{self._id_prefix}-{next(self._ids)}" for _ in prompts]
         requests: list[ValidRequest | OmniError] = []
-        for prompt in prompts:
+        for prompt, own in zip(prompts, self._per_prompt(prompts, params), strict=True):
             try:
-                requests.append(self._async.validate(prompt, params, modalities=modalities))
+                requests.append(self._async.validate(prompt, own, modalities=modalities))
             except InvalidRequestError as e:
                 if e.param != "prompt":
                     raise
@@ -145,6 +149,14 @@ class Omni:
         finally:
             if progress is not None:
                 progress.close()
+
+    def _per_prompt(self, prompts: list[str], params: Any) -> list[Any]:
+        """Each prompt's params: entry i of a per-prompt list, else ``params`` for all."""
+        if isinstance(params, list | tuple) and len(params) == len(prompts) > 1:
+            one_stage = len(self.config.stage_args) == 1
+            if one_stage or all(isinstance(p, list | tuple) for p in params):
+                return list(params)
+        return [params] * len(prompts)
 
     def collective_rpc(
         self,

@@ -353,26 +353,33 @@ def with_ray_address(config: DeployConfig, address: str | None) -> DeployConfig:
     return parse_config(data, source="ray_address")
 
 
-def with_engine_overrides(config: DeployConfig, **overrides: Any) -> DeployConfig:
-    """Apply keyword engine args (``max_num_seqs=4``...) to the diffusion stages.
+#: Keyword arguments (``Omni(..., devices="cuda:0")``, ``serve --device``) that set a field of
+#: the target stages' ``runtime:`` rather than of their ``engine_args:``.
+RUNTIME_OVERRIDES = ("devices", "num_replicas", "torch_threads")
 
-    A config without a diffusion stage applies them to every stage. Unknown names and bad values
-    are ConfigErrors naming the argument.
+
+def with_engine_overrides(config: DeployConfig, **overrides: Any) -> DeployConfig:
+    """Apply keyword engine args (``max_num_seqs=4``, ``dtype="float16"``...) and the runtime
+    knobs of :data:`RUNTIME_OVERRIDES` (``devices="cuda:0"``, ``num_replicas=2``) to the diffusion
+    stages. A config without a diffusion stage applies them to every stage. Unknown names and bad
+    values are ConfigErrors naming the argument.
     """
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if not overrides:
         return config
-    unknown = set(overrides) - set(EngineArgs.__struct_fields__)
+    known = (*EngineArgs.__struct_fields__, *RUNTIME_OVERRIDES)
+    unknown = set(overrides) - set(known)
     if unknown:
-        raise ConfigError(
-            f"unknown engine argument(s): {', '.join(sorted(unknown))}; expected "
-            f"{', '.join(EngineArgs.__struct_fields__)}"
-        )
+        raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(unknown))}; expected {', '.join(known)}")
     targets = [s.stage_id for s in config.stage_args if s.stage_type == "diffusion"] or [
         s.stage_id for s in config.stage_args
     ]
+    runtime = {k: v for k, v in overrides.items() if k in RUNTIME_OVERRIDES}
+    engine = {k: v for k, v in overrides.items() if k not in RUNTIME_OVERRIDES}
     data = msgspec.to_builtins(config)
     for s in data["stage_args"]:
         if s["stage_id"] in targets:
-            s.setdefault("engine_args", {}).update(overrides)
+            s.setdefault("engine_args", {}).update(engine)
+            s["runtime"] = {**s.get("runtime", {}), **runtime}
+            s["runtime"].pop("process", None)  # resolved already; backend carries it
     return parse_config(data, source="engine arguments")

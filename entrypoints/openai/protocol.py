@@ -232,8 +232,11 @@ class Usage(BaseModel):
 
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    #: A string for text-only answers; content parts when images are included.
-    content: str | list[dict[str, Any]] | None = None
+    #: The answer's text (None when it has none). Always a string, as OpenAI clients type it.
+    content: str | None = None
+    #: An extension: the answer's images, ``{"type": "image_url", "image_url": {"url": "data:..."}}``
+    #: each (OpenAI clients keep unknown fields as they are).
+    images: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -253,7 +256,9 @@ class ChatCompletionResponse(BaseModel):
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
-    content: str | list[dict[str, Any]] | None = None
+    content: str | None = None
+    #: An extension, as on ResponseMessage: images, once each is drawn.
+    images: list[dict[str, Any]] | None = None
 
 
 class ChunkChoice(BaseModel):

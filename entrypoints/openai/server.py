@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.routing import BaseRoute, Match
@@ -76,6 +77,8 @@ def error_response(exc: BaseException) -> JSONResponse:
     headers = {}
     if isinstance(exc, QueueFullError):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    elif isinstance(exc, ApiError) and exc.code == "loading":
+        headers["Retry-After"] = "1"
     elif status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     return SafeJSONResponse(body, status_code=status, headers=headers)
@@ -114,8 +117,12 @@ class ServerState:
         self._closed = False
         #: Set when the engine died for good; the server then stops (non-zero exit) to be restarted.
         self.dead: EngineDeadError | None = None
-        #: Called (on the server's loop) when the engine dies: the CLI's server stops itself.
-        self.on_dead: list[Callable[[EngineDeadError], None]] = []
+        #: Called (on the server's loop) when the engine dies or fails to start: the CLI's server
+        #: stops itself.
+        self.on_dead: list[Callable[[EngineError], None]] = []
+        #: Why the engine could not start (the server then stops, non-zero), or None.
+        self.failed: BaseException | None = None
+        self._starting: asyncio.Task | None = None
         self.metrics = ServerMetrics(lambda: self.omni.health() if self.omni is not None else None)
         self.files = FileStore(file_ttl_s, file_store_bytes)
         self.inflight: set[str] = set()
@@ -127,12 +134,33 @@ class ServerState:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        # Stage processes load their models here: off the loop, which still answers signals.
-        self.omni = await loop.run_in_executor(None, lambda: AsyncOmni(self.resolved, **self._engine_kwargs))
-        self.model_name = self.omni.model_name
-        self.omni.on_dead(self._engine_died)
+    def start(self) -> None:
+        """Start the engine in the background: the server answers at once (503 ``loading`` until
+        the models are loaded, so a probe sees the difference between loading and gone)."""
+        self._starting = asyncio.ensure_future(self._start())
+
+    async def _start(self) -> None:
+        stages = ", ".join(f"{s.stage_type} ({s.model or 'no model'})" for s in self.config.stage_args)
+        logger.info("loading %s: %s", self.model_name, stages)
+        started = time.monotonic()
+        try:
+            # Stage processes load their models here: off the loop, which keeps serving.
+            omni = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: AsyncOmni(self.resolved, **self._engine_kwargs)
+            )
+        except Exception as e:
+            self.failed = e
+            logger.critical("the engine failed to start: %s", e)
+            for callback in self.on_dead:
+                callback(EngineError(f"the engine failed to start: {e}"))
+            return
+        if self._closed:  # shut down while loading
+            await asyncio.get_running_loop().run_in_executor(None, omni.close)
+            return
+        self.omni = omni
+        self.model_name = omni.model_name
+        omni.on_dead(self._engine_died)
+        logger.info("%s is ready (%.1f s)", self.model_name, time.monotonic() - started)
 
     def _engine_died(self, error: EngineDeadError) -> None:
         self.dead = error
@@ -141,9 +169,14 @@ class ServerState:
             callback(error)
 
     async def close(self) -> None:
-        """Close the engine (idempotent): stage processes exit, pending requests end with 503."""
-        if self.omni is not None and not self._closed:
-            self._closed = True
+        """Close the engine (idempotent): stage processes exit, pending requests end with 503.
+        An engine still loading is closed as soon as it has started."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._starting is not None and not self._starting.done():
+            await asyncio.gather(self._starting, return_exceptions=True)
+        if self.omni is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.omni.close)
 
     def abort_all(self, reason: str) -> None:
@@ -156,8 +189,13 @@ class ServerState:
 
     @property
     def started(self) -> AsyncOmni:
+        """The engine, or a 503 saying why there is none (still loading, or failed)."""
         if self.omni is None:
-            raise EngineError("the engine has not started")
+            if self.failed is not None:
+                raise EngineError(f"the engine failed to start: {self.failed}")
+            raise ApiError(
+                503, f"{self.model_name} is loading; retry shortly", type="service_unavailable", code="loading"
+            )
         return self.omni
 
     def check_request(self, model: str | None) -> AsyncOmni:
@@ -168,9 +206,7 @@ class ServerState:
                 404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
                 param="model", code="model_not_found",
             )  # fmt: skip
-        if self.omni is None:
-            raise EngineError("the engine has not started")
-        return self.omni
+        return self.started
 
     def check_auth(self, scope: Scope) -> None:
         if self.api_key is None:
@@ -235,6 +271,21 @@ async def _gather_or_abort(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
 
 # --------------------------------------------------------------------------- middleware
 
+#: Routes whose body is JSON: another content type is a 415 that says so (form-encoded is what
+#: `curl -d` sends, and FastAPI would read it as a missing body).
+JSON_ROUTES = frozenset({"/v1/chat/completions", "/v1/images/generations", "/v1/omni/collective_rpc"})
+
+
+def _check_json_content_type(scope: Scope) -> None:
+    kind = next((v for k, v in scope["headers"] if k == b"content-type"), b"").split(b";")[0].strip().lower()
+    if kind != b"application/json":
+        shown = kind.decode("latin-1") or "none"
+        raise ApiError(
+            415,
+            f"the request body must be JSON sent with 'Content-Type: application/json' (got {shown})",
+            code="unsupported_media_type",
+        )
+
 
 class _HttpMiddleware:
     """Pure ASGI (so handlers keep the raw ``receive`` for disconnect detection): the API key on
@@ -287,6 +338,8 @@ class _HttpMiddleware:
                 length = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
                 if length.isdigit() and int(length) > MAX_BODY_BYTES:
                     raise too_large
+                if scope["method"] == "POST" and scope["path"] in JSON_ROUTES:
+                    _check_json_content_type(scope)
             except ApiError as e:
                 await error_response(e)(scope, receive, send_and_record)
                 return
@@ -318,6 +371,7 @@ def create_app(
     default_timeout: float | None = None,
     engine_args: dict[str, Any] | None = None,
     ray_address: str | None = None,
+    allowed_origins: Sequence[str] | None = None,
     file_ttl_s: float = 600.0,
     file_store_bytes: int = 256 * 1024 * 1024,
 ) -> FastAPI:
@@ -338,7 +392,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await state.start()
+        state.start()
         try:
             yield
         finally:
@@ -348,6 +402,14 @@ def create_app(
     app = FastAPI(title="omni_runtime", lifespan=lifespan, default_response_class=SafeJSONResponse)
     app.state.omni = state
     app.add_middleware(_HttpMiddleware, state=state, routes=app.router.routes)
+    if allowed_origins:
+        # Outermost, so that preflight requests are answered before the API-key check.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     for exc_class in (Exception, OmniError, ApiError, ClientDisconnected, RequestValidationError):
         app.add_exception_handler(exc_class, _handle)
     app.add_exception_handler(HTTPException, _handle)
@@ -371,6 +433,10 @@ _READYZ_FIELDS = (
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
+        if state.omni is None:
+            if state.failed is not None:
+                return SafeJSONResponse({"status": "failed", "reason": str(state.failed)}, status_code=503)
+            return SafeJSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
         h = state.started.health()
         if h.ok:
             return SafeJSONResponse({"status": "ok"})
@@ -500,13 +566,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return await _stream_chat(state, omni, request, rid, valid, include_usage)
         out = await state.until_disconnect(request, [rid], state.collect(omni, valid, rid))
         texts = [r.text for _, r in sorted(out.outputs_by_stage.items()) if r.text is not None]
-        content: str | list[dict[str, Any]]
-        if out.images:
-            content = [{"type": "text", "text": t} for t in texts] + await _image_parts(out.images)
-        else:
-            content = "\n".join(texts)
+        message = proto.ResponseMessage(
+            content="\n".join(texts) if texts else None,
+            images=await _image_parts(out.images) if out.images else None,
+        )
         usage, finish = proto.usage_of(out, valid.params)
-        choice = proto.ChatChoice(message=proto.ResponseMessage(content=content), finish_reason=finish)
+        choice = proto.ChatChoice(message=message, finish_reason=finish)
         resp = proto.ChatCompletionResponse(id=rid, model=state.model_name, choices=[choice], usage=usage)
         return SafeJSONResponse(resp.model_dump(exclude_none=True), headers={"X-Request-Id": rid})
 
@@ -616,5 +681,5 @@ async def _deltas(out: OmniRequestOutput, sent: dict[int, int], imaged: set[int]
         sent[sid] = len(result.text)
     if result.images and sid not in imaged:
         imaged.add(sid)
-        deltas.append(proto.DeltaMessage(content=await _image_parts(result.images)))
+        deltas.append(proto.DeltaMessage(images=await _image_parts(result.images)))
     return deltas

@@ -43,8 +43,14 @@ async def stage_pid(engine) -> int:
 
 
 async def in_stage(engine: AsyncOmni, n: int) -> None:
-    """Until ``n`` requests are inside the stage (waiting or running there)."""
-    await eventually(lambda: engine.health().stages[0]["inflight"] == n, what=f"{n} request(s) in the stage")
+    """Until ``n`` requests are pending and inside the stage (waiting or running there). Both: a
+    request an earlier test aborted may still be in the stage for a moment, not pending."""
+
+    def there() -> bool:
+        health = engine.health()
+        return health.pending == n and health.stages[0]["inflight"] == n
+
+    await eventually(there, what=f"{n} request(s) in the stage")
 
 
 async def test_generate_yields_a_finished_output(echo):

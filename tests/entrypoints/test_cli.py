@@ -178,3 +178,74 @@ def test_bench_against_a_running_server(echo_server, tmp_path):
     assert Image.open(tmp_path / "b.png").size[0] > 100
     denied = run("bench", "--url", echo_server.url, "--endpoint", "chat", "--total", "2")
     assert denied.returncode == 1 and "401" in denied.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "validate", "worker", "models", "rpc", "bench"])
+def test_every_command_has_help_with_defaults_and_examples(command):
+    out = run(command, "--help")
+    assert out.returncode == 0 and out.stdout.count("\n") > 5
+    assert "examples:" in out.stdout
+    if command in ("serve", "generate", "bench"):
+        assert "(default:" in out.stdout
+    if command == "rpc":
+        for method in ("ping", "get_stats", "set_batching", "sleep", "wake_up"):
+            assert method in out.stdout
+
+
+def test_piping_into_head_exits_quietly(echo_server):
+    for command in (
+        f"{' '.join(CLI)} models --json | head -1",
+        f"{' '.join(CLI)} rpc ping --url {echo_server.url} --api-key {KEY} | head -1",
+    ):
+        out = subprocess.run(["bash", "-o", "pipefail", "-c", command], cwd=REPO, capture_output=True, text=True)
+        assert out.stdout.strip() and "Error" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_client_commands_read_the_api_key_from_the_environment(echo_server):
+    env = {**__import__("os").environ, "OMNI_RUNTIME_API_KEY": KEY}
+    out = subprocess.run(
+        [*CLI, "rpc", "ping", "--url", echo_server.url], cwd=REPO, capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    refused = subprocess.run([*CLI, "rpc", "ping", "--url", echo_server.url], cwd=REPO, capture_output=True, text=True)
+    assert refused.returncode == 1 and "401" in refused.stderr
+
+
+def test_generate_reports_the_params_it_really_used(tmp_path):
+    out = run("generate", "a cat", "--seed", "3", "--out", str(tmp_path), "--quiet")
+    assert out.returncode == 0, out.stderr
+    [result] = json.loads((tmp_path / "report.json").read_text())["results"]
+    # tiny-sd's defaults, resolved: what the request ran with, not only what was typed.
+    assert result["params"] == {
+        "seed": 3,
+        "num_inference_steps": 4,
+        "guidance_scale": 7.5,
+        "height": 64,
+        "width": 64,
+    }
+
+
+def test_ctrl_c_during_generate_exits_promptly_with_a_partial_report(tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [*CLI, "generate", "a slow one", "-n", "64", "--steps", "50", "--out", str(tmp_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    line = ""
+    while "generating" not in line:
+        assert time.monotonic() < deadline and proc.poll() is None, "generate never started"
+        line = proc.stderr.readline()
+    time.sleep(1.0)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(30)
+    assert proc.returncode == 130 and time.monotonic() - start < 15
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["interrupted"] and report["requests"] == 64
+    assert any(r.get("error") == "not finished (interrupted)" for r in report["results"])

@@ -158,3 +158,29 @@ def test_blocking_api_refuses_to_run_inside_an_event_loop():
 
         asyncio.run(inside())
         assert omni.generate("still fine", use_tqdm=False)[0].text == "still fine"
+
+
+def test_each_prompt_can_have_its_own_params(sd):
+    """A list with one entry per prompt (one-stage pipeline): each prompt gets its own seed and
+    size; the same dict for all still applies to every prompt."""
+    outs = sd.generate(
+        ["a", "b", "c"], [{"seed": 1}, {"seed": 2}, {"seed": 3, "height": 32, "width": 48}], use_tqdm=False
+    )
+    assert [o.metrics["seed"] for o in outs] == [1, 2, 3]
+    assert [o.images[0].size for o in outs] == [(64, 64), (64, 64), (48, 32)]
+    same = sd.generate(["a", "b"], {"seed": 7}, use_tqdm=False)
+    assert [o.metrics["seed"] for o in same] == [7, 7]
+    with pytest.raises(InvalidRequestError) as err:
+        sd.generate(["a", "b"], [{"seed": 1}, {"stepz": 2}], use_tqdm=False)
+    assert err.value.param == "stepz"
+
+
+def test_per_prompt_params_of_a_multi_stage_pipeline_are_lists_of_stage_entries():
+    stages = [echo_stage(0, final_output=False, final_output_type=None), echo_stage(1, engine_input_source=[0])]
+    with Omni(make_config(stages)) as omni:
+        # Two prompts, two stages: a flat list is per stage (the same for both prompts)...
+        outs = omni.generate(["x", "y"], [{"delay_ms": 1}, None], use_tqdm=False)
+        assert [o.text for o in outs] == ["x", "y"]
+        # ...and a list of per-stage lists is per prompt.
+        outs = omni.generate(["x", "y"], [[None, {"delay_ms": 1}], [None, {"delay_ms": 30}]], use_tqdm=False)
+        assert outs[1].metrics["execution_ms"] >= 30 > outs[0].metrics["execution_ms"]

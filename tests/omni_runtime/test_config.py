@@ -118,6 +118,20 @@ def test_engine_overrides_apply_to_diffusion_stage():
         with_engine_overrides(config, max_seqs=3)
 
 
+def test_placement_overrides_set_the_runtime_of_the_diffusion_stages_only():
+    config = with_engine_overrides(
+        load_config("tiny-omni"), devices="cpu", num_replicas=2, torch_threads=1, dtype="float32"
+    )
+    by_type = {s.stage_type: s for s in config.stage_args}
+    diffusion = by_type["diffusion"]
+    assert diffusion.runtime.num_replicas == 2 and diffusion.runtime.torch_threads == 1
+    assert diffusion.runtime.devices == "cpu" and diffusion.engine_args.dtype == "float32"
+    others = [s for s in config.stage_args if s.stage_type != "diffusion"]
+    assert others and all(s.runtime.num_replicas == 1 for s in others)
+    with pytest.raises(ConfigError, match="num_replicas"):
+        with_engine_overrides(config, num_replicas=0)
+
+
 @given(
     field=st.sampled_from(["default_sampling_params", "runner_args"]),
     value=st.dictionaries(ANY_TEXT, JSON_VALUES, max_size=3),

@@ -102,10 +102,11 @@ def test_streaming_sends_chunks_and_ends_with_done(server, client):
 
 def test_text_and_image_in_one_answer(client):
     resp = client.chat.completions.create(model="echo-sd", messages=user("a red boat"), modalities=["text", "image"])
-    parts = resp.choices[0].message.content
-    assert [p["type"] for p in parts] == ["text", "image_url"]
-    assert parts[0]["text"] == "a red boat"
-    png = base64.b64decode(parts[1]["image_url"]["url"].removeprefix("data:image/png;base64,"))
+    message = resp.choices[0].message
+    assert message.content == "a red boat"
+    [image] = message.model_extra["images"]
+    assert image["type"] == "image_url"
+    png = base64.b64decode(image["image_url"]["url"].removeprefix("data:image/png;base64,"))
     assert Image.open(io.BytesIO(png)).size == (64, 64)
 
 
@@ -115,9 +116,14 @@ def test_stream_with_text_then_image(client):
             model="echo-sd", messages=user("a green hill"), modalities=["text", "image"], stream=True
         )
     )
-    contents = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
-    assert contents[0] == "a green hill"  # text first: it is ready before the image stage runs
-    assert isinstance(contents[-1], list) and contents[-1][0]["type"] == "image_url"
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    texts = [d.content for d in deltas if d.content]
+    images = [i for d in deltas for i in (d.model_extra or {}).get("images") or []]
+    assert texts == ["a green hill"]  # text first: it is ready before the image stage runs
+    assert [i["type"] for i in images] == ["image_url"]
+    assert deltas.index(next(d for d in deltas if (d.model_extra or {}).get("images"))) > deltas.index(
+        next(d for d in deltas if d.content)
+    )
 
 
 def test_images_route_puts_params_in_the_diffusion_stage(client):
@@ -129,5 +135,5 @@ def test_images_route_puts_params_in_the_diffusion_stage(client):
 
 def test_image_only_modality_skips_the_text_part(client):
     resp = client.chat.completions.create(model="echo-sd", messages=user("a cloud"), modalities=["image"])
-    parts = resp.choices[0].message.content
-    assert [p["type"] for p in parts] == ["image_url"]
+    message = resp.choices[0].message
+    assert message.content is None and [p["type"] for p in message.model_extra["images"]] == ["image_url"]

@@ -15,7 +15,7 @@ import pytest
 
 from tests.reliability.support import http_config
 
-from .server_process import assert_gone, start_server, stop_server, wait_for, write_config
+from .server_process import ServerProcess, assert_gone, start_server, stop_server, wait_for, write_config
 
 MAX_BODY = 8 * 1024 * 1024
 
@@ -197,3 +197,112 @@ def test_a_dead_engine_answers_503_then_serve_exits_non_zero(tmp_path):
     finally:
         if srv.proc.poll() is None:
             srv.stop()
+
+
+def _load_fail_config(**runner_args: object) -> dict:
+    return {
+        "model": "slow-load",
+        "stage_args": [
+            {
+                "stage_id": 0,
+                "stage_type": "tests.reliability.runners:LoadFailRunner",
+                "runtime": {"backend": "process", "torch_threads": 1, "max_restarts": 0},
+                "final_output": True,
+                "final_output_type": "text",
+                "runner_args": runner_args,
+            }
+        ],
+    }
+
+
+def test_a_loading_engine_answers_503_loading_then_serves(tmp_path):
+    """The server listens while the models load: a probe tells 'loading' from 'gone', a request
+    gets a 503 with Retry-After, and once loaded the same request succeeds."""
+    config = write_config(tmp_path / "slow.yaml", _load_fail_config(fail_replicas=[], load_s=4))
+    srv = ServerProcess(str(config), log=tmp_path / "server.log")
+    try:
+        assert wait_for(lambda: _get_or_none(f"{srv.url}/health") is not None, timeout=60)
+        health = httpx.get(f"{srv.url}/health")
+        assert health.status_code == 503 and health.json() == {"status": "loading"}
+        assert health.headers["retry-after"] == "1"
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert_error(r, 503, "loading")
+        assert r.headers["retry-after"] == "1"
+        srv.wait_ready(60)
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+    finally:
+        assert srv.stop() == 0
+
+
+def test_an_engine_that_fails_to_load_makes_serve_exit_non_zero(tmp_path):
+    config = write_config(tmp_path / "broken.yaml", _load_fail_config())  # every replica fails to load
+    srv = ServerProcess(str(config), log=tmp_path / "server.log")
+    try:
+        assert srv.wait(60) == 1
+        assert "failed to start" in srv.log()
+        assert_gone(srv.children())
+    finally:
+        if srv.proc.poll() is None:
+            srv.stop()
+
+
+def _get_or_none(url: str) -> httpx.Response | None:
+    try:
+        return httpx.get(url, timeout=1)
+    except httpx.HTTPError:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type"),
+    [
+        (b"prompt=a+cat", "application/x-www-form-urlencoded"),
+        (b'{"prompt": "a cat"}', "text/plain"),
+        (b'{"prompt": "a cat"}', None),
+    ],
+)
+def test_a_body_that_is_not_declared_json_is_a_415(server, http, content, content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    r = http.post("/v1/images/generations", content=content, headers=headers)
+    error = assert_error(r, 415, "unsupported_media_type")
+    assert "application/json" in error["message"]
+    ok = http.post(
+        "/v1/images/generations",
+        content=content if content_type else b'{"prompt": "a cat"}',
+        headers={"content-type": "application/json; charset=utf-8"},
+    )
+    assert ok.status_code in (200, 400)  # declared JSON: parsed (form bytes are invalid JSON: a 400)
+
+
+def test_cors_is_off_by_default(server, http):
+    r = http.options(
+        "/v1/images/generations",
+        headers={"origin": "https://app.example", "access-control-request-method": "POST"},
+    )
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_cors_preflight_is_answered_for_allowed_origins_only(tmp_path):
+    config = write_config(tmp_path / "cors.yaml", http_config())
+    srv = start_server(
+        str(config), "--allowed-origins", "https://app.example", "--api-key", "k", log=tmp_path / "server.log"
+    )
+    try:
+        preflight = {"access-control-request-method": "POST", "access-control-request-headers": "authorization"}
+        ok = httpx.options(f"{srv.url}/v1/images/generations", headers={"origin": "https://app.example", **preflight})
+        assert ok.status_code == 200  # before the API-key check: browsers send no key on a preflight
+        assert ok.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.options(
+            f"{srv.url}/v1/images/generations", headers={"origin": "https://evil.example", **preflight}
+        )
+        assert other.headers.get("access-control-allow-origin") != "https://evil.example"
+        r = httpx.post(
+            f"{srv.url}/v1/images/generations",
+            json={"prompt": "a cat"},
+            headers={"origin": "https://app.example", "authorization": "Bearer k"},
+            timeout=30,
+        )
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    finally:
+        assert srv.stop() == 0
