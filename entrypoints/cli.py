@@ -171,7 +171,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_pending=args.max_pending,
         default_timeout=args.default_timeout,
-        engine_args={"max_num_seqs": args.max_num_seqs, "request_batch_max_wait_ms": args.request_batch_max_wait_ms},
+        engine_args={
+            "max_num_seqs": args.max_num_seqs,
+            "request_batch_max_wait_ms": args.request_batch_max_wait_ms,
+            "step_execution": args.step_execution,
+        },
         file_ttl_s=args.file_ttl,
         file_store_bytes=int(args.file_store_mb * 1024 * 1024),
     )
@@ -224,7 +228,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from .async_omni import AsyncOmni, build_config
 
-    config = build_config(args.model, {"max_num_seqs": args.max_num_seqs})
+    config = build_config(args.model, {"max_num_seqs": args.max_num_seqs, "step_execution": args.step_execution})
     image_stage = next((s.stage_id for s in config.stage_args if s.final_output_type == "image"), None)
     if image_stage is None:
         raise CliError(f"the model {args.model!r} has no image output")
@@ -431,6 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route")
     s.add_argument("--max-num-seqs", type=_positive_int, help="most requests fused into one forward")
     s.add_argument("--request-batch-max-wait-ms", type=_float(0), help="extra admission wait for a wave (ms)")
+    s.add_argument(
+        "--step-execution",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="diffusion requests join and leave a running batch between denoising steps",
+    )
     s.add_argument("--max-pending", type=_positive_int, help="most requests admitted at once (then 429)")
     s.add_argument("--default-timeout", type=_float(0, strict=True), help="deadline (s) of a request without one")
     s.add_argument("--shutdown-timeout", type=_float(0), default=30.0, help="grace period (s) on SIGTERM")
@@ -456,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--size", type=_size, help="WIDTHxHEIGHT")
     g.add_argument("--guidance-scale", type=_float(0))
     g.add_argument("--max-num-seqs", type=_positive_int)
+    g.add_argument("--step-execution", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
 
