@@ -80,6 +80,18 @@ class SteppingEcho(EchoRunner):
             self._left.pop(rid, None)
 
 
+class ForgetfulStepper(SteppingEcho):
+    """SteppingEcho with a bug: a prompt containing ``lost`` never gets a step result."""
+
+    def step_run(self, request_ids: list[str], ctx: ExecuteContext) -> dict[str, StepResult]:
+        results = super().step_run(request_ids, ctx)
+        return {rid: r for rid, r in results.items() if "lost" not in str(self._prompt_of.get(rid, ""))}
+
+    def step_admit(self, requests: list[RunnerRequest], ctx: ExecuteContext) -> dict[str, RunnerOutput]:
+        self._prompt_of = {**getattr(self, "_prompt_of", {}), **{r.request_id: r.prompt for r in requests}}
+        return super().step_admit(requests, ctx)
+
+
 def shout(prompt: Any, upstream: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """A custom_process_input_func: upper-cases upstream text and tags its source stages."""
     texts = [f"{sid}:{out['text']}" for sid, out in sorted(upstream.items())]

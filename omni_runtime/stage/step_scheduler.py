@@ -12,8 +12,10 @@ denoising step at a time: before each step it asks :meth:`StepScheduler.schedule
   running batch instead of waiting for it to end. A finished or aborted request frees its slot at once.
 * One key per step. A step is one batched denoiser call, so the requests that step together share a
   compatibility key (size, guidance mode...; not the step count: each request has its own timesteps).
-  The key holding the highest-priority running request steps; keys of equal standing take turns, so
-  every running key keeps progressing.
+  The key of the oldest running request of the highest priority steps, with every running request
+  of that key: requests finish close to arrival order, as request-level's oldest-key-first waves do,
+  and a compatible arrival still joins at the next step. Taking turns between keys instead would
+  slow every running request whenever two keys run, and stretch the latency tail.
 * Preemption. A waiting request of higher priority than the lowest-priority running one takes that
   one's slot at the step boundary (of equals, the one admitted last gives way). The preempted request
   keeps its state in the runner and its place in the queue (its arrival), and resumes when a slot frees.
@@ -105,7 +107,6 @@ class StepScheduler:
         self._running: dict[str, _Entry] = {}  # admission order
         self._drops: list[str] = []  # aborted while preempted: state to free with the next plan
         self._in_flight: StepPlan | None = None
-        self._last_key: Hashable | None = None
         self._seq = itertools.count()
         self._admit_seq = itertools.count()
         self._next_step_id = 1
@@ -189,12 +190,11 @@ class StepScheduler:
             self._push(victim)
             preempt.append(victim.request_id)
             admit(self._pop_best())
-        # 4) The key that steps: the highest priority running; equals take turns.
+        # 4) The key that steps: that of the oldest running request of the highest priority.
         key = self._pick_key()
         run = [] if key is None else [rid for rid, e in self._running.items() if e.key == key]
         if not (run or join or drop or preempt):
             return None
-        self._last_key = key if key is not None else self._last_key
         plan = StepPlan(
             step_id=self._next_step_id,
             key=key,
@@ -329,11 +329,7 @@ class StepScheduler:
     def _pick_key(self) -> Hashable | None:
         if not self._running:
             return None
-        top = max(e.priority for e in self._running.values())
-        keys = list(dict.fromkeys(e.key for e in self._running.values() if e.priority == top))
-        if self._last_key in keys:
-            return keys[(keys.index(self._last_key) + 1) % len(keys)]
-        return keys[0]
+        return min(self._running.values(), key=lambda e: (-e.priority, e.seq)).key
 
 
 @dataclass(slots=True)

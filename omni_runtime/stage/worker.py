@@ -388,6 +388,14 @@ class StageWorker:
         failed = self.runner.step_admit([plan.payloads[rid] for rid in plan.join], ctx) if plan.join else {}
         run = [rid for rid in plan.run if rid not in failed]
         results = self.runner.step_run(run, ctx) if run else {}
+        # A runner may skip a request aborted meanwhile (it leaves with the next plan); any other
+        # it did not step would hold its slot forever.
+        for rid in run:
+            if rid not in results and not self.scheduler.is_aborted(rid):
+                err = StageExecutionError(
+                    "the runner returned no result for this request's step", stage_id=self.stage_id
+                )
+                failed[rid] = RunnerOutput(error=err)
         return failed, results
 
     def _emit_progress(self, results: dict[str, StepResult]) -> None:

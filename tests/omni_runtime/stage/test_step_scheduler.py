@@ -68,16 +68,21 @@ def test_slots_are_capped_and_a_finished_request_frees_its_slot(clock: FakeClock
     assert plan.join == ["c"] and plan.run == ["b", "c"]
 
 
-def test_one_key_steps_at_a_time_and_keys_take_turns(clock: FakeClock) -> None:
+def test_one_key_steps_at_a_time_the_oldest_requests_first(clock: FakeClock) -> None:
     s = make(clock)
     s.add("a1", "64")
     s.add("b1", "48")
     s.add("a2", "64")
-    plans = [step(s) for _ in range(4)]
-    assert [p.key for p in plans] == ["64", "48", "64", "48"]
-    assert plans[0].run == ["a1", "a2"] and plans[1].run == ["b1"]
+    plans = [step(s) for _ in range(2)]
     assert plans[0].join == ["a1", "b1", "a2"]  # everyone admitted (encoded) at once
-    assert s.stats()["batch_size_histogram"] == {1: 2, 2: 2}
+    assert [p.run for p in plans] == [["a1", "a2"], ["a1", "a2"]]  # a1 is the oldest: its key steps
+    plans.append(step(s, finished=("a1",)))
+    plans += [step(s) for _ in range(2)]
+    # Once a1 left, b1 is the oldest: its key steps until it leaves, then a2's again.
+    assert [p.key for p in plans] == ["64", "64", "64", "48", "48"]
+    step(s, finished=("b1",))
+    assert step(s).run == ["a2"]
+    assert s.stats()["batch_size_histogram"] == {1: 4, 2: 3}
 
 
 def test_nothing_to_do_is_none_and_one_step_is_in_flight_at_a_time(clock: FakeClock) -> None:
@@ -340,6 +345,9 @@ def test_random_sequences_keep_the_invariants(ops: list, cap: int) -> None:
             # Slots: never more than the cap, unless the cap was lowered under the running ones.
             assert len(running) <= max(cap, len(before))
             assert set(plan.run) <= set(running) and len({key_of[r] for r in plan.run}) <= 1
+            if running:  # the oldest running request of the highest priority steps, with its key
+                oldest = min(running, key=lambda r: (-priority[r], int(r[1:])))
+                assert oldest in plan.run and plan.run == [r for r in running if key_of[r] == key_of[oldest]]
             assert not set(plan.join) & with_state and set(plan.resume) <= with_state
             assert set(plan.drop) <= with_state and not set(plan.drop) & set(running)
             assert set(plan.preempt).isdisjoint(running)

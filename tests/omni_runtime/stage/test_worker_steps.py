@@ -122,6 +122,19 @@ async def test_abort_frees_the_slot_at_the_next_step_and_sends_nothing_more(cach
         await worker.close()
 
 
+async def test_a_request_the_runner_does_not_step_fails_instead_of_holding_its_slot(cache: Path) -> None:
+    worker, outbox = await started(stage("tests.helpers:ForgetfulStepper", max_num_seqs=2, step_execution=True))
+    try:
+        worker.handle(StageRequest(request_id="lost", prompt="lost", params={}))
+        worker.handle(StageRequest(request_id="ok", prompt="ok", params={}))
+        lost = await outbox.wait_for(is_final("lost"))
+        ok = await outbox.wait_for(is_final("ok"))
+        assert lost.error is not None and "no result" in lost.error.message and ok.text == "ok"
+        assert worker.stats()["running"] == 0
+    finally:
+        await worker.close()
+
+
 async def test_a_runner_that_cannot_step_falls_back_with_a_logged_reason(
     cache: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
