@@ -153,6 +153,14 @@ def run_model(
                     res = loop.run_until_complete(open_loop(engines[mode], plan))
                     rows.append({"model": w.model, "load": load, "round": r, "mode": mode, **res})
                     print("  " + ", ".join(f"{k}={_fmt(v)}" for k, v in rows[-1].items()), flush=True)
+        # What the progress events cost the step engine's loop, against the time it spent stepping.
+        [stats] = loop.run_until_complete(engines["step"].collective_rpc("get_stats"))
+        st = stats.result
+        print(
+            f"{w.model} step engine: {st['steps']} steps, {st['progress_events']} progress events, "
+            f"send cost {st['progress_cost_ms']:.1f} ms = {100 * st['progress_cost_ms'] / st['step_time_ms']:.3f} % "
+            f"of {st['step_time_ms'] / 1000:.1f} s stepping"
+        )
     finally:
         for engine in engines.values():
             engine.close()

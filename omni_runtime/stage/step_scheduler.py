@@ -1,5 +1,4 @@
-"""The step-level scheduler of one stage replica: which requests hold a slot in the running denoising
-batch, and which of them take the next step.
+"""The step-level scheduler of one stage replica: which requests take the next denoising step together.
 
 Pure policy, no I/O, clock injected, like :mod:`omni_runtime.stage.scheduler`. With
 ``engine_args.step_execution`` the stage worker (the event loop of the replica's process) runs one
@@ -7,31 +6,31 @@ denoising step at a time: before each step it asks :meth:`StepScheduler.schedule
 :class:`StepPlan`, has the runner carry it out in the forward thread, and reports what happened with
 :meth:`StepScheduler.finish_step`.
 
-* Slots. At most ``max_num_seqs`` requests (of any keys) hold a slot. A free slot goes to the waiting
-  request of highest priority, then earliest arrival, at the next step boundary: new requests join a
-  running batch instead of waiting for it to end. A finished or aborted request frees its slot at once.
 * One key per step. A step is one batched denoiser call, so the requests that step together share a
   compatibility key (size, guidance mode...; not the step count: each request has its own timesteps).
-  The key of the oldest running request of the highest priority steps, with every running request
-  of that key: requests finish close to arrival order, as request-level's oldest-key-first waves do,
-  and a compatible arrival still joins at the next step. Taking turns between keys instead would
-  slow every running request whenever two keys run, and stretch the latency tail.
-* Preemption. A waiting request of higher priority than the lowest-priority running one takes that
-  one's slot at the step boundary (of equals, the one admitted last gives way). The preempted request
-  keeps its state in the runner and its place in the queue (its arrival), and resumes when a slot frees.
-* Abort. A waiting request leaves at once (its state, if it was preempted, is dropped with the next
-  plan); a running one leaves with the next plan, which asks the runner to drop its state.
+* The leader picks the key: the live request of highest priority, then earliest arrival, whether it
+  waits or has already taken steps, as request-level's oldest-key-first waves do. Nothing starves:
+  a request that waits only grows older than everyone who arrives after it.
+* The batch: the best ``max_num_seqs`` live requests of that key (priority, then arrival). So a
+  compatible request that arrives while the key is stepping joins at the next step when there is
+  room, and a request leaves the batch after its own last step. Those taking their first step are
+  *admitted* (the runner encodes them, in one call). Under load the batch is as full as a
+  request-level wave would be.
+* Pauses. A request that has taken steps but is not in this step's batch keeps its state in the
+  runner and resumes when it is again: when a request of higher priority took its place in the
+  batch (preemption), or when an older or higher-priority request of another key leads.
+* Abort. A request that has not started leaves at once; one with state leaves with the next plan,
+  which asks the runner to drop that state.
 
 :class:`ProgressThrottle` bounds what per-step progress events cost, as a share of the stepping time.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
 from collections.abc import Callable, Collection, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from omni_runtime.exceptions import ConfigError, DuplicateRequestError, QueueFullError
@@ -43,18 +42,18 @@ class StepPlan:
 
     #: Increasing from 1, per scheduler.
     step_id: int
-    #: The key whose running requests step; None when none steps (a plan that only drops state).
+    #: The key whose requests step; None when none steps (a plan that only drops state).
     key: Hashable | None
-    #: Requests that take one denoising step together, in admission order.
+    #: The requests that take one denoising step together, best first.
     run: list[str]
-    #: Requests entering the running set for the first time: the runner encodes and prepares them.
+    #: Of ``run``, those taking their first step: the runner encodes and prepares them first.
     join: list[str]
     #: What :meth:`StepScheduler.add` was given, for each request of ``join``.
     payloads: dict[str, Any]
-    #: Preempted earlier and back in the running set; their state is still in the runner.
+    #: Of ``run``, those that had state but did not take the previous step.
     resume: list[str]
-    #: Leave the running set at this boundary and keep their state (a higher priority took the slot).
-    preempt: list[str]
+    #: Took the previous step, did not finish, and do not take this one; they keep their state.
+    paused: list[str]
     #: Aborted requests whose state the runner frees.
     drop: list[str]
     #: Per joining request: admission minus arrival.
@@ -67,20 +66,18 @@ class _Entry:
     key: Hashable
     payload: Any
     priority: int
-    #: Arrival order; the tie-break of equal priorities, kept through preemption.
+    #: Arrival order: the tie-break among equal priorities.
     seq: int
     arrival: float
-    #: Admission order into the running set (the last admitted is preempted first among equals).
-    admit_seq: int = 0
     admitted_at: float | None = None
-    #: The runner holds its state (it was admitted once), so a return to the running set is a resume.
+    #: Admitted once: the runner holds its state until it finishes or is dropped.
     has_state: bool = False
     aborted: bool = False
     steps: int = 0
     first_step_id: int | None = None
     first_step_at: float | None = None
     max_batch: int = 0
-    preemptions: int = 0
+    pauses: int = 0
 
 
 class StepScheduler:
@@ -101,14 +98,15 @@ class StepScheduler:
         self._batch_cap: int | None = None
         self._max_num_seqs = 1
         self.set_config(max_num_seqs=max_num_seqs)
-        # Waiting: a heap of (-priority, seq, id) with lazy deletion, and the entries by id.
-        self._heap: list[tuple[int, int, str]] = []
-        self._waiting: dict[str, _Entry] = {}
-        self._running: dict[str, _Entry] = {}  # admission order
-        self._drops: list[str] = []  # aborted while preempted: state to free with the next plan
+        # Every live request, and two indexes in arrival order: by priority, and by key then priority.
+        self._entries: dict[str, _Entry] = {}
+        self._by_priority: dict[int, dict[str, _Entry]] = {}
+        self._by_key: dict[Hashable, dict[int, dict[str, _Entry]]] = {}
+        self._with_state = 0
+        self._aborted: list[str] = []  # aborted with state: dropped by the next plan
+        self._last_run: list[str] = []
         self._in_flight: StepPlan | None = None
         self._seq = itertools.count()
-        self._admit_seq = itertools.count()
         self._next_step_id = 1
         self._requests_admitted = 0
         self._histogram: dict[int, int] = {}
@@ -117,29 +115,31 @@ class StepScheduler:
 
     def add(self, request_id: str, key: Hashable, payload: Any = None, *, priority: int = 0) -> None:
         """Queue a request. ``key`` groups requests that may step together; higher ``priority`` first."""
-        if request_id in self._waiting or request_id in self._running:
+        if request_id in self._entries:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight", param="request_id")
-        if self._max_queue_len is not None and len(self._waiting) >= self._max_queue_len:
-            raise QueueFullError(f"{len(self._waiting)} requests already wait (max_queue_len)")
+        if self._max_queue_len is not None and self.num_waiting >= self._max_queue_len:
+            raise QueueFullError(f"{self.num_waiting} requests already wait (max_queue_len)")
         entry = _Entry(request_id, key, payload, int(priority), next(self._seq), self._clock())
-        self._push(entry)
+        self._entries[request_id] = entry
+        self._by_priority.setdefault(entry.priority, {})[request_id] = entry
+        self._by_key.setdefault(key, {}).setdefault(entry.priority, {})[request_id] = entry
 
     def abort(self, request_id: str) -> Literal["waiting", "running"] | None:
-        """Drop a waiting request, or mark a running one to leave with the next plan; None if unknown."""
-        entry = self._waiting.pop(request_id, None)
-        if entry is not None:
-            if entry.has_state:
-                self._drops.append(request_id)
+        """Drop a request that has not started ("waiting"); mark one with state to leave with the
+        next plan ("running"); None if unknown."""
+        entry = self._entries.get(request_id)
+        if entry is None or entry.aborted:
+            return None if entry is None else "running"
+        if not entry.has_state:
+            self._remove(entry)
             return "waiting"
-        entry = self._running.get(request_id)
-        if entry is not None:
-            entry.aborted = True
-            return "running"
-        return None
+        entry.aborted = True
+        self._aborted.append(request_id)
+        return "running"
 
     def is_aborted(self, request_id: str) -> bool:
-        """Whether a running request was aborted (it leaves with the next plan)."""
-        entry = self._running.get(request_id)
+        """Whether a request with state was aborted (it leaves with the next plan)."""
+        entry = self._entries.get(request_id)
         return entry is not None and entry.aborted
 
     # ------------------------------------------------------------------ steps
@@ -149,60 +149,44 @@ class StepScheduler:
         if self._in_flight is not None:
             return None
         now = self._clock()
-        # 1) Aborted running requests leave; the runner frees their state with this plan.
-        drop, self._drops = self._drops, []
-        for rid in [rid for rid, e in self._running.items() if e.aborted]:
-            del self._running[rid]
-            drop.append(rid)
-        # 2) Free slots go to the best waiting requests (priority, then arrival).
-        join: list[str] = []
-        resume: list[str] = []
-        payloads: dict[str, Any] = {}
-        queue_wait_ms: dict[str, float] = {}
-
-        def admit(entry: _Entry) -> None:
-            entry.admit_seq = next(self._admit_seq)
-            self._running[entry.request_id] = entry
-            if entry.has_state:
-                resume.append(entry.request_id)
-                return
-            entry.has_state = True
-            entry.admitted_at = now
-            join.append(entry.request_id)
-            payloads[entry.request_id] = entry.payload
-            queue_wait_ms[entry.request_id] = (now - entry.arrival) * 1000.0
-            self._requests_admitted += 1
-
-        while len(self._running) < self._max_num_seqs:
-            best = self._pop_best()
-            if best is None:
-                break
-            admit(best)
-        # 3) Preemption: a waiting request of higher priority than the lowest running one swaps in.
-        preempt: list[str] = []
-        while self._running:
-            best = self._peek_best()
-            victim = min(self._running.values(), key=lambda e: (e.priority, -e.admit_seq))
-            if best is None or best.priority <= victim.priority:
-                break
-            del self._running[victim.request_id]
-            victim.preemptions += 1
-            self._push(victim)
-            preempt.append(victim.request_id)
-            admit(self._pop_best())
-        # 4) The key that steps: that of the oldest running request of the highest priority.
-        key = self._pick_key()
-        run = [] if key is None else [rid for rid, e in self._running.items() if e.key == key]
-        if not (run or join or drop or preempt):
+        # 1) Aborted requests with state leave; the runner frees it with this plan.
+        drop = []
+        for rid in self._aborted:
+            entry = self._entries.get(rid)
+            if entry is not None:  # not finished meanwhile
+                self._remove(entry)
+                drop.append(rid)
+        self._aborted = []
+        # 2) The leader (priority, then arrival) picks the key; the best of that key form the batch.
+        leader = self._leader()
+        batch = [] if leader is None else self._best_of(leader.key, self._max_num_seqs)
+        if not batch and not drop:
             return None
+        last = set(self._last_run)
+        run = [e.request_id for e in batch]
+        resume = [e.request_id for e in batch if e.has_state and e.request_id not in last]
+        chosen = set(run)
+        paused = [rid for rid in self._last_run if rid in self._entries and rid not in chosen]
+        for rid in paused:
+            self._entries[rid].pauses += 1
+        # 3) Those taking their first step are admitted.
+        join, payloads, queue_wait_ms = [], {}, {}
+        for entry in batch:
+            if not entry.has_state:
+                entry.has_state, entry.admitted_at = True, now
+                self._with_state += 1
+                self._requests_admitted += 1
+                join.append(entry.request_id)
+                payloads[entry.request_id] = entry.payload
+                queue_wait_ms[entry.request_id] = (now - entry.arrival) * 1000.0
         plan = StepPlan(
             step_id=self._next_step_id,
-            key=key,
+            key=None if leader is None else leader.key,
             run=run,
             join=join,
             payloads=payloads,
             resume=resume,
-            preempt=preempt,
+            paused=paused,
             drop=drop,
             queue_wait_ms=queue_wait_ms,
         )
@@ -224,7 +208,7 @@ class StepScheduler:
         if batch:
             self._histogram[batch] = self._histogram.get(batch, 0) + 1
         for rid in stepped:
-            entry = self._running.get(rid)
+            entry = self._entries.get(rid)
             if entry is None:
                 continue
             entry.steps += 1
@@ -233,8 +217,11 @@ class StepScheduler:
                 entry.first_step_id, entry.first_step_at = step_id, now
         done: dict[str, dict[str, Any]] = {}
         for rid in finished:
-            entry = self._running.pop(rid, None)
-            if entry is None or entry.aborted:
+            entry = self._entries.get(rid)
+            if entry is None:
+                continue
+            self._remove(entry)
+            if entry.aborted:
                 continue
             admitted = entry.admitted_at if entry.admitted_at is not None else now
             done[rid] = {
@@ -246,17 +233,18 @@ class StepScheduler:
                 "batch_id": entry.first_step_id,
                 "batch_size": entry.max_batch,
                 "steps_run": entry.steps,
-                "preemptions": entry.preemptions,
+                "pauses": entry.pauses,
             }
+        self._last_run = plan.run
         self._in_flight = None
         return done
 
     # ------------------------------------------------------------------ configuration and stats
 
     def set_config(self, *, max_num_seqs: int | None = None, max_wait_ms: float | None = None) -> None:
-        """Change the number of slots; it applies from the next plan (running requests above a lowered
-        cap finish their steps; no one new joins until there is room). ``max_wait_ms`` is accepted
-        for the request-level interface and has no effect: a request joins at the next step anyway."""
+        """Change the batch size; it applies from the next plan (a request beyond it pauses).
+        ``max_wait_ms`` is accepted for the request-level interface and has no effect: a request
+        joins at the next step anyway."""
         if max_num_seqs is not None:
             _check_int("max_num_seqs", max_num_seqs)
             self._asked_max_num_seqs = max_num_seqs
@@ -283,22 +271,25 @@ class StepScheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Requests that have not taken a step yet."""
+        return len(self._entries) - self._with_state
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        """Requests the runner holds state for (stepping or paused)."""
+        return self._with_state
 
     def running_ids(self) -> list[str]:
-        """The requests holding a slot, in admission order."""
-        return list(self._running)
+        """The requests the runner holds state for."""
+        return [rid for rid, e in self._entries.items() if e.has_state]
 
     def stats(self) -> dict[str, Any]:
         """Counters; ``batch_size_histogram`` maps the size of a step's batch to how many steps had it."""
+        last = set(self._last_run)
         return {
             "num_waiting": self.num_waiting,
             "num_running": self.num_running,
-            "num_preempted": sum(1 for e in self._waiting.values() if e.has_state),
+            "num_paused": sum(1 for rid, e in self._entries.items() if e.has_state and rid not in last),
             "steps": self._next_step_id - 1,
             "requests_scheduled": self._requests_admitted,
             "batch_size_histogram": dict(sorted(self._histogram.items())),
@@ -306,30 +297,37 @@ class StepScheduler:
 
     # ------------------------------------------------------------------ internals
 
-    def _push(self, entry: _Entry) -> None:
-        self._waiting[entry.request_id] = entry
-        heapq.heappush(self._heap, (-entry.priority, entry.seq, entry.request_id))
-
-    def _peek_best(self) -> _Entry | None:
-        while self._heap:
-            _, seq, rid = self._heap[0]
-            entry = self._waiting.get(rid)
-            if entry is not None and entry.seq == seq:
-                return entry
-            heapq.heappop(self._heap)  # aborted, or its id reused since
-        return None
-
-    def _pop_best(self) -> _Entry | None:
-        entry = self._peek_best()
-        if entry is not None:
-            heapq.heappop(self._heap)
-            del self._waiting[entry.request_id]
-        return entry
-
-    def _pick_key(self) -> Hashable | None:
-        if not self._running:
+    def _leader(self) -> _Entry | None:
+        if not self._by_priority:
             return None
-        return min(self._running.values(), key=lambda e: (-e.priority, e.seq)).key
+        return next(iter(self._by_priority[max(self._by_priority)].values()))
+
+    def _best_of(self, key: Hashable, limit: int) -> list[_Entry]:
+        best: list[_Entry] = []
+        by_priority = self._by_key[key]
+        for priority in sorted(by_priority, reverse=True):
+            for entry in by_priority[priority].values():
+                best.append(entry)
+                if len(best) == limit:
+                    return best
+        return best
+
+    def _remove(self, entry: _Entry) -> None:
+        rid, priority = entry.request_id, entry.priority
+        del self._entries[rid]
+        if entry.has_state:
+            self._with_state -= 1
+        same = self._by_priority[priority]
+        del same[rid]
+        if not same:
+            del self._by_priority[priority]
+        of_key = self._by_key[entry.key]
+        same = of_key[priority]
+        del same[rid]
+        if not same:
+            del of_key[priority]
+            if not of_key:
+                del self._by_key[entry.key]
 
 
 @dataclass(slots=True)
@@ -349,7 +347,6 @@ class ProgressThrottle:
     events: int = 0
     cost_s: float = 0.0
     step_s: float = 0.0
-    _seen: dict[str, None] = field(default_factory=dict)
 
     def add_step(self, seconds: float) -> None:
         self.step_s += seconds

@@ -6,8 +6,8 @@ goes out through the ``send`` callback. The runner's ``execute`` runs in a singl
 thread, so aborts and control calls are answered while a forward is running.
 
 With ``engine_args.step_execution`` and a runner that supports it, the worker drives the denoising
-loop itself: a :class:`~omni_runtime.stage.step_scheduler.StepScheduler` plans each step (who joins,
-who leaves, who is preempted, which key steps), and each plan runs as one executor call (drop,
+loop itself: a :class:`~omni_runtime.stage.step_scheduler.StepScheduler` plans each step (which key
+steps, who joins, who pauses, who is dropped), and each plan runs as one executor call (drop,
 admit, one batched step, decode those done). Between steps the loop answers aborts, control calls
 and pings, and new requests join at the next boundary.
 """
@@ -336,8 +336,8 @@ class StageWorker:
         start = time.perf_counter()
         try:
             if self._asleep:
-                # The model is gone (its states with it): everyone holding a slot fails now, and
-                # anyone admitted later, until wake_up; new requests are refused meanwhile.
+                # The model is gone (its states with it): every request with state fails now, and
+                # any admitted later, until wake_up; new requests are refused meanwhile.
                 err = StageAsleepError(f"stage {self.stage_id} is asleep")
                 failed = {rid: RunnerOutput(error=err) for rid in scheduler.running_ids()}
             else:
@@ -506,7 +506,7 @@ class StageWorker:
         s = self.scheduler.stats()
         step = {"step_execution": self._step_mode}
         if self._step_mode:
-            step.update(steps=s.get("steps", 0), preempted=s.get("num_preempted", 0), **self._throttle.stats())
+            step.update(steps=s.get("steps", 0), paused=s.get("num_paused", 0), **self._throttle.stats())
         return {
             "stage_id": self.stage_id,
             "replica_id": self.replica_id,

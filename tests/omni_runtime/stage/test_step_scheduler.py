@@ -58,7 +58,7 @@ def test_requests_join_a_running_batch_at_the_next_step(clock: FakeClock) -> Non
     assert step(s).run == ["b"]  # a left after its last step
 
 
-def test_slots_are_capped_and_a_finished_request_frees_its_slot(clock: FakeClock) -> None:
+def test_the_batch_is_capped_and_a_finished_request_makes_room(clock: FakeClock) -> None:
     s = make(clock, max_num_seqs=2)
     for rid in "abc":
         s.add(rid, "k")
@@ -68,21 +68,32 @@ def test_slots_are_capped_and_a_finished_request_frees_its_slot(clock: FakeClock
     assert plan.join == ["c"] and plan.run == ["b", "c"]
 
 
-def test_one_key_steps_at_a_time_the_oldest_requests_first(clock: FakeClock) -> None:
+def test_the_oldest_request_picks_the_key_and_its_batch_fills_from_that_key(clock: FakeClock) -> None:
     s = make(clock)
     s.add("a1", "64")
     s.add("b1", "48")
     s.add("a2", "64")
-    plans = [step(s) for _ in range(2)]
-    assert plans[0].join == ["a1", "b1", "a2"]  # everyone admitted (encoded) at once
-    assert [p.run for p in plans] == [["a1", "a2"], ["a1", "a2"]]  # a1 is the oldest: its key steps
-    plans.append(step(s, finished=("a1",)))
-    plans += [step(s) for _ in range(2)]
-    # Once a1 left, b1 is the oldest: its key steps until it leaves, then a2's again.
-    assert [p.key for p in plans] == ["64", "64", "64", "48", "48"]
-    step(s, finished=("b1",))
-    assert step(s).run == ["a2"]
-    assert s.stats()["batch_size_histogram"] == {1: 4, 2: 3}
+    plan = step(s)
+    assert plan.key == "64" and plan.run == plan.join == ["a1", "a2"]  # b1 waits, without state
+    assert s.num_waiting == 1 and s.num_running == 2
+    plan = step(s, finished=("a1",))
+    # a1 left: b1 is now the oldest, so its key steps; a2 pauses with its state.
+    plan = step(s)
+    assert plan.key == "48" and plan.run == ["b1"] and plan.paused == ["a2"]
+    plan = step(s, finished=("b1",))
+    plan = step(s)
+    assert plan.key == "64" and plan.run == plan.resume == ["a2"] and plan.join == []
+    assert s.stats()["batch_size_histogram"] == {1: 3, 2: 2}
+
+
+def test_under_load_every_step_is_a_full_batch_of_one_key(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=3)
+    for i in range(6):
+        s.add(f"a{i}", "64")
+        s.add(f"b{i}", "48")
+    assert step(s, finished=("a0", "a1", "a2")).run == ["a0", "a1", "a2"]
+    assert step(s, finished=("b0", "b1", "b2")).run == ["b0", "b1", "b2"]
+    assert step(s).run == ["a3", "a4", "a5"]
 
 
 def test_nothing_to_do_is_none_and_one_step_is_in_flight_at_a_time(clock: FakeClock) -> None:
@@ -120,7 +131,7 @@ def test_metrics_of_a_finished_request(clock: FakeClock) -> None:
             "batch_id": 1,
             "batch_size": 2,
             "steps_run": 2,
-            "preemptions": 0,
+            "pauses": 0,
         }
     )
 
@@ -147,7 +158,7 @@ def test_abort_of_a_waiting_request_is_immediate(clock: FakeClock) -> None:
     assert plan.drop == []  # b never had state
 
 
-def test_abort_of_a_running_request_frees_its_slot_at_the_next_step(clock: FakeClock) -> None:
+def test_abort_of_a_running_request_frees_its_place_at_the_next_step(clock: FakeClock) -> None:
     s = make(clock, max_num_seqs=2)
     for rid in "abc":
         s.add(rid, "k")
@@ -156,27 +167,27 @@ def test_abort_of_a_running_request_frees_its_slot_at_the_next_step(clock: FakeC
     # The step in flight finishes; a finished during it, but its caller was already answered.
     assert s.finish_step(plan.step_id, plan.run, ["a"]) == {}
     s.add("d", "k")
-    assert s.abort("b") == "running"
+    assert s.abort("b") == "running" and s.abort("b") == "running"
     plan = step(s)
     assert plan.drop == ["b"] and plan.join == ["c", "d"] and plan.run == ["c", "d"]
-    assert not s.is_aborted("b")
+    assert not s.is_aborted("b") and s.abort("b") is None
 
 
-def test_abort_of_a_preempted_request_drops_its_state(clock: FakeClock) -> None:
+def test_abort_of_a_paused_request_drops_its_state(clock: FakeClock) -> None:
     s = make(clock, max_num_seqs=1)
     s.add("low", "k")
     step(s)
     s.add("high", "k", priority=5)
     plan = step(s)
-    assert plan.preempt == ["low"]
-    assert s.abort("low") == "waiting"
+    assert plan.paused == ["low"]
+    assert s.abort("low") == "running"
     assert step(s).drop == ["low"]
 
 
 # ---------------------------------------------------------------- priority and preemption
 
 
-def test_higher_priority_joins_first(clock: FakeClock) -> None:
+def test_higher_priority_goes_first(clock: FakeClock) -> None:
     s = make(clock, max_num_seqs=1)
     s.add("a", "k")
     s.add("b", "k", priority=1)
@@ -186,23 +197,23 @@ def test_higher_priority_joins_first(clock: FakeClock) -> None:
     assert step(s).run == ["a"]
 
 
-def test_preemption_takes_the_slot_and_the_preempted_request_resumes(clock: FakeClock) -> None:
+def test_preemption_takes_the_place_and_the_preempted_request_resumes(clock: FakeClock) -> None:
     s = make(clock, max_num_seqs=2)
     s.add("a", "k")
     s.add("b", "k")
     step(s)
     s.add("urgent", "k", priority=10)
     plan = step(s)
-    # Of equal priorities the one admitted last gives way; it keeps its state.
-    assert plan.preempt == ["b"] and plan.join == ["urgent"] and plan.run == ["a", "urgent"]
-    assert s.stats()["num_preempted"] == 1
+    # The lowest-ranked (here the later of equal priorities) gives way; it keeps its state.
+    assert plan.paused == ["b"] and plan.join == ["urgent"] and plan.run == ["urgent", "a"]
+    assert s.stats()["num_paused"] == 1
     s.add("later", "k")  # arrived after b: b resumes first
-    plan = step(s, finished=("a",))
-    assert plan.resume == [] and plan.preempt == []
     plan = step(s, finished=("urgent",))
-    assert plan.resume == ["b"] and plan.join == [] and plan.run == ["urgent", "b"]
-    plan = step(s, finished=("b",))
-    assert plan.join == ["later"] and s.num_waiting == 0
+    assert plan.resume == [] and plan.paused == []
+    plan = step(s, finished=("a",))
+    assert plan.resume == ["b"] and plan.join == [] and plan.run == ["a", "b"]
+    plan = step(s)
+    assert plan.join == ["later"] and plan.run == ["b", "later"] and s.num_waiting == 0
 
 
 def test_no_preemption_among_equal_priorities(clock: FakeClock) -> None:
@@ -211,17 +222,21 @@ def test_no_preemption_among_equal_priorities(clock: FakeClock) -> None:
     step(s)
     s.add("b", "k")
     plan = step(s)
-    assert plan.preempt == [] and plan.run == ["a"]
+    assert plan.paused == [] and plan.run == ["a"]
 
 
-def test_the_key_of_the_highest_priority_steps_first(clock: FakeClock) -> None:
+def test_a_higher_priority_of_another_key_leads(clock: FakeClock) -> None:
     s = make(clock)
     s.add("small", "48")
+    assert step(s).key == "48"
     s.add("big", "64", priority=3)
-    assert [step(s).key for _ in range(3)] == ["64", "64", "64"]
+    plan = step(s)
+    assert plan.key == "64" and plan.paused == ["small"]
+    assert step(s, finished=("big",)).key == "64"
+    assert step(s).resume == ["small"]
 
 
-def test_preemption_counts_in_the_metrics(clock: FakeClock) -> None:
+def test_pauses_count_in_the_metrics(clock: FakeClock) -> None:
     s = make(clock, max_num_seqs=1)
     s.add("low", "k")
     step(s)
@@ -230,7 +245,7 @@ def test_preemption_counts_in_the_metrics(clock: FakeClock) -> None:
     plan = s.schedule()
     assert plan.resume == ["low"]
     done = s.finish_step(plan.step_id, plan.run, ["low"])
-    assert done["low"]["preemptions"] == 1 and done["low"]["steps_run"] == 2
+    assert done["low"]["pauses"] == 1 and done["low"]["steps_run"] == 2
 
 
 # ---------------------------------------------------------------- configuration and errors
@@ -249,16 +264,16 @@ def test_duplicate_ids_and_a_full_queue_are_refused(clock: FakeClock) -> None:
         s.add("c", "k")
 
 
-def test_lowering_max_num_seqs_lets_the_running_finish(clock: FakeClock) -> None:
+def test_lowering_max_num_seqs_pauses_the_requests_beyond_it(clock: FakeClock) -> None:
     s = make(clock, max_num_seqs=3)
     for rid in "abcd":
         s.add(rid, "k")
     step(s)
     s.set_config(max_num_seqs=1)
-    assert step(s, finished=("a",)).run == ["a", "b", "c"]
-    assert step(s, finished=("b",)).join == []  # 2 still running: no room under the new cap
-    assert step(s, finished=("c",)).run == ["c"]
-    assert step(s).join == ["d"]
+    plan = step(s, finished=("a",))
+    assert plan.run == ["a"] and plan.paused == ["b", "c"]
+    assert step(s, finished=("b",)).run == ["b"]
+    assert step(s).run == ["c"]
     s.set_batch_cap(None)
     with pytest.raises(ConfigError):
         s.set_config(max_num_seqs=0)
@@ -313,56 +328,58 @@ def test_random_sequences_keep_the_invariants(ops: list, cap: int) -> None:
     added: list[str] = []
     priority: dict[str, int] = {}
     key_of: dict[str, str] = {}
-    alive: set[str] = set()  # added, not aborted, not finished
-    leaving: set[str] = set()  # aborted while running: known until the next plan
+    alive: list[str] = []  # added, not aborted, not finished: arrival order
+    leaving: set[str] = set()  # aborted with state: known until the next plan
     with_state: set[str] = set()
-    done: set[str] = set()
+    last_run: list[str] = []
+
+    def rank(rid: str) -> tuple[int, int]:
+        return (-priority[rid], int(rid[1:]))
+
     for op, arg in ops:
         if op == "add":
             rid = f"r{len(added)}"
             s.add(rid, arg[0], priority=arg[1])
             added.append(rid)
             priority[rid], key_of[rid] = arg[1], arg[0]
-            alive.add(rid)
+            alive.append(rid)
         elif op == "abort" and added:
             rid = added[arg % len(added)]
             result = s.abort(rid)
-            assert (result is not None) == (rid in alive or rid in leaving)
-            if result == "running":
-                leaving.add(rid)
-            alive.discard(rid)
+            if rid in alive:
+                assert result == ("running" if rid in with_state else "waiting")
+                alive.remove(rid)
+                if rid in with_state:
+                    leaving.add(rid)
+            else:
+                assert result == ("running" if rid in leaving else None)
         elif op == "cap":
             cap = arg
             s.set_config(max_num_seqs=arg)
         elif op == "step":
-            before = set(s.running_ids())
             plan = s.schedule()
-            leaving.clear()
             if plan is None:
-                assert not alive, "live requests but no plan"
+                assert not alive and not leaving
                 continue
-            running = s.running_ids()
-            # Slots: never more than the cap, unless the cap was lowered under the running ones.
-            assert len(running) <= max(cap, len(before))
-            assert set(plan.run) <= set(running) and len({key_of[r] for r in plan.run}) <= 1
-            if running:  # the oldest running request of the highest priority steps, with its key
-                oldest = min(running, key=lambda r: (-priority[r], int(r[1:])))
-                assert oldest in plan.run and plan.run == [r for r in running if key_of[r] == key_of[oldest]]
-            assert not set(plan.join) & with_state and set(plan.resume) <= with_state
-            assert set(plan.drop) <= with_state and not set(plan.drop) & set(running)
-            assert set(plan.preempt).isdisjoint(running)
-            # No waiting request outranks a running one after preemption.
-            waiting = alive - set(running)
-            if waiting and running:
-                assert max(priority[r] for r in waiting) <= min(priority[r] for r in running)
+            assert set(plan.drop) == leaving
+            with_state -= leaving
+            leaving.clear()
+            if alive:
+                # The leader's key; the best `cap` requests of it, best first.
+                leader = min(alive, key=rank)
+                expected = sorted((r for r in alive if key_of[r] == key_of[leader]), key=rank)[:cap]
+                assert plan.key == key_of[leader] and plan.run == expected
+            else:
+                assert plan.run == []
+            assert plan.join == [r for r in plan.run if r not in with_state]
+            assert plan.resume == [r for r in plan.run if r in with_state and r not in last_run]
+            assert plan.paused == [r for r in last_run if r in alive and r not in plan.run]
             with_state |= set(plan.join)
-            with_state -= set(plan.drop)
             finished = [r for i, r in enumerate(plan.run) if (arg >> (i % 3)) & 1]
             metrics = s.finish_step(plan.step_id, plan.run, finished)
             assert set(metrics) == {r for r in finished if r in alive}
             for rid in finished:
-                assert rid not in done
-                done.add(rid)
-                alive.discard(rid)
+                alive.remove(rid)
                 with_state.discard(rid)
-    assert s.num_running + s.num_waiting <= len(alive) + len(with_state)
+            last_run = plan.run
+        assert s.num_running == len(with_state | leaving) and s.num_waiting == len(alive) - len(with_state - leaving)

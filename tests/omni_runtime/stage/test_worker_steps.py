@@ -84,9 +84,9 @@ async def test_a_higher_priority_request_preempts_and_the_other_resumes_unchange
         worker.handle(StageRequest(request_id="high", prompt="a toy dinosaur", params=high, priority=5))
         await outbox.wait_for(is_final("low"))
         finals = outbox.finals()
-        assert [m.request_id for m in finals] == ["high", "low"]  # the one slot went to high first
+        assert [m.request_id for m in finals] == ["high", "low"]  # the one place went to high first
         by_id = {m.request_id: m for m in finals}
-        assert by_id["low"].metrics["preemptions"] == 1 and by_id["high"].metrics["preemptions"] == 0
+        assert by_id["low"].metrics["pauses"] == 1 and by_id["high"].metrics["pauses"] == 0
         assert by_id["low"].metrics["steps_run"] == 12 and by_id["high"].metrics["batch_size"] == 1
         progress = outbox.progress("low")
         assert progress[0] == {"step": 1, "steps": 12} and all(p["steps"] == 12 for p in progress)
