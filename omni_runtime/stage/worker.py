@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import math
 import os
 import sys
 import time
@@ -86,7 +85,6 @@ class StageWorker:
         )
         self._step_mode = False
         self._throttle = ProgressThrottle()
-        self._last_progress: dict[str, float] = {}  # when each running request last got a progress event
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage_id}-forward")
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -329,8 +327,6 @@ class StageWorker:
         loop = asyncio.get_running_loop()
         scheduler = self.scheduler
         assert isinstance(scheduler, StepScheduler)
-        for rid in plan.drop:
-            self._last_progress.pop(rid, None)
         failed: dict[str, RunnerOutput] = {}
         results: dict[str, StepResult] = {}
         start = time.perf_counter()
@@ -362,14 +358,13 @@ class StageWorker:
         done = scheduler.finish_step(plan.step_id, list(results), finished)
         # 4) Final outputs (errors included) of those that left; nothing for the aborted ones.
         for rid in finished:
-            self._last_progress.pop(rid, None)
             metrics = done.get(rid)
             if metrics is None:
                 continue
             out = failed[rid] if rid in failed else results[rid].output
             metrics = {**metrics, "admission_wait_ms": 0.0, "replica_id": self.replica_id, **out.metrics}
             self._emit_final(rid, out, metrics)
-        # 5) Progress of those still running, within the budget.
+        # 5) Progress of those still running, when a burst is due.
         if plan.run:
             self._throttle.add_step(elapsed)
             self._emit_progress(results)
@@ -399,18 +394,20 @@ class StageWorker:
         return failed, results
 
     def _emit_progress(self, results: dict[str, StepResult]) -> None:
-        """``{"progress": {"step": i, "steps": n}}`` partial outputs, those never told first, then
-        the longest untold, while the throttle allows (about 1 % of the stepping time)."""
+        """``{"progress": {"step": i, "steps": n}}`` partial outputs for every request that just took
+        a step and goes on, in one burst, when the throttle says one is due."""
+        now = time.monotonic()
+        if not self._throttle.due(now):
+            return
         live = [(rid, r) for rid, r in results.items() if r.output is None and not self.scheduler.is_aborted(rid)]
-        live.sort(key=lambda item: self._last_progress.get(item[0], -math.inf))
+        if not live:
+            return
+        start = time.perf_counter()
         for rid, r in live:
-            if not self._throttle.allow():
-                return
-            start = time.perf_counter()
-            progress = {"progress": {"step": r.step, "steps": r.steps}}
-            self._emit(StageOutput(request_id=rid, finished=False, metrics=progress))
-            self._last_progress[rid] = start
-            self._throttle.spend(time.perf_counter() - start)
+            self._emit(
+                StageOutput(request_id=rid, finished=False, metrics={"progress": {"step": r.step, "steps": r.steps}})
+            )
+        self._throttle.sent(now, len(live), time.perf_counter() - start)
 
     def _emit_partial(self, rid: str, part: RunnerOutput) -> None:
         if rid not in self._released:

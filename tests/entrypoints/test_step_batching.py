@@ -79,7 +79,7 @@ async def first_progress(engine: AsyncOmni, prompt: str, rid: str, **params: obj
     """Start a request and return (its task, the output stream) once its first step is done."""
     stream = engine.generate(prompt, params, rid)
     first = await stream.__anext__()
-    assert first.metrics["progress"]["step"] == 1
+    assert first.metrics["progress"]["step"] >= 1 and not first.finished
 
     async def rest() -> list:
         return [first] + [out async for out in stream]
@@ -107,17 +107,20 @@ async def test_a_request_joins_a_running_batch_and_gets_its_solo_image(engine, r
         await long
 
 
-async def test_progress_events_come_before_the_final_output(engine) -> None:
-    outs = await outputs(engine, "a fox", seed=3, num_inference_steps=6)
+async def test_progress_events_come_before_the_final_output_and_are_throttled(engine) -> None:
+    start = time.monotonic()
+    outs = await outputs(engine, "a fox", seed=3, num_inference_steps=24)
+    elapsed = time.monotonic() - start
     *partials, final = outs
     steps = [p.metrics["progress"]["step"] for p in partials]
-    assert steps and steps[0] == 1 and steps == sorted(steps) and max(steps) < 6
-    assert all(not p.finished and not p.images and p.metrics["progress"]["steps"] == 6 for p in partials)
+    # A burst at most every 0.3 s: one at least in a request this long, never one per step.
+    assert 1 <= len(steps) <= elapsed / 0.3 + 1 and steps == sorted(steps) and max(steps) < 24
+    assert all(not p.finished and not p.images and p.metrics["progress"]["steps"] == 24 for p in partials)
     assert final.finished and len(final.images) == 1 and final.metrics["seed"] == 3
     assert 0 < final.metrics["time_to_first_step_ms"] <= final.metrics["e2e_ms"]
     s = await stats(engine)
-    assert s["step_execution"] is True and s["progress_events"] >= len(partials)
-    assert s["progress_cost_ms"] <= 0.05 * s["step_time_ms"]  # budget 1 %, measured cost
+    assert s["step_execution"] is True and s["progress_events"] >= len(partials) >= 1
+    assert s["progress_bursts"] <= s["step_time_ms"] / 300 + 5
 
 
 async def test_abort_and_deadline_free_the_slot_at_the_next_step(engine) -> None:
