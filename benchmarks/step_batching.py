@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import time
@@ -151,6 +152,9 @@ def run_model(
                 order = MODES[r % 3 :] + MODES[: r % 3]
                 for mode in order:
                     res = loop.run_until_complete(open_loop(engines[mode], plan))
+                    # The machine's 1-minute load after the run: about 2-3 is this benchmark alone
+                    # (two torch threads and the caller); more means a neighbour shared the cores.
+                    res["loadavg"] = os.getloadavg()[0]
                     rows.append({"model": w.model, "load": load, "round": r, "mode": mode, **res})
                     print("  " + ", ".join(f"{k}={_fmt(v)}" for k, v in rows[-1].items()), flush=True)
         # What the progress events cost the step engine's loop, against the time it spent stepping.
@@ -171,7 +175,19 @@ def _fmt(value: object) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
-COLUMNS = ["model", "load", "round", "mode", "req_s", "p50_ms", "p99_ms", "ttfs_p50_ms", "ttfs_p99_ms", "mean_batch"]
+COLUMNS = [
+    "model",
+    "load",
+    "round",
+    "mode",
+    "req_s",
+    "p50_ms",
+    "p99_ms",
+    "ttfs_p50_ms",
+    "ttfs_p99_ms",
+    "mean_batch",
+    "loadavg",
+]
 
 
 def summarize(rows: list[dict]) -> list[dict]:
