@@ -26,6 +26,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.overhead
 	$(PY) -m benchmarks.batching
+	$(PY) -m benchmarks.step_batching
 	$(PY) -m benchmarks.transfer
 	$(PY) -m benchmarks.http
 

@@ -102,6 +102,15 @@ def _placement_args(args: argparse.Namespace) -> dict[str, Any]:
     return {"devices": args.device, "dtype": args.dtype, "num_replicas": args.replicas}
 
 
+def _add_step_execution_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--step-execution",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="diffusion requests join and leave a running batch between denoising steps",
+    )
+
+
 def _add_placement_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="torch device of the model's stages: cpu, cuda, cuda:1 (default: the config's)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights' dtype (default: the config's)")
@@ -186,6 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_args={
             "max_num_seqs": args.max_num_seqs,
             "request_batch_max_wait_ms": args.request_batch_max_wait_ms,
+            "step_execution": args.step_execution,
             **_placement_args(args),
         },
         ray_address=args.ray_address,
@@ -241,7 +251,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from .async_omni import AsyncOmni, load_resolved
 
-    resolved = load_resolved(args.model, {"max_num_seqs": args.max_num_seqs, **_placement_args(args)}, args.ray_address)
+    overrides = {"max_num_seqs": args.max_num_seqs, "step_execution": args.step_execution, **_placement_args(args)}
+    resolved = load_resolved(args.model, overrides, args.ray_address)
     config = resolved.config
     image_stage = next((s.stage_id for s in config.stage_args if s.final_output_type == "image"), None)
     if image_stage is None:
@@ -574,6 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", help="allow browsers from these origins (CORS)")
     s.add_argument("--max-num-seqs", type=_positive_int, help="most requests fused into one forward")
     s.add_argument("--request-batch-max-wait-ms", type=_float(0), help="extra admission wait for a wave (ms)")
+    _add_step_execution_arg(s)
     _add_placement_args(s)
     s.add_argument("--ray-address", help="Ray cluster of the config's ray stages (auto, HOST:PORT, or local)")
     s.add_argument("--max-pending", type=_positive_int, help="most requests admitted at once (then 429)")
@@ -608,6 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--size", type=_size, help="WIDTHxHEIGHT (default: the model's)")
     g.add_argument("--guidance-scale", type=_float(0), help="classifier-free guidance (default: the model's)")
     g.add_argument("--max-num-seqs", type=_positive_int, help="most requests fused into one forward")
+    _add_step_execution_arg(g)
     _add_placement_args(g)
     g.add_argument("--ray-address", help="Ray cluster of the config's ray stages (auto, HOST:PORT, or local)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -100,6 +100,13 @@ class EngineArgs(msgspec.Struct, **_Struct):
     scheduling_policy: Literal["oldest_key", "fifo"] = "oldest_key"
     #: Largest height * width a diffusion request may ask for.
     max_pixels: Annotated[int, msgspec.Meta(ge=64)] = 2048 * 2048
+    #: Quiet time (ms) after the latest arrival that ends an admission hold early. ``null`` adapts
+    #: it to the gaps between recent arrivals (at least ``min(wait/4, 5 ms)``, at most the wait).
+    batch_quiet_window_ms: Annotated[float, msgspec.Meta(ge=0, le=60_000)] | None = None
+    #: Run diffusion requests step by step: requests join and leave a running denoising batch
+    #: between steps (continuous batching). A runner or pipeline that cannot falls back to
+    #: request-level batching and logs why.
+    step_execution: bool = False
 
 
 class StageConfig(msgspec.Struct, **_Struct):

@@ -81,6 +81,9 @@ class StageRequest(msgspec.Struct, tag="request", **_Msg):
     inputs: dict[str, Any] = {}
     #: When the caller submitted it (``time.time()``), for end-to-end metrics.
     arrival_time: float = 0.0
+    #: Higher first. Only step execution uses it (preemption at a step boundary); no public API
+    #: sets it yet, so every request has 0.
+    priority: int = 0
 
 
 class StageAbort(msgspec.Struct, tag="abort", **_Msg):

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from omni_runtime.params import EchoSamplingParams
-from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
+from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StepResult
 from omni_runtime.stage.runners.echo import EchoRunner
 
 
@@ -38,6 +38,58 @@ class FlakyRunner(EchoRunner):
     def rpc_slow(self, seconds: float) -> str:
         time.sleep(seconds)
         return "done"
+
+
+class SteppingEcho(EchoRunner):
+    """Echo that runs step by step for step execution: ``STEPS`` steps of ``delay_ms`` each (a sleep,
+    as a model computes), then the prompt comes back. Any custom runner can implement the step
+    interface; the worker drives it like the diffusion runner."""
+
+    params_cls = EchoSamplingParams
+    STEPS = 8
+
+    def __init__(self, stage: Any) -> None:
+        super().__init__(stage)
+        self._left: dict[str, tuple[int, RunnerRequest]] = {}
+
+    def step_support(self) -> str | None:
+        return None
+
+    def step_admit(self, requests: list[RunnerRequest], ctx: ExecuteContext) -> dict[str, RunnerOutput]:
+        for r in requests:
+            self._left[r.request_id] = (self.STEPS, r)
+        return {}
+
+    def step_run(self, request_ids: list[str], ctx: ExecuteContext) -> dict[str, StepResult]:
+        delay = max((self._left[rid][1].params.get("delay_ms") or 0.0) for rid in request_ids) / 1000.0
+        time.sleep(delay)
+        results = {}
+        for rid in request_ids:
+            left, r = self._left[rid]
+            left -= 1
+            self._left[rid] = (left, r)
+            output = None
+            if left == 0:
+                del self._left[rid]
+                output = RunnerOutput(text=str(r.prompt))
+            results[rid] = StepResult(step=self.STEPS - left, steps=self.STEPS, output=output)
+        return results
+
+    def step_drop(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._left.pop(rid, None)
+
+
+class ForgetfulStepper(SteppingEcho):
+    """SteppingEcho with a bug: a prompt containing ``lost`` never gets a step result."""
+
+    def step_run(self, request_ids: list[str], ctx: ExecuteContext) -> dict[str, StepResult]:
+        results = super().step_run(request_ids, ctx)
+        return {rid: r for rid, r in results.items() if "lost" not in str(self._prompt_of.get(rid, ""))}
+
+    def step_admit(self, requests: list[RunnerRequest], ctx: ExecuteContext) -> dict[str, RunnerOutput]:
+        self._prompt_of = {**getattr(self, "_prompt_of", {}), **{r.request_id: r.prompt for r in requests}}
+        return super().step_admit(requests, ctx)
 
 
 def shout(prompt: Any, upstream: dict[int, dict[str, Any]]) -> dict[str, Any]:

@@ -14,16 +14,22 @@ is idle, runs the :class:`Wave` it gets in one fused ``forward()``, then calls `
   ``max(head arrival, idle since) + max_wait_ms``, or earlier once nothing has arrived for
   ``stable_window_ms``: the burst that woke the scheduler is over, and waiting longer buys nothing.
 
-The default stable window is ``min(max_wait_ms / 4, 5.0)`` ms. Requests of one burst (a ``generate()``
-over a prompt list, concurrent HTTP clients) reach a replica well under a millisecond apart, so a few
-quiet milliseconds mean the burst has ended. A quarter of the budget still ends a hold early for a small
-``max_wait_ms``, and the 5 ms cap bounds what a lone request pays under a large one.
+The stable window, unless fixed (``stable_window_ms``), adapts to the arrivals: it is
+``_GAP_MARGIN`` times the longest gap between consecutive arrivals among the last ``_GAP_HISTORY`` gaps
+that were shorter than ``max_wait_ms`` (gaps inside a burst; longer ones are pauses between bursts),
+never below ``min(max_wait_ms / 4, 5.0)`` ms and never above ``max_wait_ms``. Requests of one
+``generate()`` over a prompt list reach a replica well under a millisecond apart, and the floor keeps
+what a lone request pays small. Concurrent HTTP clients arrive with jitter (connection set-up, parsing,
+a busy machine): one late arrival of a burst that the floor missed teaches the window the gap, and the
+following bursts are held long enough. Sporadic traffic pushes the short gaps out of the history, and
+the window returns to the floor.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,6 +41,10 @@ Policy = Literal["oldest_key", "fifo"]
 #: A hold counts as over this close to its end, so a timer that fires a float rounding early is not
 #: answered with a second, microsecond-long wait.
 _DUE_SLACK_S = 1e-6
+#: How many recent inter-arrival gaps the adaptive stable window looks at.
+_GAP_HISTORY = 32
+#: The adaptive stable window is this many times the longest recent gap inside a burst.
+_GAP_MARGIN = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +109,8 @@ class RequestScheduler:
         self._aborted: set[str] = set()
         self._idle_since = clock()
         self._last_arrival = -math.inf
+        #: Recent gaps between consecutive arrivals (s), for the adaptive stable window.
+        self._gaps: deque[float] = deque(maxlen=_GAP_HISTORY)
         self._next_batch_id = 1
         self._requests_scheduled = 0
         self._histogram: dict[int, int] = {}
@@ -113,6 +125,8 @@ class RequestScheduler:
         pending = _Pending(request_id, key, payload, now)
         self._waiting[request_id] = pending
         self._by_key.setdefault(key, {})[request_id] = pending
+        if self._last_arrival > -math.inf:
+            self._gaps.append(now - self._last_arrival)
         self._last_arrival = now
 
     def abort(self, request_id: str) -> Literal["waiting", "running"] | None:
@@ -220,9 +234,20 @@ class RequestScheduler:
         return self._running is not None and request_id in self._running.queue_wait_ms
 
     def _stable_window(self) -> float:
+        """The quiet time (ms) after the newest arrival that ends a hold (see the module docstring)."""
         if self._stable_window_ms is not None:
             return self._stable_window_ms
-        return min(self._max_wait_ms / 4.0, 5.0)
+        floor = min(self._max_wait_ms / 4.0, 5.0)
+        limit_s = self._max_wait_ms / 1000.0
+        in_burst = [gap for gap in self._gaps if gap <= limit_s]
+        if not in_burst:
+            return floor
+        return min(max(floor, _GAP_MARGIN * max(in_burst) * 1000.0), self._max_wait_ms)
+
+    @property
+    def stable_window_ms(self) -> float:
+        """The stable window a hold would use now (fixed, or adapted to recent arrivals)."""
+        return self._stable_window()
 
     def _select(self, head: _Pending) -> tuple[list[_Pending], bool]:
         """The wave ``head`` would lead, and whether it is closed to later arrivals (fifo only)."""

@@ -4,11 +4,18 @@ orchestrator's process for ``runtime.process: false`` (the in-process client).
 Transport-agnostic: messages come in through :meth:`StageWorker.handle`, and everything it says
 goes out through the ``send`` callback. The runner's ``execute`` runs in a single executor
 thread, so aborts and control calls are answered while a forward is running.
+
+With ``engine_args.step_execution`` and a runner that supports it, the worker drives the denoising
+loop itself: a :class:`~omni_runtime.stage.step_scheduler.StepScheduler` plans each step (which key
+steps, who joins, who pauses, who is dropped), and each plan runs as one executor call (drop,
+admit, one batched step, decode those done). Between steps the loop answers aborts, control calls
+and pings, and new requests join at the next boundary.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -41,8 +48,9 @@ from omni_runtime.messages import (
     StageRpc,
     StageRpcResult,
 )
-from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, runner_class
+from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StepResult, runner_class
 from omni_runtime.stage.scheduler import RequestScheduler, Wave
+from omni_runtime.stage.step_scheduler import ProgressThrottle, StepPlan, StepScheduler
 from omni_runtime.tasks import BackgroundTasks
 
 logger = logging.getLogger(__name__)
@@ -68,12 +76,17 @@ class StageWorker:
         self.runner = runner_class(stage.stage_type)(stage)
         self.runner.replica_id = replica_id
         args = stage.engine_args
-        self.scheduler = RequestScheduler(
+        #: Request-level waves (the default), or a StepScheduler once start() finds that the runner
+        #: can run step by step and ``step_execution`` asks for it.
+        self.scheduler: RequestScheduler | StepScheduler = RequestScheduler(
             max_num_seqs=args.max_num_seqs,
             max_wait_ms=args.request_batch_max_wait_ms,
             max_queue_len=args.max_queue_len,
             policy=args.scheduling_policy,
+            stable_window_ms=args.batch_quiet_window_ms,
         )
+        self._step_mode = False
+        self._throttle = ProgressThrottle()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage_id}-forward")
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -95,9 +108,22 @@ class StageWorker:
         """Load the model (in the executor thread) and start the scheduling loop."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self.runner.load)
+        args = self.stage.engine_args
+        if args.step_execution:
+            reason = self.runner.step_support()
+            if reason is None:
+                self._step_mode = True
+                self.scheduler = StepScheduler(args.max_num_seqs, max_queue_len=args.max_queue_len)
+            else:
+                logger.warning(
+                    "stage %d: step_execution is on, but requests run with request-level batching: %s",
+                    self.stage_id,
+                    reason,
+                )
         # A hard cap: neither the config nor a later set_batching can lift it.
         self.scheduler.set_batch_cap(self.runner.max_batch_size)
-        self._loop_task = asyncio.create_task(self._run(), name=f"stage{self.stage_id}-loop")
+        run = self._run_steps() if self._step_mode else self._run()
+        self._loop_task = asyncio.create_task(run, name=f"stage{self.stage_id}-loop")
         self._loop_task.add_done_callback(self._on_loop_done)
         return StageReady(
             stage_id=self.stage_id, replica_id=self.replica_id, pid=os.getpid(), constraints=self.runner.constraints()
@@ -144,13 +170,19 @@ class StageWorker:
 
     def _add(self, msg: StageRequest) -> None:
         req = RunnerRequest(
-            request_id=msg.request_id, prompt=msg.prompt, params=dict(msg.params), inputs=dict(msg.inputs)
+            request_id=msg.request_id,
+            prompt=msg.prompt,
+            params=dict(msg.params),
+            inputs=dict(msg.inputs),
+            priority=msg.priority,
         )
         try:
             if self._asleep:
                 raise StageAsleepError(f"stage {self.stage_id} is asleep; call collective_rpc('wake_up')")
-            key = self.runner.batch_key(req)
-            self.scheduler.add(msg.request_id, key, req)
+            if isinstance(self.scheduler, StepScheduler):
+                self.scheduler.add(msg.request_id, self.runner.step_key(req), req, priority=req.priority)
+            else:
+                self.scheduler.add(msg.request_id, self.runner.batch_key(req), req)
         except OmniError as e:
             self._emit(StageOutput(request_id=msg.request_id, error=ErrorInfo.from_exception(e, self.stage_id)))
             return
@@ -162,6 +194,12 @@ class StageWorker:
 
     def _abort(self, rid: str) -> None:
         where = self.scheduler.abort(rid)
+        if self._step_mode:
+            # A running request leaves at the next step boundary and nothing more is sent for it
+            # (the caller was already answered upstream); the loop may be idle, waiting for work.
+            if where is not None:
+                self._wake.set()
+            return
         if where == "running":
             # The forward notices at its next step; the caller was already answered upstream.
             self._released.add(rid)
@@ -212,17 +250,24 @@ class StageWorker:
                 "replica_id": self.replica_id,
                 **out.metrics,
             }
-            if out.error is None:
-                self._served += 1
-            else:
-                self._failed += 1
-            done.append(
-                StageOutput(
-                    request_id=rid,
-                    payload=Payload(text=out.text, images=out.images, tensors=out.tensors, metrics=metrics),
-                    error=None if out.error is None else ErrorInfo.from_exception(out.error, self.stage_id),
-                )
-            )
+            if "first_step_ms" in out.metrics:  # a runner that reports when its first step ended
+                metrics["time_to_first_step_ms"] = metrics["queue_wait_ms"] + out.metrics["first_step_ms"]
+            done.append(self._final_output(rid, out, metrics))
+        self._emit_outputs(done)
+
+    def _final_output(self, rid: str, out: RunnerOutput, metrics: dict[str, Any]) -> StageOutput:
+        if out.error is None:
+            self._served += 1
+        else:
+            self._failed += 1
+        return StageOutput(
+            request_id=rid,
+            payload=Payload(text=out.text, images=out.images, tensors=out.tensors, metrics=metrics),
+            error=None if out.error is None else ErrorInfo.from_exception(out.error, self.stage_id),
+        )
+
+    def _emit_outputs(self, done: list[StageOutput]) -> None:
+        """One message for the outputs of one forward: a frame per wave, not per request."""
         if done:
             self._emit(StageOutputs(outputs=done) if len(done) > 1 else done[0])
 
@@ -262,6 +307,113 @@ class StageWorker:
         for req in batch:
             outputs.extend(await self._execute(loop, [req]))
         return outputs
+
+    # ------------------------------------------------------------------ the step loop
+
+    async def _run_steps(self) -> None:
+        """1) ask the step scheduler for a plan  2) none: wait for an arrival or an abort
+        3) run the plan (drop, admit, one step) in the forward thread  4) send what it finished."""
+        while not self._closed:
+            self._wake.clear()
+            plan = self.scheduler.schedule()
+            if plan is None:
+                await self._wake.wait()
+                continue
+            await self._run_step(plan)
+
+    async def _run_step(self, plan: StepPlan) -> None:
+        loop = asyncio.get_running_loop()
+        scheduler = self.scheduler
+        assert isinstance(scheduler, StepScheduler)
+        failed: dict[str, RunnerOutput] = {}
+        results: dict[str, StepResult] = {}
+        start = time.perf_counter()
+        try:
+            if self._asleep:
+                # The model is gone (its states with it): every request with state fails now, and
+                # any admitted later, until wake_up; new requests are refused meanwhile.
+                err = StageAsleepError(f"stage {self.stage_id} is asleep")
+                failed = {rid: RunnerOutput(error=err) for rid in scheduler.running_ids()}
+            else:
+                ctx = self._step_context()
+                self._progress_at = time.monotonic()
+                failed, results = await loop.run_in_executor(self._executor, self._step_job, plan, ctx)
+        except Exception as e:
+            # The runner failed as a whole (asleep under us, or a bug): the plan's requests fail.
+            logger.warning("stage %d: step %d failed: %s", self.stage_id, plan.step_id, e)
+            err = (
+                e
+                if isinstance(e, OmniError)
+                else StageExecutionError(f"{type(e).__name__}: {e}", stage_id=self.stage_id)
+            )
+            failed = {rid: RunnerOutput(error=err) for rid in dict.fromkeys([*plan.join, *plan.run])}
+            with contextlib.suppress(Exception):
+                await loop.run_in_executor(self._executor, self.runner.step_drop, list(failed))
+        finally:
+            self._progress_at = None
+        elapsed = time.perf_counter() - start
+        finished = [*failed, *(rid for rid, r in results.items() if r.output is not None)]
+        done = scheduler.finish_step(plan.step_id, list(results), finished)
+        # 4) Final outputs (errors included) of those that left; nothing for the aborted ones.
+        outputs: list[StageOutput] = []
+        for rid in finished:
+            metrics = done.get(rid)
+            if metrics is None:
+                continue
+            out = failed[rid] if rid in failed else results[rid].output
+            metrics = {**metrics, "admission_wait_ms": 0.0, "replica_id": self.replica_id, **out.metrics}
+            outputs.append(self._final_output(rid, out, metrics))
+        self._emit_outputs(outputs)
+        # 5) Progress of those still running, when a burst is due.
+        if plan.run:
+            self._throttle.add_step(elapsed)
+            self._emit_progress(results)
+
+    def _step_context(self) -> ExecuteContext:
+        def is_aborted(rid: str) -> bool:
+            self._progress_at = time.monotonic()  # liveness: the step is moving
+            return self._closed or self.scheduler.is_aborted(rid)
+
+        return ExecuteContext(is_aborted=is_aborted)
+
+    def _step_job(self, plan: StepPlan, ctx: ExecuteContext) -> tuple[dict[str, RunnerOutput], dict[str, StepResult]]:
+        """In the forward thread: 1) free aborted state  2) admit the joiners (batched encode)
+        3) one batched step of the plan's key (decoding those done)."""
+        self.runner.step_drop(plan.drop)
+        failed = self.runner.step_admit([plan.payloads[rid] for rid in plan.join], ctx) if plan.join else {}
+        run = [rid for rid in plan.run if rid not in failed]
+        results = self.runner.step_run(run, ctx) if run else {}
+        # A runner may skip a request aborted meanwhile (it leaves with the next plan); any other
+        # it did not step would hold its slot forever.
+        for rid in run:
+            if rid not in results and not self.scheduler.is_aborted(rid):
+                err = StageExecutionError(
+                    "the runner returned no result for this request's step", stage_id=self.stage_id
+                )
+                failed[rid] = RunnerOutput(error=err)
+        return failed, results
+
+    def _emit_progress(self, results: dict[str, StepResult]) -> None:
+        """``{"progress": {"step": i, "steps": n}}`` partial outputs for every request that just took
+        a step and goes on, in one burst, when the throttle says one is due."""
+        now = time.monotonic()
+        if not self._throttle.due(now):
+            return
+        live = [(rid, r) for rid, r in results.items() if r.output is None and not self.scheduler.is_aborted(rid)]
+        if not live:
+            return
+        start = time.perf_counter()
+        self._emit_outputs(
+            [
+                StageOutput(
+                    request_id=rid,
+                    finished=False,
+                    payload=Payload(metrics={"progress": {"step": r.step, "steps": r.steps}}),
+                )
+                for rid, r in live
+            ]
+        )
+        self._throttle.sent(now, len(live), time.perf_counter() - start)
 
     def _emit_partial(self, rid: str, part: RunnerOutput) -> None:
         if rid not in self._released:
@@ -351,6 +503,9 @@ class StageWorker:
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()
+        step = {"step_execution": self._step_mode}
+        if self._step_mode:
+            step.update(steps=s.get("steps", 0), paused=s.get("num_paused", 0), **self._throttle.stats())
         return {
             "stage_id": self.stage_id,
             "replica_id": self.replica_id,
@@ -364,4 +519,5 @@ class StageWorker:
             "asleep": self._asleep,
             # What torch really runs with (OMP_NUM_THREADS set by the stage process); None if unused.
             "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
+            **step,
         }

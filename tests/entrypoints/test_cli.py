@@ -86,6 +86,14 @@ def test_generate_writes_pngs_and_a_report(tmp_path):
         assert Image.open(path).size == (32, 40)
 
 
+def test_generate_with_step_execution(tmp_path):
+    out = run("generate", "a cat", "a dog", "--seed", "3", "--steps", "2", "--step-execution", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["images"] == 2 and report["failed"] == 0
+    assert [r["metrics"]["steps_run"] for r in report["results"]] == [2, 2]  # only step execution reports it
+
+
 def test_generate_sends_image_params_to_every_stage_that_takes_them(tmp_path):
     # In the split pipeline the seed and size belong to the denoiser, not the final decoder.
     out = run(
@@ -114,6 +122,7 @@ def test_generate_sends_image_params_to_every_stage_that_takes_them(tmp_path):
         ((), "required"),
         (("serve", "--port", "70000"), "between 1 and 65535"),
         (("serve", "--max-num-seqs", "0"), ">= 1"),
+        (("serve", "--step-execution=yes"), "ignored explicit argument"),
         (("serve", "--shutdown-timeout", "soon"), "expected a number"),
         (("generate", "x", "-n", "0"), ">= 1"),
         (("generate", "x", "--size", "10x"), "size must look like"),

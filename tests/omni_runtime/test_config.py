@@ -108,6 +108,18 @@ def test_model_resolution(tmp_path):
     assert config.model == tmp_path.name
 
 
+def test_step_execution_and_the_quiet_window_are_engine_args():
+    config = with_engine_overrides(load_config("tiny-sd"), step_execution=True, batch_quiet_window_ms=12)
+    args = config.stage_args[0].engine_args
+    assert args.step_execution is True and args.batch_quiet_window_ms == 12
+    assert load_config("tiny-sd").stage_args[0].engine_args.step_execution is False  # off by default
+    assert load_config("tiny-sd").stage_args[0].engine_args.batch_quiet_window_ms is None  # adaptive
+    assert "batch_quiet_window_ms: Expected `float` >= 0" in error_of(
+        {"stage_args": [stage(engine_args={"batch_quiet_window_ms": -1})]}
+    )
+    assert "step_execution: Expected `bool`" in error_of({"stage_args": [stage(engine_args={"step_execution": 1})]})
+
+
 def test_engine_overrides_apply_to_diffusion_stage():
     config = with_engine_overrides(load_config("tiny-sd"), max_num_seqs=8, request_batch_max_wait_ms=5)
     assert config.stage_args[0].engine_args.max_num_seqs == 8

@@ -3,6 +3,10 @@
 A runner lives in the stage worker (its own process, or in-process). The worker's scheduler
 decides which requests run together; the runner executes them in one ``execute()`` call in an
 executor thread, so the worker's socket keeps answering aborts and control calls meanwhile.
+
+A runner that can also run requests one denoising step at a time (``engine_args.step_execution``)
+implements the ``step_*`` methods: the worker then drives the loop, one step per executor call,
+and decides between steps who joins, who leaves and who steps (the runner decides how).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class RunnerRequest:
     params: dict[str, Any]
     #: Upstream outputs: ``text``, and tensors/arrays by name (``prompt_embeds``, ``latents``...).
     inputs: dict[str, Any] = field(default_factory=dict)
+    #: Higher runs first; in step execution it may take the slot of a lower one at a step boundary.
+    priority: int = 0
 
 
 @dataclass
@@ -43,6 +49,17 @@ class RunnerOutput:
     tensors: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float | int] = field(default_factory=dict)
     error: BaseException | None = None
+
+
+@dataclass
+class StepResult:
+    """What one step did for one request (step execution)."""
+
+    #: Steps taken so far, and in all.
+    step: int
+    steps: int
+    #: Set once the request is done: its final output (images...), or its error. Its state is gone.
+    output: RunnerOutput | None = None
 
 
 class ExecuteContext:
@@ -103,6 +120,30 @@ class StageRunner(ABC):
     def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
         """Run a batch; return one output per request, in order. Raising fails the whole batch
         (the worker then retries each request alone, so only the failing one gets the error)."""
+
+    # ------------------------------------------------------------------ step execution (optional)
+
+    def step_support(self) -> str | None:
+        """None if this runner (with its loaded model) can run requests step by step, else why not:
+        the worker then falls back to request-level batching and logs the reason."""
+        return f"{type(self).__name__} does not run requests step by step"
+
+    def step_key(self, request: RunnerRequest) -> Hashable:
+        """Requests with equal keys may take a step together (in one batched call)."""
+        return self.batch_key(request)
+
+    def step_admit(self, requests: list[RunnerRequest], ctx: ExecuteContext) -> dict[str, RunnerOutput]:
+        """Take requests into the running set: encode them (batched) and prepare their state.
+        Returns an error output for each request that could not be admitted (only that one fails)."""
+        raise NotImplementedError
+
+    def step_run(self, request_ids: list[str], ctx: ExecuteContext) -> dict[str, StepResult]:
+        """One step for admitted requests of one key, batched. A request that finishes (or fails)
+        gets its output in its :class:`StepResult` and its state is freed. Raising fails them all."""
+        raise NotImplementedError
+
+    def step_drop(self, request_ids: list[str]) -> None:  # noqa: B027 - optional hook
+        """Free the state of admitted requests (aborted); unknown ids are ignored."""
 
     def sleep(self) -> dict[str, Any]:
         """Release the model's memory (``collective_rpc("sleep")``)."""

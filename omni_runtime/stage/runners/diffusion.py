@@ -4,6 +4,11 @@ It runs in the stage worker; ``execute()`` is called in the worker's executor th
 holds requests with equal :meth:`DiffusionRunner.batch_key`, so one pipeline call serves all of
 them, each request with its own generators: its result does not depend on its batch-mates
 (equal within float tolerance; batched kernels are not bitwise equal to batch-1 ones).
+
+For the families of :mod:`omni_runtime.stage.runners.diffusion_steps` it can also run requests one
+denoising step at a time (``step_admit`` / ``step_run`` / ``step_drop``, driven by the worker with
+``engine_args.step_execution``): each request keeps its own state between steps, so requests join
+and leave a running batch at step boundaries, with the same per-request generators and seeds.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import RequestAbortedError, StageAsleepError
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import DiffusionSamplingParams
-from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
+from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner, StepResult
+from omni_runtime.stage.runners.diffusion_steps import StepFamily, StepState, step_family
 from omni_runtime.stage.runners.torch_common import WaveAborted, image_generators, release_memory, request_seeds
 
 logger = logging.getLogger(__name__)
@@ -114,6 +120,11 @@ class DiffusionRunner(StageRunner):
         self._size_multiple = 8
         self._scheduler_name = ""
         self._fixed_kwargs: dict[str, Any] = {}
+        # Step execution: the family's step loop (None: unsupported, for _step_reason) and the
+        # state of each admitted request.
+        self._step_family: StepFamily | None = None
+        self._step_reason: str | None = "the model is not loaded"
+        self._states: dict[str, StepState] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -159,9 +170,12 @@ class DiffusionRunner(StageRunner):
         pipe = pipe.to(self.device)
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe
+        self._step_family, self._step_reason = step_family(pipe, self.device)
 
     def sleep(self) -> dict[str, Any]:
         self.pipe = None
+        self._step_family = None
+        self._states.clear()  # the worker fails those requests at the next step boundary
         return release_memory()
 
     def wake_up(self) -> dict[str, Any]:
@@ -206,6 +220,7 @@ class DiffusionRunner(StageRunner):
             return [out for i in range(0, len(batch), size) for out in self.execute(batch[i : i + size], ctx)]
         if self.pipe is None:
             raise StageAsleepError("the diffusion stage is asleep; call wake_up first")
+        called = time.perf_counter()
         ids = [r.request_id for r in batch]
         first = batch[0].params  # equal batch keys: the shape params of one stand for all
         per_prompt = int(first.get("num_images_per_prompt") or 1)
@@ -254,7 +269,11 @@ class DiffusionRunner(StageRunner):
 
         # 4) Abort while running: leave the loop only when no one is waiting for this wave; a wave
         #    with a live request finishes (the worker drops the aborted ones' outputs).
+        first_step: list[float] = []
+
         def check_abort() -> None:
+            if not first_step:
+                first_step.append(time.perf_counter())
             if all(ctx.is_aborted(rid) for rid in ids):
                 raise WaveAborted
 
@@ -284,6 +303,8 @@ class DiffusionRunner(StageRunner):
         for i, m in enumerate(metrics):
             part = images[i * per_prompt : (i + 1) * per_prompt]
             out = RunnerOutput(metrics={**m, "execution_ms": elapsed_ms})
+            if first_step:  # since execute() was called: encoding and the first denoising step
+                out.metrics["first_step_ms"] = (first_step[0] - called) * 1e3
             if output_type == "latent":
                 # float() first: numpy has no bfloat16.
                 latents = part.detach().float().cpu() if torch.is_tensor(part) else part
@@ -295,4 +316,158 @@ class DiffusionRunner(StageRunner):
                 else:
                     out.images = [(x * 255).round().astype(np.uint8) for x in floats]
             outputs.append(out)
+        return outputs
+
+    # ------------------------------------------------------------------ step execution
+
+    def step_support(self) -> str | None:
+        return self._step_reason
+
+    def step_key(self, request: RunnerRequest) -> Hashable:
+        """Size and guidance mode: requests of one key take a step in one denoiser call. The step
+        count, guidance scale, seed and negative prompt are per sample and not part of it."""
+        p = request.params
+        return (
+            p.get("height") or self._native_size[0],
+            p.get("width") or self._native_size[1],
+            self._step_family.uses_cfg(self._guidance(p)),
+        )
+
+    def _guidance(self, params: dict[str, Any]) -> float:
+        scale = params.get("guidance_scale")
+        return float(self._default("guidance_scale", 0.0) if scale is None else scale)
+
+    def _new_state(self, request: RunnerRequest) -> StepState:
+        p = request.params
+        # Seeds and generators as in execute(): image j of a request uses seed + j.
+        (seed,) = request_seeds([request])
+        rows = int(p.get("num_images_per_prompt") or 1)
+        guidance = self._guidance(p)
+        steps = p.get("num_inference_steps") or self._default("num_inference_steps")
+        if not steps:
+            raise ValueError("num_inference_steps is not set and the pipeline has no default")
+        return StepState(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            negative_prompt=p.get("negative_prompt") or None,
+            seed=seed,
+            rows=rows,
+            guidance=guidance,
+            cfg=self._step_family.uses_cfg(guidance),
+            height=p.get("height") or self._native_size[0],
+            width=p.get("width") or self._native_size[1],
+            num_inference_steps=int(steps),
+            output_type=p.get("output_type") or "pil",
+            generators=image_generators([seed], rows, self.device),
+        )
+
+    def step_admit(self, requests: list[RunnerRequest], ctx: ExecuteContext) -> dict[str, RunnerOutput]:
+        if self.pipe is None or self._step_family is None:
+            raise StageAsleepError("the diffusion stage is asleep; call wake_up first")
+        family = self._step_family
+        failed: dict[str, RunnerOutput] = {}
+        states: list[StepState] = []
+        for r in requests:
+            try:
+                states.append(self._new_state(r))
+            except Exception as e:
+                failed[r.request_id] = RunnerOutput(error=e)
+        with torch.inference_mode():
+            # 1) Prompts encoded once, one encoder call per guidance mode for all that join now.
+            for cfg in (False, True):
+                self._isolated([s for s in states if s.cfg == cfg], family.encode, failed)
+            # 2) Per request: timesteps, noise from its generators, a scheduler of its own.
+            for s in states:
+                if s.request_id not in failed:
+                    self._isolated([s], lambda group: family.prepare(group[0]), failed)
+        for s in states:
+            if s.request_id not in failed:
+                self._states[s.request_id] = s
+        return failed
+
+    def step_run(self, request_ids: list[str], ctx: ExecuteContext) -> dict[str, StepResult]:
+        if self.pipe is None or self._step_family is None:
+            raise StageAsleepError("the diffusion stage is asleep; call wake_up first")
+        family = self._step_family
+        # Aborted since the plan was made: skipped now, dropped at the next boundary.
+        states = [self._states[rid] for rid in request_ids if rid in self._states and not ctx.is_aborted(rid)]
+        failed: dict[str, RunnerOutput] = {}
+        with torch.inference_mode():
+            # 1) One batched denoiser call; if it raises, each request alone, so only the culprit fails.
+            preds: dict[str, torch.Tensor] = {}
+
+            def predict(group: list[StepState]) -> None:
+                for s, pred in zip(group, self._step_denoise(group), strict=True):
+                    preds[s.request_id] = pred
+
+            self._isolated(states, predict, failed)
+            # 2) Each request's own scheduler takes its step.
+            for s in states:
+                if s.request_id in preds:
+                    self._isolated([s], lambda group: family.advance(group[0], preds[group[0].request_id]), failed)
+            # 3) Requests past their last step leave: decoded together.
+            done = [s for s in states if s.done and s.request_id not in failed]
+            outputs = self._step_outputs(done, failed)
+        results: dict[str, StepResult] = {}
+        for s in states:
+            output = failed.get(s.request_id) or outputs.get(s.request_id)
+            results[s.request_id] = StepResult(step=s.index, steps=s.steps, output=output)
+            if output is not None:
+                self._states.pop(s.request_id, None)
+        return results
+
+    def step_drop(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._states.pop(rid, None)
+
+    def _step_denoise(self, states: list[StepState]) -> list[torch.Tensor]:
+        """The batched denoiser call of one step (a seam for tests that inject a failure)."""
+        return self._step_family.denoise(states)
+
+    @staticmethod
+    def _isolated(states: list[StepState], fn: Any, failed: dict[str, RunnerOutput]) -> None:
+        """``fn(states)``; if it raises, ``fn([s])`` for each, so only the failing requests fail."""
+        if not states:
+            return
+        try:
+            fn(states)
+            return
+        except Exception as e:
+            if len(states) == 1:
+                logger.warning("request %s failed: %s", states[0].request_id, e)
+                failed[states[0].request_id] = RunnerOutput(error=e)
+                return
+            logger.warning("a batched call for %d requests failed (%s); retrying one by one", len(states), e)
+        for s in states:
+            DiffusionRunner._isolated([s], fn, failed)
+
+    def _step_outputs(self, done: list[StepState], failed: dict[str, RunnerOutput]) -> dict[str, RunnerOutput]:
+        """Final outputs of finished requests; images of one size are decoded in one VAE call."""
+        outputs: dict[str, RunnerOutput] = {}
+        to_decode: dict[tuple[int, int], list[StepState]] = {}
+        for s in done:
+            if s.output_type == "latent":
+                latents = s.latents.detach().float().cpu()  # float() first: numpy has no bfloat16
+                outputs[s.request_id] = RunnerOutput(tensors={"latents": np.asarray(latents, dtype=np.float32)})
+            else:
+                to_decode.setdefault((s.height, s.width), []).append(s)
+        decoded: dict[str, np.ndarray] = {}
+
+        def decode(group: list[StepState]) -> None:
+            for s, floats in zip(group, self._step_family.decode(group), strict=True):
+                decoded[s.request_id] = np.asarray(floats, dtype=np.float32)
+
+        for group in to_decode.values():
+            self._isolated(group, decode, failed)
+        for s in done:
+            if s.request_id in decoded:
+                floats = decoded[s.request_id]
+                out = RunnerOutput()
+                if s.output_type == "np":
+                    out.tensors["images"] = floats
+                else:
+                    out.images = [(x * 255).round().astype(np.uint8) for x in floats]
+                outputs[s.request_id] = out
+        for rid, out in outputs.items():
+            out.metrics["seed"] = self._states[rid].seed
         return outputs

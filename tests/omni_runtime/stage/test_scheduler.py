@@ -552,3 +552,59 @@ def test_the_runners_batch_cap_bounds_max_num_seqs_before_and_after(clock: FakeC
     s.set_batch_cap(2)
     s.set_config(max_num_seqs=1)
     assert s.max_num_seqs == 1
+
+
+# ---------------------------------------------------------------- the adaptive stable window
+
+
+def burst(s: RequestScheduler, clock: FakeClock, ids: list[str], gaps_ms: list[float]) -> None:
+    """Add ``ids``, the first now and each next one ``gaps_ms[i]`` later."""
+    s.add(ids[0], "k")
+    for rid, gap in zip(ids[1:], gaps_ms, strict=True):
+        clock.advance(gap)
+        s.add(rid, "k")
+
+
+def test_a_late_arrival_teaches_the_window_and_the_next_burst_is_one_wave(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=4, max_wait_ms=50)
+    burst(s, clock, ["a1", "a2", "a3"], [1.0, 1.0])
+    assert s.stable_window_ms == 5.0  # 3 x 1 ms is under the floor
+    clock.advance(5)
+    first = s.schedule()
+    assert isinstance(first, Wave) and first.request_ids == ["a1", "a2", "a3"]  # the 4th is 10 ms late
+    clock.advance(5)
+    s.add("a4", "k")
+    assert s.stable_window_ms == pytest.approx(30.0)  # learned: 3 x the 10 ms gap
+    clock.advance(1)
+    s.finish(first.batch_id)
+    assert run(s) == ["a4"]  # queued behind a running wave: goes at once
+    clock.advance(1000)  # a pause between bursts is not a gap inside one
+    burst(s, clock, ["b1", "b2", "b3"], [1.0, 1.0])
+    clock.advance(9)
+    assert isinstance(s.schedule(), float)  # still held: 9 ms of quiet is less than 30
+    clock.advance(1)
+    s.add("b4", "k")
+    wave = s.schedule()
+    assert isinstance(wave, Wave) and wave.request_ids == ["b1", "b2", "b3", "b4"]
+
+
+def test_the_adaptive_window_stays_within_the_floor_and_the_wait(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=100, max_wait_ms=20)
+    burst(s, clock, ["r0", "r1"], [15.0])
+    assert s.stable_window_ms == 20.0  # 3 x 15 ms, capped at max_wait
+    clock.advance(5)
+    run(s)
+    # Sporadic requests push the short gaps out of the history: back to the floor.
+    for i in range(40):
+        clock.advance(500)
+        s.add(f"s{i}", "k")
+        clock.advance(20)
+        run(s)
+    assert s.stable_window_ms == 5.0
+
+
+def test_a_fixed_stable_window_ignores_the_gaps(clock: FakeClock) -> None:
+    s = make(clock, max_wait_ms=50, stable_window_ms=2)
+    burst(s, clock, ["r0", "r1"], [10.0])
+    assert s.stable_window_ms == 2.0
+    assert s.schedule() == pytest.approx(0.012)

@@ -1,0 +1,167 @@
+"""The stage worker in process (no engine, no socket): in step execution, preemption by priority at a
+step boundary with a real tiny-sd runner, abort at the next boundary, progress events, and the
+fallback of a runner that cannot run step by step; the quiet-window engine arg."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from omni_runtime.config import StageConfig
+from omni_runtime.messages import StageAbort, StageOutput, StageOutputs, StageRequest
+from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
+from omni_runtime.stage.worker import StageWorker
+
+pytestmark = pytest.mark.integration
+
+SD = {"height": 64, "width": 64, "guidance_scale": 7.5, "output_type": "np"}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMNI_RUNTIME_CACHE", str(path))
+        yield path
+    torch.set_num_threads(threads)
+
+
+def stage(stage_type: str, model: str | None = None, **engine_args: Any) -> StageConfig:
+    data = {"stage_id": 0, "stage_type": stage_type, "model": model, "engine_args": engine_args}
+    return msgspec.convert(data, StageConfig)
+
+
+class Outbox(list):
+    """What the worker sent (a wave's outputs one by one), and a way to wait for a message."""
+
+    def add(self, msg: Any) -> None:
+        self.extend(msg.outputs if isinstance(msg, StageOutputs) else [msg])
+
+    async def wait_for(self, predicate: Callable[[Any], bool], timeout: float = 60.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for msg in self:
+                if predicate(msg):
+                    return msg
+            await asyncio.sleep(0.005)
+        raise TimeoutError(f"no such message in {[type(m).__name__ for m in self]}")
+
+    def finals(self) -> list[StageOutput]:
+        return [m for m in self if isinstance(m, StageOutput) and m.finished]
+
+    def progress(self, rid: str) -> list[dict]:
+        return [
+            m.payload.metrics["progress"]
+            for m in self
+            if isinstance(m, StageOutput) and not m.finished and m.request_id == rid
+        ]
+
+
+async def started(config: StageConfig) -> tuple[StageWorker, Outbox]:
+    outbox = Outbox()
+    worker = StageWorker(config, 0, send=outbox.add)
+    await worker.start()
+    return worker, outbox
+
+
+def is_final(rid: str) -> Callable[[Any], bool]:
+    return lambda m: isinstance(m, StageOutput) and m.finished and m.request_id == rid
+
+
+async def test_a_higher_priority_request_preempts_and_the_other_resumes_unchanged(cache: Path) -> None:
+    worker, outbox = await started(stage("diffusion", "builtin:tiny-sd", max_num_seqs=1, step_execution=True))
+    try:
+        low = {**SD, "num_inference_steps": 12, "seed": 1}
+        high = {**SD, "num_inference_steps": 3, "seed": 2}
+        worker.handle(StageRequest(request_id="low", prompt="a cup of coffee", params=low))
+        await outbox.wait_for(lambda m: isinstance(m, StageOutput) and m.request_id == "low")  # it is stepping
+        worker.handle(StageRequest(request_id="high", prompt="a toy dinosaur", params=high, priority=5))
+        await outbox.wait_for(is_final("low"))
+        finals = outbox.finals()
+        assert [m.request_id for m in finals] == ["high", "low"]  # the one place went to high first
+        by_id = {m.request_id: m for m in finals}
+        assert by_id["low"].payload.metrics["pauses"] == 1 and by_id["high"].payload.metrics["pauses"] == 0
+        assert by_id["low"].payload.metrics["steps_run"] == 12 and by_id["high"].payload.metrics["batch_size"] == 1
+        progress = outbox.progress("low")
+        assert progress[0] == {"step": 1, "steps": 12} and all(p["steps"] == 12 for p in progress)
+        assert len(progress) < 12  # bursts, not an event per step
+        # Its state was kept while it waited: the image is the one it makes alone.
+        ctx = ExecuteContext(lambda rid: False)
+        for rid, params, prompt in (("low", low, "a cup of coffee"), ("high", high, "a toy dinosaur")):
+            (solo,) = worker.runner.execute([RunnerRequest(rid, prompt, params)], ctx)
+            np.testing.assert_allclose(by_id[rid].payload.tensors["images"], solo.tensors["images"], rtol=0, atol=1e-3)
+        stats = worker.stats()
+        assert stats["step_execution"] is True and stats["requests_served"] == 2 and stats["running"] == 0
+    finally:
+        await worker.close()
+
+
+async def test_abort_frees_the_slot_at_the_next_step_and_sends_nothing_more(cache: Path) -> None:
+    config = stage("tests.helpers:SteppingEcho", max_num_seqs=2, step_execution=True)
+    worker, outbox = await started(config)
+    try:
+        slow = {"delay_ms": 30.0}  # 8 steps of 30 ms
+        for rid in ("a", "b", "c"):
+            worker.handle(StageRequest(request_id=rid, prompt=rid, params=slow))
+        await outbox.wait_for(lambda m: isinstance(m, StageOutput) and m.request_id == "a")
+        worker.handle(StageAbort(request_ids=["a"]))
+        await outbox.wait_for(is_final("c"))
+        await outbox.wait_for(is_final("b"))
+        assert all(m.request_id != "a" for m in outbox.finals())  # its caller was answered upstream
+        c = next(m for m in outbox.finals() if m.request_id == "c")
+        # c took a's slot at the next boundary, long before a's 8 steps would have ended.
+        assert (
+            c.payload.text == "c"
+            and c.payload.metrics["queue_wait_ms"] < 8 * 30
+            and c.payload.metrics["steps_run"] == 8
+        )
+        stats = worker.stats()
+        assert stats["requests_served"] == 2 and stats["running"] == 0 and stats["queue_len"] == 0
+    finally:
+        await worker.close()
+
+
+async def test_a_request_the_runner_does_not_step_fails_instead_of_holding_its_slot(cache: Path) -> None:
+    worker, outbox = await started(stage("tests.helpers:ForgetfulStepper", max_num_seqs=2, step_execution=True))
+    try:
+        worker.handle(StageRequest(request_id="lost", prompt="lost", params={}))
+        worker.handle(StageRequest(request_id="ok", prompt="ok", params={}))
+        lost = await outbox.wait_for(is_final("lost"))
+        ok = await outbox.wait_for(is_final("ok"))
+        assert lost.error is not None and "no result" in lost.error.message and ok.payload.text == "ok"
+        assert worker.stats()["running"] == 0
+    finally:
+        await worker.close()
+
+
+async def test_a_runner_that_cannot_step_falls_back_with_a_logged_reason(
+    cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="omni_runtime.stage.worker"):
+        worker, outbox = await started(stage("echo", max_num_seqs=4, step_execution=True))
+    try:
+        assert "request-level batching: EchoRunner does not run requests step by step" in caplog.text
+        worker.handle(StageRequest(request_id="r", prompt="hi", params={}))
+        out = await outbox.wait_for(is_final("r"))
+        assert out.payload.text == "hi" and out.payload.metrics["batch_id"] == 1
+        assert worker.stats()["step_execution"] is False
+    finally:
+        await worker.close()
+
+
+def test_the_quiet_window_engine_arg_reaches_the_request_level_scheduler() -> None:
+    fixed = StageWorker(stage("echo", request_batch_max_wait_ms=50, batch_quiet_window_ms=12), 0, send=print)
+    assert fixed.scheduler.stable_window_ms == 12
+    adaptive = StageWorker(stage("echo", request_batch_max_wait_ms=50), 0, send=print)
+    assert adaptive.scheduler.stable_window_ms == 5.0  # the floor, until arrivals say otherwise
