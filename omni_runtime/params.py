@@ -248,17 +248,16 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
     check_image_capability(params, constraints)
     h = params.get("height")
     w = params.get("width")
-    # With an input image the size is the image's: the error names the image.
-    what = "the input image's {name}" if has_image else "{name}"
     multiple = constraints.get("size_multiple")
     if multiple:
         for name, value in (("height", h), ("width", w)):
             if value is not None and value % multiple:
-                shown = what.format(name=name)
+                # With an input image the size is the image's: the error names the image.
+                param, shown = ("image", f"the input image's {name} {value}") if has_image else (name, str(value))
                 raise InvalidRequestError(
-                    f"invalid sampling param `{'image' if has_image else name}`: {shown} {value} is not a multiple "
-                    f"of {multiple} (the model's VAE scale factor)",
-                    param="image" if has_image else name,
+                    f"invalid sampling param `{param}`: {shown} is not a multiple of {multiple} "
+                    f"(the model's VAE scale factor)",
+                    param=param,
                 )
     max_pixels = constraints.get("max_pixels")
     if max_pixels and h is not None and w is not None and h * w > max_pixels:
