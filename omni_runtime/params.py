@@ -283,5 +283,15 @@ def check_image_capability(params: dict[str, Any], constraints: dict[str, Any]) 
             raise InvalidRequestError(
                 f"invalid sampling param `{name}`: this stage does not take `{name}`{why}", param=name
             )
+    if params.get("image") is not None and params.get("num_inference_steps"):
+        form = "inpaint" if params.get("mask_image") is not None else "image"
+        strength = params.get("strength") or (constraints.get("default_strength") or {}).get(form)
+        steps = params["num_inference_steps"]
+        if strength is not None and int(steps * strength) < 1:
+            raise InvalidRequestError(
+                f"invalid sampling param `strength`: {strength} x num_inference_steps {steps} leaves no denoising "
+                "step (an image request runs int(num_inference_steps x strength) steps); raise either",
+                param="strength",
+            )
     if params.get("image") is None and constraints.get("requires_image"):
         raise InvalidRequestError(f"invalid sampling param `image`: {constraints['requires_image']}", param="image")

@@ -52,6 +52,7 @@ from . import protocol as proto
 from .files import MEDIA_TYPES, FileStore, encode_images
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ApiError, ClientDisconnected, error_body
+from .uploads import HTTP_FIELDS, decode_async, decode_data_url, decode_image, image_params, read_image_form
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -274,10 +275,27 @@ async def _gather_or_abort(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
 #: Routes whose body is JSON: another content type is a 415 that says so (form-encoded is what
 #: `curl -d` sends, and FastAPI would read it as a missing body).
 JSON_ROUTES = frozenset({"/v1/chat/completions", "/v1/images/generations", "/v1/omni/collective_rpc"})
+#: Routes whose body is multipart/form-data (file uploads), as the openai client sends them.
+MULTIPART_ROUTES = frozenset({"/v1/images/edits", "/v1/images/variations"})
+
+
+def _content_type(scope: Scope) -> bytes:
+    return next((v for k, v in scope["headers"] if k == b"content-type"), b"").split(b";")[0].strip().lower()
+
+
+def _check_multipart_content_type(scope: Scope) -> None:
+    kind = _content_type(scope)
+    if kind != b"multipart/form-data":
+        shown = kind.decode("latin-1") or "none"
+        raise ApiError(
+            415,
+            f"the request body must be multipart/form-data with the image as a file part (got {shown})",
+            code="unsupported_media_type",
+        )
 
 
 def _check_json_content_type(scope: Scope) -> None:
-    kind = next((v for k, v in scope["headers"] if k == b"content-type"), b"").split(b";")[0].strip().lower()
+    kind = _content_type(scope)
     if kind != b"application/json":
         shown = kind.decode("latin-1") or "none"
         raise ApiError(
@@ -340,6 +358,8 @@ class _HttpMiddleware:
                     raise too_large
                 if scope["method"] == "POST" and scope["path"] in JSON_ROUTES:
                     _check_json_content_type(scope)
+                elif scope["method"] == "POST" and scope["path"] in MULTIPART_ROUTES:
+                    _check_multipart_content_type(scope)
             except ApiError as e:
                 await error_response(e)(scope, receive, send_and_record)
                 return
@@ -488,15 +508,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/images/generations")
     async def create_images(body: proto.ImageGenerationRequest, request: Request) -> JSONResponse:
-        omni = state.check_request(body.model)
-        if state.image_stage is None:
-            raise ApiError(400, f"the model `{state.model_name}` has no image output", param="model", code="no_image")
-        max_pending = omni.health().max_pending
-        if body.n > max_pending:
-            # A 429 would invite retries that can never succeed.
-            raise InvalidRequestError(
-                f"n={body.n} images exceed this server's admission limit of {max_pending} requests", param="n"
-            )
+        omni = _images_engine(state, body.model, body.n)
         size = body.dimensions()
         image: dict[str, Any] = {
             "negative_prompt": body.negative_prompt,
@@ -507,38 +519,27 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if size is not None:
             image["width"], image["height"] = size
         image = {k: v for k, v in image.items() if v is not None}
+        valid = _validate_images(omni, body.prompt, image, body.n, body.seed)
+        return await _run_images(state, omni, request, valid, body)
 
-        def params(i: int) -> list[dict | None]:
-            seed = {} if body.seed is None else {"seed": body.seed + i}
-            return omni.sampling_params(image=image | seed)
+    @app.post("/v1/images/edits")
+    async def edit_images(request: Request) -> JSONResponse:
+        body, files = await read_image_form(request, proto.ImageEditForm)
+        omni = _images_engine(state, body.model, body.n)
+        # Without a mask, the image's own transparent pixels are the region to edit (as OpenAI's
+        # edits take it); an opaque image without a mask is redrawn as a whole (img2img).
+        params = await image_params(body, files, body.strength, alpha_as_mask=True)
+        valid = _validate_images(omni, body.prompt, params, body.n, body.seed)
+        return await _run_images(state, omni, request, valid, body)
 
-        try:  # each of the n requests is validated once, before any of them is admitted
-            valid = [omni.validate(body.prompt, params(i), modalities=["image"]) for i in range(body.n)]
-        except InvalidRequestError as e:
-            if e.param in ("height", "width"):
-                e.param = "size"
-            raise
-        base = f"img-{uuid.uuid4().hex}"
-        ids = [f"{base}-{i}" for i in range(body.n)]
-        outs = await state.until_disconnect(
-            request, ids, _gather_or_abort([state.collect(omni, valid[i], ids[i]) for i in range(body.n)])
-        )
-        images = [(img, out) for out in outs for img in out.images]
-        encoded = await encode_images([img for img, _ in images], body.output_format, body.output_compression)
-        data = []
-        for (_, out), blob in zip(images, encoded, strict=True):
-            seed = out.outputs_by_stage.get(state.image_stage)
-            item = proto.ImageData(seed=seed.metrics.get("seed") if seed else None)
-            if body.response_format == "url":
-                file_id = state.files.put(blob, MEDIA_TYPES[body.output_format])
-                item.url = f"{str(request.base_url).rstrip('/')}/v1/files/{file_id}"
-            else:
-                item.b64_json = base64.b64encode(blob).decode()
-            data.append(item)
-        state.metrics.images.inc(len(data))
-        size_text = f"{images[0][0].width}x{images[0][0].height}" if images else None
-        resp = proto.ImageGenerationResponse(data=data, output_format=body.output_format, size=size_text)
-        return SafeJSONResponse(resp.model_dump(exclude_none=True), headers={"X-Request-Id": base})
+    @app.post("/v1/images/variations")
+    async def image_variations(request: Request) -> JSONResponse:
+        body, files = await read_image_form(request, proto.ImageVariationForm)
+        omni = _images_engine(state, body.model, body.n)
+        strength = body.strength if body.strength is not None else proto.VARIATION_STRENGTH
+        params = await image_params(body, files, strength, alpha_as_mask=False)
+        valid = _validate_images(omni, "", params, body.n, body.seed)
+        return await _run_images(state, omni, request, valid, body)
 
     @app.post("/v1/chat/completions")
     async def chat(body: proto.ChatCompletionRequest, request: Request) -> Response:
@@ -559,7 +560,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "timeout": body.timeout,
         }
         modalities = list(body.modalities) if body.modalities else None
-        valid = omni.validate(prompt, omni.sampling_params(shared=shared), modalities=modalities)
+        image = await _chat_image(state, body)
+        try:
+            valid = omni.validate(prompt, omni.sampling_params(image=image, shared=shared), modalities=modalities)
+        except InvalidRequestError as e:
+            if image is not None and e.param == "image":
+                e.param = body.image_urls()[0][1]
+            raise
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -592,6 +599,84 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             for r in results
         ]
         return SafeJSONResponse(out)
+
+
+def _images_engine(state: ServerState, model: str | None, n: int) -> AsyncOmni:
+    """The engine for an images request of ``n`` images, or the error that refuses it."""
+    omni = state.check_request(model)
+    if state.image_stage is None:
+        raise ApiError(400, f"the model `{state.model_name}` has no image output", param="model", code="no_image")
+    max_pending = omni.health().max_pending
+    if n > max_pending:
+        # A 429 would invite retries that can never succeed.
+        raise InvalidRequestError(
+            f"n={n} images exceed this server's admission limit of {max_pending} requests", param="n"
+        )
+    return omni
+
+
+def _validate_images(
+    omni: AsyncOmni, prompt: str, image: dict[str, Any], n: int, seed: int | None
+) -> list[ValidRequest]:
+    """Each of the ``n`` requests of an images call, validated before any of them is admitted;
+    image ``i`` gets ``seed + i``. Errors name the HTTP field (``size``, ``mask``)."""
+
+    def params(i: int) -> list[dict | None]:
+        extra = {} if seed is None else {"seed": seed + i}
+        return omni.sampling_params(image=image | extra)
+
+    try:
+        return [omni.validate(prompt, params(i), modalities=["image"]) for i in range(n)]
+    except InvalidRequestError as e:
+        e.param = HTTP_FIELDS.get(e.param, e.param)
+        raise
+
+
+async def _run_images(
+    state: ServerState,
+    omni: AsyncOmni,
+    request: Request,
+    valid: list[ValidRequest],
+    body: proto.ImageGenerationRequest | proto.ImageEditForm | proto.ImageVariationForm,
+) -> JSONResponse:
+    """Run validated image requests together and answer in the images API's shape."""
+    n = len(valid)
+    base = f"img-{uuid.uuid4().hex}"
+    ids = [f"{base}-{i}" for i in range(n)]
+    outs = await state.until_disconnect(
+        request, ids, _gather_or_abort([state.collect(omni, valid[i], ids[i]) for i in range(n)])
+    )
+    images = [(img, out) for out in outs for img in out.images]
+    encoded = await encode_images([img for img, _ in images], body.output_format, body.output_compression)
+    data = []
+    for (_, out), blob in zip(images, encoded, strict=True):
+        seed = out.outputs_by_stage.get(state.image_stage)
+        item = proto.ImageData(seed=seed.metrics.get("seed") if seed else None)
+        if body.response_format == "url":
+            file_id = state.files.put(blob, MEDIA_TYPES[body.output_format])
+            item.url = f"{str(request.base_url).rstrip('/')}/v1/files/{file_id}"
+        else:
+            item.b64_json = base64.b64encode(blob).decode()
+        data.append(item)
+    state.metrics.images.inc(len(data))
+    size_text = f"{images[0][0].width}x{images[0][0].height}" if images else None
+    resp = proto.ImageGenerationResponse(data=data, output_format=body.output_format, size=size_text)
+    return SafeJSONResponse(resp.model_dump(exclude_none=True), headers={"X-Request-Id": base})
+
+
+async def _chat_image(state: ServerState, body: proto.ChatCompletionRequest) -> dict[str, Any] | None:
+    """The input image of a chat request (an ``image_url`` data URL part of the last user
+    message) as diffusion params, or None. Remote URLs are refused, never fetched."""
+    urls = body.image_urls()
+    if not urls:
+        return None
+    if len(urls) > 1:
+        raise InvalidRequestError(f"one input image per request; got {len(urls)} image_url parts", param=urls[1][1])
+    url, where = urls[0]
+    if not any(stage.takes_image_params for stage in state.resolved.stages):
+        raise InvalidRequestError(f"the model `{state.model_name}` takes no input image", param=where)
+    decoded = await decode_async(decode_image, decode_data_url(url, where), where)
+    return {"image": decoded.rgb}
 
 
 async def _image_parts(images: Sequence[Any]) -> list[dict[str, Any]]:

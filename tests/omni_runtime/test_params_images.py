@@ -115,6 +115,14 @@ def test_stage_capabilities():
     with pytest.raises(InvalidRequestError, match="needs an input image") as info:
         check_constraints(resolve(seed=1), {"image_inputs": ["image"], "requires_image": "X needs an input image"})
     assert info.value.param == "image"
+    # At least one denoising step, with the pipeline's default strength where the request has none.
+    steps = {"image_inputs": ["image"], "default_strength": {"image": 0.8}}
+    with pytest.raises(InvalidRequestError, match="leaves no denoising step") as info:
+        check_constraints(resolve(image=IMAGE, num_inference_steps=1), steps)
+    assert info.value.param == "strength"
+    check_constraints(resolve(image=IMAGE, num_inference_steps=1, strength=1.0), steps)
+    with pytest.raises(InvalidRequestError, match="leaves no denoising step"):
+        check_constraints(resolve(image=IMAGE, num_inference_steps=4, strength=0.2), steps)
     # Size errors of an image request name the image.
     odd = np.zeros((36, 48, 3), np.uint8)
     with pytest.raises(InvalidRequestError, match="input image's height 36 is not a multiple of 8") as info:

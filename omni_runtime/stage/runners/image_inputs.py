@@ -162,6 +162,10 @@ class PipelineForms:
         if INPAINT in self.forms and "image" not in accepted:
             accepted.insert(0, "image")
         out: dict[str, Any] = {"image_inputs": accepted}
+        # The pipelines' own default strengths, so the caller can check that a request runs at
+        # least one denoising step (num_inference_steps x strength >= 1).
+        strengths = {k: f.default("strength") for k, f in self.forms.items() if k != TEXT}
+        out["default_strength"] = {k: v for k, v in strengths.items() if isinstance(v, int | float)}
         notes = [
             f"no {'img2img' if k == IMAGE else k}: {self.missing[k]}" for k in (IMAGE, INPAINT) if k in self.missing
         ]

@@ -63,6 +63,7 @@ def test_load_facts(runner: DiffusionRunner) -> None:
         "size_multiple": 8,
         "max_pixels": 2048 * 2048,
         "image_inputs": ["image", "mask_image"],  # img2img and inpainting forms of the same model
+        "default_strength": {"image": 0.8, "inpaint": 1.0},
     }
 
 
