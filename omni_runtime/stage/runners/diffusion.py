@@ -179,6 +179,8 @@ class DiffusionRunner(StageRunner):
         text = self._forms.text
         self.pipe = pipe = text.pipe if text is not None else pipe
         self._step_family, self._step_reason = step_family(pipe, self.device)
+        if self._step_family is not None and "image" in self._forms.forms:
+            self._step_family.image_pipe = self._forms.forms["image"].pipe
 
     def sleep(self) -> dict[str, Any]:
         self.pipe = None
@@ -202,12 +204,15 @@ class DiffusionRunner(StageRunner):
         if self._forms is not None:
             out.update(self._forms.constraints())
             if self.stage.engine_args.step_execution and self._step_reason is None and out.get("image_inputs"):
-                # The worker runs every request of this stage in the step loop, which starts from
-                # noise: image requests are refused before they are queued (see docs/models.md).
-                out["image_inputs"] = []
+                # The worker runs every request of this stage in the step loop: what it cannot run
+                # (inpainting; img2img outside the SD family) is refused before it is queued.
+                family = self._step_family
+                takes = family is not None and family.takes_images and family.image_pipe is not None
+                out["image_inputs"] = ["image"] if takes else []
                 out["image_inputs_note"] = (
-                    "this stage runs with engine_args.step_execution, whose step loop starts from noise; "
-                    "serve image inputs from a stage without step_execution"
+                    "this stage runs with engine_args.step_execution, whose step loop runs "
+                    + ("img2img but not inpainting" if takes else "no image inputs for this pipeline")
+                    + "; serve them from a stage without step_execution"
                 )
         return out
 
@@ -387,6 +392,9 @@ class DiffusionRunner(StageRunner):
         steps = p.get("num_inference_steps") or self._default("num_inference_steps")
         if not steps:
             raise ValueError("num_inference_steps is not set and the pipeline has no default")
+        if p.get("mask_image") is not None or (p.get("image") is not None and not self._step_family.takes_images):
+            # Refused before the queue (constraints); a direct call still gets a clear error.
+            raise ValueError("this input image request does not run step by step (see the stage's image_inputs)")
         return StepState(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -400,6 +408,8 @@ class DiffusionRunner(StageRunner):
             num_inference_steps=int(steps),
             output_type=p.get("output_type") or "pil",
             generators=image_generators([seed], rows, self.device),
+            image=p.get("image"),
+            strength=p.get("strength"),
         )
 
     def step_admit(self, requests: list[RunnerRequest], ctx: ExecuteContext) -> dict[str, RunnerOutput]:

@@ -279,12 +279,63 @@ def test_a_controlnet_pipeline_is_refused_at_load(cache: Path, tmp_path: Path) -
         make_runner(str(tmp_path / "controlnet"))
 
 
-def test_step_execution_refuses_image_inputs_clearly(cache: Path) -> None:
+def test_step_execution_runs_sd_img2img_and_refuses_inpainting(cache: Path) -> None:
+    """With engine_args.step_execution, SD img2img runs in the step loop (the encoded image noised
+    to the strength's first timestep, the schedule's tail), joining and sharing steps with text
+    requests, and equals the request-level result; inpainting is refused before the queue."""
+    stage = msgspec.convert(
+        {"stage_id": 0, "stage_type": "diffusion", "model": "builtin:tiny-sd", "engine_args": {"step_execution": True}},
+        StageConfig,
+    )
+    runner = DiffusionRunner(stage)
+    runner.load()
+    c = runner.constraints()
+    assert runner.step_support() is None and c["image_inputs"] == ["image"]
+    with pytest.raises(InvalidRequestError, match="step_execution") as info:
+        check_constraints(req("tiny-sd", "m", image=picture(1), mask_image=MASK).params, c)
+    assert info.value.param == "mask_image"
+
+    a = req("tiny-sd", "a", "a red fox", image=picture(1), strength=0.5, seed=1, num_inference_steps=4)
+    b = req("tiny-sd", "b", "a boat", seed=2, num_inference_steps=3)
+    d = req("tiny-sd", "d", "a cat", image=picture(2), seed=3, num_images_per_prompt=2)  # default strength 0.8
+    assert len({runner.step_key(r) for r in (a, b, d)}) == 1  # one denoiser call for all three
+    outputs: dict[str, RunnerOutput] = {}
+    steps: dict[str, int] = {}
+    running: list[str] = []
+
+    def admit(*requests: RunnerRequest) -> None:
+        assert not runner.step_admit(list(requests), NOT_ABORTED)
+        running.extend(r.request_id for r in requests)
+
+    def step() -> None:
+        for rid, result in runner.step_run(list(running), NOT_ABORTED).items():
+            steps[rid] = result.steps
+            if result.output is not None:
+                outputs[rid] = result.output
+                running.remove(rid)
+
+    admit(a)
+    step()
+    admit(b, d)  # join a running batch
+    while running:
+        step()
+    assert steps == {"a": 2, "b": 3, "d": 3}  # int(4 x 0.5) and int(4 x 0.8) steps of the tail
+    for request in (a, b, d):
+        (alone,) = runner.execute([request], NOT_ABORTED)
+        np.testing.assert_allclose(floats(outputs[request.request_id]), floats(alone), rtol=0, atol=1e-3)
+    assert floats(outputs["d"]).shape == (2, SIZE, SIZE, 3)
+    # A direct inpainting request in step mode fails alone, with a reason.
+    failed = runner.step_admit([req("tiny-sd", "m", image=picture(1), mask_image=MASK)], NOT_ABORTED)
+    assert "does not run step by step" in str(failed["m"].error)
+    runner.step_drop(["m"])
+
+
+def test_step_execution_refuses_images_where_the_loop_has_no_img2img(cache: Path) -> None:
     stage = msgspec.convert(
         {
             "stage_id": 0,
             "stage_type": "diffusion",
-            "model": "builtin:tiny-sd",
+            "model": "builtin:tiny-flux",
             "engine_args": {"step_execution": True},
         },
         StageConfig,
@@ -294,5 +345,5 @@ def test_step_execution_refuses_image_inputs_clearly(cache: Path) -> None:
     c = runner.constraints()
     assert runner.step_support() is None and c["image_inputs"] == []
     with pytest.raises(InvalidRequestError, match="step_execution") as info:
-        check_constraints(req("tiny-sd", "a", image=picture(1)).params, c)
+        check_constraints(req("tiny-flux", "a", image=picture(1)).params, c)
     assert info.value.param == "image"
