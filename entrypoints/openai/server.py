@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -49,10 +49,11 @@ from omni_runtime.resolve import ResolvedConfig
 
 from ..async_omni import AsyncOmni, ValidRequest, load_resolved
 from . import protocol as proto
-from .files import MEDIA_TYPES, FileStore, encode_images
+from .files import FileStore, encode_images
+from .images import chat_image, images_engine, run_images, validate_images
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ApiError, ClientDisconnected, error_body
-from .uploads import HTTP_FIELDS, decode_async, decode_data_url, decode_image, image_params, read_image_form
+from .uploads import image_params, read_image_form
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -257,17 +258,6 @@ class ServerState:
                 task.cancel()
                 # Let the generators run their clean-up before the caller moves on.
                 await asyncio.wait((task,))
-
-
-async def _gather_or_abort(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
-    """All results, or the first error with the other requests aborted (cancelling ``generate``
-    aborts its request)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            t.cancel()
 
 
 # --------------------------------------------------------------------------- middleware
@@ -508,7 +498,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/images/generations")
     async def create_images(body: proto.ImageGenerationRequest, request: Request) -> JSONResponse:
-        omni = _images_engine(state, body.model, body.n)
+        omni = images_engine(state, body.model, body.n)
         size = body.dimensions()
         image: dict[str, Any] = {
             "negative_prompt": body.negative_prompt,
@@ -519,27 +509,27 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if size is not None:
             image["width"], image["height"] = size
         image = {k: v for k, v in image.items() if v is not None}
-        valid = _validate_images(omni, body.prompt, image, body.n, body.seed)
-        return await _run_images(state, omni, request, valid, body)
+        valid = validate_images(omni, body.prompt, image, body.n, body.seed)
+        return _images_response(await run_images(state, omni, request, valid, body))
 
     @app.post("/v1/images/edits")
     async def edit_images(request: Request) -> JSONResponse:
         body, files = await read_image_form(request, proto.ImageEditForm)
-        omni = _images_engine(state, body.model, body.n)
+        omni = images_engine(state, body.model, body.n)
         # Without a mask, the image's own transparent pixels are the region to edit (as OpenAI's
         # edits take it); an opaque image without a mask is redrawn as a whole (img2img).
         params = await image_params(body, files, body.strength, alpha_as_mask=True)
-        valid = _validate_images(omni, body.prompt, params, body.n, body.seed)
-        return await _run_images(state, omni, request, valid, body)
+        valid = validate_images(omni, body.prompt, params, body.n, body.seed)
+        return _images_response(await run_images(state, omni, request, valid, body))
 
     @app.post("/v1/images/variations")
     async def image_variations(request: Request) -> JSONResponse:
         body, files = await read_image_form(request, proto.ImageVariationForm)
-        omni = _images_engine(state, body.model, body.n)
+        omni = images_engine(state, body.model, body.n)
         strength = body.strength if body.strength is not None else proto.VARIATION_STRENGTH
         params = await image_params(body, files, strength, alpha_as_mask=False)
-        valid = _validate_images(omni, "", params, body.n, body.seed)
-        return await _run_images(state, omni, request, valid, body)
+        valid = validate_images(omni, "", params, body.n, body.seed)
+        return _images_response(await run_images(state, omni, request, valid, body))
 
     @app.post("/v1/chat/completions")
     async def chat(body: proto.ChatCompletionRequest, request: Request) -> Response:
@@ -560,7 +550,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "timeout": body.timeout,
         }
         modalities = list(body.modalities) if body.modalities else None
-        image = await _chat_image(state, body)
+        image = await chat_image(state, body)
         try:
             valid = omni.validate(prompt, omni.sampling_params(image=image, shared=shared), modalities=modalities)
         except InvalidRequestError as e:
@@ -601,82 +591,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return SafeJSONResponse(out)
 
 
-def _images_engine(state: ServerState, model: str | None, n: int) -> AsyncOmni:
-    """The engine for an images request of ``n`` images, or the error that refuses it."""
-    omni = state.check_request(model)
-    if state.image_stage is None:
-        raise ApiError(400, f"the model `{state.model_name}` has no image output", param="model", code="no_image")
-    max_pending = omni.health().max_pending
-    if n > max_pending:
-        # A 429 would invite retries that can never succeed.
-        raise InvalidRequestError(
-            f"n={n} images exceed this server's admission limit of {max_pending} requests", param="n"
-        )
-    return omni
-
-
-def _validate_images(
-    omni: AsyncOmni, prompt: str, image: dict[str, Any], n: int, seed: int | None
-) -> list[ValidRequest]:
-    """Each of the ``n`` requests of an images call, validated before any of them is admitted;
-    image ``i`` gets ``seed + i``. Errors name the HTTP field (``size``, ``mask``)."""
-
-    def params(i: int) -> list[dict | None]:
-        extra = {} if seed is None else {"seed": seed + i}
-        return omni.sampling_params(image=image | extra)
-
-    try:
-        return [omni.validate(prompt, params(i), modalities=["image"]) for i in range(n)]
-    except InvalidRequestError as e:
-        e.param = HTTP_FIELDS.get(e.param, e.param)
-        raise
-
-
-async def _run_images(
-    state: ServerState,
-    omni: AsyncOmni,
-    request: Request,
-    valid: list[ValidRequest],
-    body: proto.ImageGenerationRequest | proto.ImageEditForm | proto.ImageVariationForm,
-) -> JSONResponse:
-    """Run validated image requests together and answer in the images API's shape."""
-    n = len(valid)
-    base = f"img-{uuid.uuid4().hex}"
-    ids = [f"{base}-{i}" for i in range(n)]
-    outs = await state.until_disconnect(
-        request, ids, _gather_or_abort([state.collect(omni, valid[i], ids[i]) for i in range(n)])
-    )
-    images = [(img, out) for out in outs for img in out.images]
-    encoded = await encode_images([img for img, _ in images], body.output_format, body.output_compression)
-    data = []
-    for (_, out), blob in zip(images, encoded, strict=True):
-        seed = out.outputs_by_stage.get(state.image_stage)
-        item = proto.ImageData(seed=seed.metrics.get("seed") if seed else None)
-        if body.response_format == "url":
-            file_id = state.files.put(blob, MEDIA_TYPES[body.output_format])
-            item.url = f"{str(request.base_url).rstrip('/')}/v1/files/{file_id}"
-        else:
-            item.b64_json = base64.b64encode(blob).decode()
-        data.append(item)
-    state.metrics.images.inc(len(data))
-    size_text = f"{images[0][0].width}x{images[0][0].height}" if images else None
-    resp = proto.ImageGenerationResponse(data=data, output_format=body.output_format, size=size_text)
-    return SafeJSONResponse(resp.model_dump(exclude_none=True), headers={"X-Request-Id": base})
-
-
-async def _chat_image(state: ServerState, body: proto.ChatCompletionRequest) -> dict[str, Any] | None:
-    """The input image of a chat request (an ``image_url`` data URL part of the last user
-    message) as diffusion params, or None. Remote URLs are refused, never fetched."""
-    urls = body.image_urls()
-    if not urls:
-        return None
-    if len(urls) > 1:
-        raise InvalidRequestError(f"one input image per request; got {len(urls)} image_url parts", param=urls[1][1])
-    url, where = urls[0]
-    if not any(stage.takes_image_params for stage in state.resolved.stages):
-        raise InvalidRequestError(f"the model `{state.model_name}` takes no input image", param=where)
-    decoded = await decode_async(decode_image, decode_data_url(url, where), where)
-    return {"image": decoded.rgb}
+def _images_response(result: tuple[dict[str, Any], str]) -> JSONResponse:
+    body, request_id = result
+    return SafeJSONResponse(body, headers={"X-Request-Id": request_id})
 
 
 async def _image_parts(images: Sequence[Any]) -> list[dict[str, Any]]:
