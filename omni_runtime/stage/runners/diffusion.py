@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_runtime.config import StageConfig
+from omni_runtime.config import EngineArgs, StageConfig, TorchCompile
 from omni_runtime.exceptions import RequestAbortedError, StageAsleepError
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
@@ -110,6 +110,36 @@ def native_size(pipe: Any) -> tuple[int | None, int | None]:
     return _pair(default, scale) if default else (None, None)
 
 
+def apply_engine_options(pipe: Any, args: EngineArgs) -> list[str]:
+    """The model-running options of ``engine_args`` (channels-last, attention slicing, VAE tiling,
+    ``torch.compile``), applied to a loaded pipeline; returns what was applied, for the log.
+    An option the pipeline has no use for (channels-last on a transformer) is skipped, not an error."""
+    applied = []
+    if args.channels_last:
+        for name in ("unet", "vae"):
+            module = getattr(pipe, name, None)
+            if isinstance(module, torch.nn.Module):
+                module.to(memory_format=torch.channels_last)
+                applied.append(f"{name} channels-last")
+    if args.attention_slicing is not None and hasattr(pipe, "enable_attention_slicing"):
+        pipe.enable_attention_slicing(args.attention_slicing)
+        applied.append(f"attention slicing {args.attention_slicing}")
+    vae = getattr(pipe, "vae", None)
+    if args.vae_tiling and hasattr(vae, "enable_tiling"):
+        vae.enable_tiling()
+        applied.append("VAE tiling")
+    if args.torch_compile:
+        options = args.torch_compile if isinstance(args.torch_compile, TorchCompile) else TorchCompile()
+        denoiser = _denoiser(pipe)
+        # In place (the module stays the pipeline's, so its config and hooks are as they were);
+        # compilation itself happens at the first forward of each shape.
+        denoiser.compile(
+            backend=options.backend, mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic
+        )
+        applied.append(f"torch.compile of the {type(denoiser).__name__} ({options.backend})")
+    return applied
+
+
 def _denoiser(pipe: Any) -> Any:
     unet = getattr(pipe, "unet", None)
     return unet if unet is not None else getattr(pipe, "transformer", None)
@@ -194,6 +224,9 @@ class DiffusionRunner(StageRunner):
         )
         pipe = pipe.to(self.device)
         pipe.set_progress_bar_config(disable=True)
+        applied = apply_engine_options(pipe, self.stage.engine_args)
+        if applied:
+            logger.info("stage %d: %s", self.stage.stage_id, ", ".join(applied))
         self.pipe = pipe
         self._step_family, self._step_reason = step_family(pipe, self.device)
 
