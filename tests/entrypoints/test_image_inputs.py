@@ -69,7 +69,7 @@ def test_one_image_per_prompt_in_one_call(sd):
         ),
         st.just(np.full((64, 64, 3), np.nan, np.float32)),
         st.just(np.zeros((64, 60, 3), np.uint8)),  # not a multiple of 8
-        st.just(np.zeros((2112, 2048, 3), np.uint8)),  # past the stage's max_pixels (2048 x 2048)
+        st.just(np.zeros((136, 128, 3), np.uint8)),  # past the stage's max_pixels (4 x 64 x 64)
     ),
     strength=st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)),
 )
