@@ -29,7 +29,7 @@ from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner, StepResult
 from omni_runtime.stage.runners.diffusion_steps import StepFamily, StepState, step_family
-from omni_runtime.stage.runners.image_inputs import TEXT, PipelineForm, PipelineForms, image_call_kwargs
+from omni_runtime.stage.runners.image_inputs import TEXT, PipelineForm, PipelineForms, image_call_kwargs, size_kwargs
 from omni_runtime.stage.runners.torch_common import WaveAborted, image_generators, release_memory, request_seeds
 
 logger = logging.getLogger(__name__)
@@ -374,6 +374,7 @@ class DiffusionRunner(StageRunner):
         }
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k in call_params}
         kwargs.update({k: v for k, v in self._fixed_kwargs.items() if k in call_params})
+        kwargs.update(size_kwargs(call_params, kwargs.get("height"), kwargs.get("width")))
         if form.kind != TEXT:
             image_kwargs = image_call_kwargs(batch, form, per_prompt)
             if not batched:

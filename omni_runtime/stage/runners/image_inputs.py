@@ -112,6 +112,7 @@ class PipelineForms:
         if problem:
             raise ConfigError(problem)
         self.loaded_name = type(loaded).__name__
+        logging.getLogger("diffusers.models.modeling_utils").addFilter(_NO_EMPTY_FP32_WARNING)
         own, needs_image = _own_kind(loaded)
         self.forms: dict[str, PipelineForm] = {}
         self._add(own, loaded)
@@ -190,6 +191,18 @@ class PipelineForms:
         return (kind, tuple(params["image"].shape), params.get("mask_image") is not None, strength)
 
 
+class _NoEmptyFp32Warning(logging.Filter):
+    """Drops diffusers' "modules that should be kept in float32: []" warning: SDXL's img2img and
+    inpainting pipelines cast their VAE to float32 on every call, and with an empty list there is
+    nothing to keep, so the warning would only repeat in the server log once per request."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "should be kept in float32: []" not in record.getMessage()
+
+
+_NO_EMPTY_FP32_WARNING = _NoEmptyFp32Warning()
+
+
 def _derive(loaded: Any, kind: str) -> tuple[Any | None, str]:
     """``loaded`` as the pipeline of another form via ``AutoPipelineFor*.from_pipe`` (shared
     components), or (None, why not)."""
@@ -239,3 +252,11 @@ def image_call_kwargs(batch: list[RunnerRequest], form: PipelineForm, per_prompt
     if "_auto_resize" in form.call_params:
         kwargs["_auto_resize"] = False
     return {k: v for k, v in kwargs.items() if k in form.call_params}
+
+
+def size_kwargs(call_params: dict[str, inspect.Parameter], height: int | None, width: int | None) -> dict[str, Any]:
+    """Arguments that keep a pipeline at the requested size: Flux Kontext scales every output to
+    ``max_area`` (the real model's 1024^2 by default) whatever ``height`` / ``width`` say."""
+    if "max_area" in call_params and height and width:
+        return {"max_area": height * width}
+    return {}

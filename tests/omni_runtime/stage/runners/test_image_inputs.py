@@ -347,3 +347,34 @@ def test_step_execution_refuses_images_where_the_loop_has_no_img2img(cache: Path
     with pytest.raises(InvalidRequestError, match="step_execution") as info:
         check_constraints(req("tiny-flux", "a", image=picture(1)).params, c)
     assert info.value.param == "image"
+
+
+def test_a_flux_kontext_directory_edits_and_draws(cache: Path, tmp_path: Path) -> None:
+    """An edit pipeline that takes an image optionally (Flux Kontext, made from tiny-flux's
+    components): it serves both forms itself, at the input's size (its scaling to the real
+    model's ~1 MP sizes off), equal to diffusers' own call."""
+    import diffusers
+
+    flux = diffusers.FluxPipeline.from_pretrained(ensure_builtin("tiny-flux"), local_files_only=True)
+    diffusers.FluxKontextPipeline(**flux.components).save_pretrained(tmp_path / "kontext")
+    runner = make_runner(str(tmp_path / "kontext"))
+    forms = runner._forms.forms
+    assert type(forms["text"].pipe).__name__ == type(forms["image"].pipe).__name__ == "FluxKontextPipeline"
+    assert runner.constraints()["image_inputs"] == ["image"]
+    image = picture(12)
+    out = floats(run(runner, req("tiny-flux", "a", image=image, seed=4))[0])
+    theirs = direct(
+        "FluxKontextPipeline",
+        str(tmp_path / "kontext"),
+        "tiny-flux",
+        4,
+        image=Image.fromarray(image),
+        _auto_resize=False,
+        max_area=SIZE * SIZE,
+    )
+    assert out.shape == theirs.shape == (1, SIZE, SIZE, 3)
+    np.testing.assert_allclose(out, theirs, rtol=0, atol=1e-3)
+    # The input's tokens join the sequence: a small but real change on random tiny weights
+    # (about 0.01, where float noise between batched and solo runs is about 1e-6).
+    text = floats(run(runner, req("tiny-flux", "b", seed=4))[0])
+    assert np.abs(out - text).max() > 5e-3
