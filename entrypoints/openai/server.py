@@ -503,6 +503,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "num_inference_steps": body.num_inference_steps,
             "guidance_scale": body.guidance_scale,
             "timeout": body.timeout,
+            "lora": body.lora.params() if body.lora else None,
         }
         if size is not None:
             image["width"], image["height"] = size
@@ -557,6 +558,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
             "seed": body.seed,
             "timeout": body.timeout,
+            "lora": body.lora.params() if body.lora else None,
         }
         modalities = list(body.modalities) if body.modalities else None
         valid = omni.validate(prompt, omni.sampling_params(shared=shared), modalities=modalities)

@@ -5,7 +5,7 @@ text encoder of the builtin model's architecture (built from the same configs), 
 matrices are filled with seeded random values (a fresh adapter's B is zero and would change
 nothing), and diffusers' ``save_lora_weights`` writes ``pytorch_lora_weights.safetensors``. It is
 loaded back like any adapter, with ``pipe.load_lora_weights(directory)``; two builds with one seed
-are byte-identical, and different seeds give different adapters.
+hold identical tensors and metadata, and different seeds give different adapters.
 
 From a shell: ``python -m omni_runtime.models.tiny_lora DIRECTORY [--seed N] [--model small-sd]``.
 """
@@ -63,7 +63,9 @@ def build_tiny_sd_lora(
                 state[name] = torch.randn(state[name].shape, generator=generator) * std
             layers[f"{component}_lora_layers"] = convert_state_dict_to_diffusers(state)
             # The adapter's config (rank, alpha, targets) travels with it, as training scripts save it.
-            layers[f"{component}_lora_adapter_metadata"] = module.peft_config["default"].to_dict()
+            metadata = module.peft_config["default"].to_dict()
+            metadata["target_modules"] = sorted(metadata["target_modules"])  # a set: in no fixed order
+            layers[f"{component}_lora_adapter_metadata"] = metadata
     StableDiffusionPipeline.save_lora_weights(path, safe_serialization=True, **layers)
     return path
 

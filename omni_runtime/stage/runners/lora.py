@@ -30,6 +30,8 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from omni_runtime.exceptions import ConfigError, InvalidRequestError, LoraLoadError
 from omni_runtime.params import LORA_NAME_PATTERN, check_lora_path
 
@@ -110,7 +112,15 @@ class LoraAdapters:
     def activate(self, spec: dict[str, Any] | None) -> None:
         """Make ``spec``'s adapter the only active one, at its scale (loading it if need be), or
         disable every adapter for None. Raises InvalidRequestError (an unknown name, a path that
-        does not exist) or LoraLoadError (it would not load): the batch's requests fail with it."""
+        does not exist) or LoraLoadError (it would not load): the batch's requests fail with it.
+
+        Callable inside ``torch.inference_mode`` (the step loop is): the adapters' weights are made
+        outside it, since peft later sets their ``requires_grad``, which inference tensors refuse.
+        """
+        with torch.inference_mode(False):
+            self._activate(spec)
+
+    def _activate(self, spec: dict[str, Any] | None) -> None:
         pipe = self._pipe
         if not spec:
             if self._loaded and self._active is not None:
