@@ -136,6 +136,7 @@ class DiffusionRunner(StageRunner):
     def load(self) -> None:
         self._model_dir = resolve_model(self.stage.model)
         self._load_pipeline()
+        self.loras.check_registry()
         pipe = self.pipe
         signature = inspect.signature(type(pipe).__call__)
         self._call_params = dict(signature.parameters)

@@ -81,17 +81,19 @@ class LoraAdapters:
 
     def bind(self, pipe: Any) -> None:
         """Start over with a freshly loaded pipeline (None: it was released; nothing is loaded).
-        The registry stays. Raises ConfigError if adapters are registered for a pipeline that cannot
-        take them, or a registered path does not exist."""
+        The registry stays."""
         self._pipe = pipe
         self._loaded.clear()
         self._active = None
-        if pipe is None:
-            return
-        self.supported = supports_lora(pipe)
+        if pipe is not None:
+            self.supported = supports_lora(pipe)
+
+    def check_registry(self) -> None:
+        """At load: ConfigError if adapters are registered for a pipeline that cannot take them, or
+        a registered path does not exist (an operator's typo fails start-up, not a request later)."""
         if self._registry and not self.supported:
             raise ConfigError(
-                f"{type(pipe).__name__} does not load LoRA adapters, but some are registered",
+                f"{type(self._pipe).__name__} does not load LoRA adapters, but some are registered",
                 path="engine_args.loras",
             )
         for name, path in self._registry.items():

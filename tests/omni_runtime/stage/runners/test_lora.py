@@ -5,6 +5,7 @@ failures fail only their requests, the control calls, and adapters in step execu
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -249,7 +250,7 @@ def test_registered_paths_are_checked_at_load(cache: Path, tmp_path: Path) -> No
 # ---------------------------------------------------------------------------- control calls
 
 
-def test_add_list_and_remove(cache: Path, adapters: dict[str, Path], base: np.ndarray) -> None:
+def test_add_list_and_remove(cache: Path, adapters: dict[str, Path], base: np.ndarray, tmp_path: Path) -> None:
     r = make_runner({})
     assert r.rpc_list_loras()["registered"] == {} and r.rpc_list_loras()["supported"] is True
     (out,) = run(r, req("x", lora={"name": "late"}))
@@ -278,6 +279,16 @@ def test_add_list_and_remove(cache: Path, adapters: dict[str, Path], base: np.nd
     r.wake_up()
     again = images(run(r, req("y2", lora={"name": "late", "scale": 0.6}))[0])
     assert np.array_equal(with_late, again)
+    # A registered folder deleted meanwhile: wake_up still works, and only its requests fail.
+    gone = tmp_path / "gone"
+    shutil.copytree(adapters["b"], gone)
+    r.rpc_add_lora("gone", str(gone))
+    shutil.rmtree(gone)
+    r.sleep()
+    assert r.wake_up() == {"reloaded": True}
+    (out,) = run(r, req("g", lora={"name": "gone"}))
+    assert isinstance(out.error, LoraLoadError) and "no longer exists" in str(out.error)
+    assert np.array_equal(images(run(r, req("z2"))[0]), base)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
