@@ -108,6 +108,9 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: between steps (continuous batching). A runner or pipeline that cannot falls back to
     #: request-level batching and logs why.
     step_execution: bool = False
+    #: Priority aging: a waiting request gains one priority level per this many seconds it waits,
+    #: so a low-priority request is served at last however many higher ones keep arriving.
+    priority_aging_s: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 10.0
     #: LoRA adapters a diffusion stage offers by name: ``{name: absolute path}`` of a local adapter
     #: directory (or ``.safetensors`` file). Requests pick one with ``lora: {name, scale}``; HTTP
     #: clients can only name these (and those added with ``collective_rpc("add_lora")``).

@@ -20,6 +20,8 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 #: A per-request deadline in seconds; at most a week (a larger one is a mistake, not a deadline).
 Timeout = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
+#: A request's priority: higher is served first (see docs/configuration.md, "Priority").
+Priority = Annotated[int, msgspec.Meta(ge=-1_000_000, le=1_000_000)]
 #: Longest prompt accepted, in characters.
 MAX_PROMPT_CHARS = 100_000
 #: What a LoRA adapter's registered name may look like (``engine_args.loras``, ``add_lora``).
@@ -31,11 +33,14 @@ MAX_LORA_PATH_CHARS = 4096
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Base of the typed params. ``timeout`` (seconds) is a per-request deadline for every stage type."""
+    """Base of the typed params, with what every stage type takes: ``timeout`` (seconds), a
+    per-request deadline, and ``priority`` (higher first, default 0). Either may be set in any
+    stage's params; it applies to the whole request."""
 
     #: Which ``stage_type`` these params are for.
     stage_type: ClassVar[str] = ""
     timeout: Timeout | None = None
+    priority: Priority | None = None
 
 
 def check_lora_path(path: str, field: str = "lora.path") -> None:
@@ -118,6 +123,7 @@ class GenericSamplingParams(msgspec.Struct, kw_only=True):
 
     stage_type: ClassVar[str] = "custom"
     timeout: Timeout | None = None
+    priority: Priority | None = None
 
 
 _PATH_RE = re.compile(r" - at `\$\.?([^`]*)`")

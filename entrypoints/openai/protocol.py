@@ -53,6 +53,8 @@ _SIZE_RE = re.compile(r"^(\d{1,6})x(\d{1,6})$")
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
 #: A per-request deadline in seconds (an extension: OpenAI has none in the body).
 Timeout = Annotated[float, Field(gt=0, le=86_400)]
+#: Higher is served first (an extension); see docs/configuration.md, "Priority".
+Priority = Annotated[int, Field(ge=-1_000_000, le=1_000_000)]
 
 
 class UnencodableValue(ValueError):
@@ -138,6 +140,7 @@ class ImageGenerationRequest(_Request):
     timeout: Timeout | None = None
     #: A registered LoRA adapter and its scale (an extension).
     lora: LoraSpec | None = None
+    priority: Priority | None = None
     # Sent by OpenAI callers; no meaning for this runtime.
     user: str | None = Field(None, max_length=256)
     quality: str | None = Field(None, max_length=32)
@@ -226,6 +229,7 @@ class ChatCompletionRequest(_Request):
     timeout: Timeout | None = None
     #: A registered LoRA adapter for the image stages, and its scale (an extension).
     lora: LoraSpec | None = None
+    priority: Priority | None = None
     # Sent by OpenAI callers; no meaning for this runtime.
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = None

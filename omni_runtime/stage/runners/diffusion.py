@@ -311,9 +311,11 @@ class DiffusionRunner(StageRunner):
                 raise WaveAborted
 
         if "callback_on_step_end" in self._call_params:
+            steps = _total_steps(kwargs)
 
             def on_step_end(pipe: Any, step: int, timestep: Any, callback_kwargs: dict) -> dict:
                 check_abort()
+                ctx.step_progress(ids, step + 1, steps or getattr(pipe, "num_timesteps", 0) or step + 1)
                 return callback_kwargs
 
             kwargs["callback_on_step_end"] = on_step_end
@@ -525,3 +527,10 @@ class DiffusionRunner(StageRunner):
         for rid, out in outputs.items():
             out.metrics["seed"] = self._states[rid].seed
         return outputs
+
+
+def _total_steps(kwargs: dict[str, Any]) -> int | None:
+    """The denoising steps a call will run, when the call says (img2img's strength may shorten it:
+    then the pipeline's own count is used)."""
+    steps = kwargs.get("num_inference_steps")
+    return int(steps) if isinstance(steps, int) and "strength" not in kwargs else None
