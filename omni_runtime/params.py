@@ -172,9 +172,9 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
         message, field = _field_of(e)
         name = f"`{field}`: " if field else ""
         raise InvalidRequestError(f"invalid sampling param {name}{message}", param=field) from None
-    # Nested params (``lora``) travel as plain dicts of their set fields, like the rest.
+    # ``lora`` travels as a plain dict of its set fields, like the rest of the params.
     fields = {
-        k: {f: x for f, x in msgspec.to_builtins(v).items() if x is not None} if isinstance(v, msgspec.Struct) else v
+        k: {f: x for f, x in msgspec.structs.asdict(v).items() if x is not None} if isinstance(v, LoraRequest) else v
         for k, v in msgspec.structs.asdict(typed).items()
         if v is not None
     }
