@@ -83,8 +83,21 @@ class RuntimeConfig(msgspec.Struct, **_Struct):
             self.backend = "process"
 
 
+class TorchCompile(msgspec.Struct, **_Struct):
+    """``engine_args.torch_compile``: ``torch.compile`` the denoiser (UNet or transformer) at load."""
+
+    #: ``inductor`` (kernels generated for the machine: needs a C++ compiler on CPU, minutes of
+    #: warm-up on the first request of each shape) or any other registered backend.
+    backend: str = "inductor"
+    #: ``default``, ``reduce-overhead`` (CUDA graphs), ``max-autotune``... (inductor only).
+    mode: str | None = None
+    fullgraph: bool = False
+    #: None: let torch decide (it recompiles with dynamic shapes after a second size).
+    dynamic: bool | None = None
+
+
 class EngineArgs(msgspec.Struct, **_Struct):
-    """Scheduling knobs of one stage."""
+    """Scheduling knobs of one stage, and how a diffusion stage runs its model."""
 
     #: Most requests fused into one forward().
     max_num_seqs: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
@@ -99,8 +112,9 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: with every waiting request of that key) or ``fifo`` (the head and the run of same-key
     #: requests right behind it; a baseline for comparisons).
     scheduling_policy: Literal["oldest_key", "fifo"] = "oldest_key"
-    #: Largest height * width a diffusion request may ask for.
-    max_pixels: Annotated[int, msgspec.Meta(ge=64)] = 2048 * 2048
+    #: Largest height * width a diffusion request may ask for. ``null``: 4 x the model's native area
+    #: (a 512 px model takes up to 1024 x 1024), or 2048 x 2048 when the model does not say.
+    max_pixels: Annotated[int, msgspec.Meta(ge=64)] | None = None
     #: Quiet time (ms) after the latest arrival that ends an admission hold early. ``null`` adapts
     #: it to the gaps between recent arrivals (at least ``min(wait/4, 5 ms)``, at most the wait).
     batch_quiet_window_ms: Annotated[float, msgspec.Meta(ge=0, le=60_000)] | None = None
@@ -108,6 +122,17 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: between steps (continuous batching). A runner or pipeline that cannot falls back to
     #: request-level batching and logs why.
     step_execution: bool = False
+    #: ``torch.compile`` the denoiser (``true`` for the defaults, or ``{backend, mode, fullgraph,
+    #: dynamic}``). Off by default: worth it on a GPU for a long-running server.
+    torch_compile: bool | TorchCompile = False
+    #: Weights and activations of the UNet / VAE convolutions in NHWC (channels-last) memory
+    #: format: faster convolutions on most GPUs and with oneDNN on recent CPUs.
+    channels_last: bool = False
+    #: Attention computed in slices to cut peak memory: ``auto`` (half the heads at a time),
+    #: ``max`` (one at a time) or a slice size; null = off.
+    attention_slicing: Literal["auto", "max"] | Annotated[int, msgspec.Meta(ge=1)] | None = None
+    #: Decode (and encode) large images with the VAE in tiles: bounded memory for big sizes.
+    vae_tiling: bool = False
     #: Priority aging: a waiting request gains one priority level per this many seconds it waits,
     #: so a low-priority request is served at last however many higher ones keep arriving.
     priority_aging_s: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 10.0

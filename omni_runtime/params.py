@@ -22,6 +22,8 @@ Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Timeout = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
 #: A request's priority: higher is served first (see docs/configuration.md, "Priority").
 Priority = Annotated[int, msgspec.Meta(ge=-1_000_000, le=1_000_000)]
+#: ``max_pixels`` of a stage when neither its config nor its model says: 2048 x 2048.
+FALLBACK_MAX_PIXELS = 2048 * 2048
 #: Longest prompt accepted, in characters.
 MAX_PROMPT_CHARS = 100_000
 #: What a LoRA adapter's registered name may look like (``engine_args.loras``, ``add_lora``).
@@ -187,8 +189,9 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
 def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> None:
     """Checks that need the loaded model: what a stage reported in its READY message.
 
-    ``size_multiple``: height and width must be multiples of it (the VAE scale factor).
-    ``max_pixels``: height * width may not exceed it.
+    ``size_multiple``: height and width must be multiples of it; ``size_multiple_reason`` says why
+    in the model's terms (VAE scale factor, latent packing, patch size).
+    ``max_pixels``: height * width may not exceed it (``native_size``, when known, is named).
     ``lora``: whether the stage's model takes LoRA adapters; a stage that does not say so refuses them.
     """
     if params.get("lora") is not None and not constraints.get("lora"):
@@ -201,14 +204,17 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
     if multiple:
         for name, value in (("height", h), ("width", w)):
             if value is not None and value % multiple:
+                why = constraints.get("size_multiple_reason") or "the model's VAE scale factor"
                 raise InvalidRequestError(
-                    f"invalid sampling param `{name}`: {value} is not a multiple of {multiple} "
-                    f"(the model's VAE scale factor)",
+                    f"invalid sampling param `{name}`: {value} is not a multiple of {multiple} ({why})",
                     param=name,
                 )
     max_pixels = constraints.get("max_pixels")
     if max_pixels and h is not None and w is not None and h * w > max_pixels:
+        native = constraints.get("native_size")
+        made_for = f"; the model was made for {native[1]}x{native[0]}" if native else ""
         raise InvalidRequestError(
-            f"invalid sampling param `height`/`width`: {w}x{h} exceeds this stage's limit of {max_pixels} pixels",
+            f"invalid sampling param `height`/`width`: {w}x{h} exceeds this stage's limit of {max_pixels} "
+            f"pixels (engine_args.max_pixels{made_for})",
             param="size",
         )

@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_runtime.config import StageConfig
+from omni_runtime.config import EngineArgs, StageConfig, TorchCompile
 from omni_runtime.exceptions import RequestAbortedError, RequestError, StageAsleepError
 from omni_runtime.models.builtin import resolve_model
-from omni_runtime.params import DiffusionSamplingParams
+from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner, StepResult
 from omni_runtime.stage.runners.diffusion_steps import StepFamily, StepState, step_family
 from omni_runtime.stage.runners.lora import LoraAdapters
@@ -58,6 +58,10 @@ def accepts_batched_inputs(signature: inspect.Signature) -> bool:
     return takes_list("prompt") and takes_list("generator")
 
 
+#: The default ``max_pixels`` is this many times the model's native area.
+NATIVE_AREA_FACTOR = 4
+
+
 def size_multiple(pipe: Any) -> int:
     """The step of the sizes a pipeline can make: VAE scale factor x the denoiser's patch size.
 
@@ -70,6 +74,25 @@ def size_multiple(pipe: Any) -> int:
     scale = getattr(processor, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor", None) or 8
     patch = getattr(getattr(_denoiser(pipe), "config", None), "patch_size", None) or 1
     return math.lcm(8, int(scale) * int(patch))
+
+
+def size_multiple_reason(pipe: Any) -> str:
+    """Why sizes must be multiples of :func:`size_multiple`, in the model's own terms (for the 400
+    a user gets): the VAE scale factor, the latent packing, the denoiser's patch size, or the
+    pipeline's own floor of 8."""
+    vae = int(getattr(pipe, "vae_scale_factor", None) or 8)
+    processor = getattr(getattr(pipe, "image_processor", None), "config", None)
+    scale = int(getattr(processor, "vae_scale_factor", None) or vae)
+    patch = int(getattr(getattr(_denoiser(pipe), "config", None), "patch_size", None) or 1)
+    parts = [f"the VAE scale factor {vae}"]
+    if scale != vae:
+        parts.append(f"latent packing x{scale // vae}")
+    if patch > 1:
+        parts.append(f"the {type(_denoiser(pipe)).__name__} patch size {patch}")
+    reason = " x ".join(parts)
+    if math.lcm(8, scale * patch) != scale * patch:
+        reason += ", and the pipeline takes multiples of 8 only"
+    return reason
 
 
 def native_size(pipe: Any) -> tuple[int | None, int | None]:
@@ -89,6 +112,36 @@ def native_size(pipe: Any) -> tuple[int | None, int | None]:
         return _pair(vae_sample, 1)
     default = getattr(pipe, "default_sample_size", None)
     return _pair(default, scale) if default else (None, None)
+
+
+def apply_engine_options(pipe: Any, args: EngineArgs) -> list[str]:
+    """The model-running options of ``engine_args`` (channels-last, attention slicing, VAE tiling,
+    ``torch.compile``), applied to a loaded pipeline; returns what was applied, for the log.
+    An option the pipeline has no use for (channels-last on a transformer) is skipped, not an error."""
+    applied = []
+    if args.channels_last:
+        for name in ("unet", "vae"):
+            module = getattr(pipe, name, None)
+            if isinstance(module, torch.nn.Module):
+                module.to(memory_format=torch.channels_last)
+                applied.append(f"{name} channels-last")
+    if args.attention_slicing is not None and hasattr(pipe, "enable_attention_slicing"):
+        pipe.enable_attention_slicing(args.attention_slicing)
+        applied.append(f"attention slicing {args.attention_slicing}")
+    vae = getattr(pipe, "vae", None)
+    if args.vae_tiling and hasattr(vae, "enable_tiling"):
+        vae.enable_tiling()
+        applied.append("VAE tiling")
+    if args.torch_compile:
+        options = args.torch_compile if isinstance(args.torch_compile, TorchCompile) else TorchCompile()
+        denoiser = _denoiser(pipe)
+        # In place (the module stays the pipeline's, so its config and hooks are as they were);
+        # compilation itself happens at the first forward of each shape.
+        denoiser.compile(
+            backend=options.backend, mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic
+        )
+        applied.append(f"torch.compile of the {type(denoiser).__name__} ({options.backend})")
+    return applied
 
 
 def _denoiser(pipe: Any) -> Any:
@@ -122,6 +175,7 @@ class DiffusionRunner(StageRunner):
         # Facts about the pipeline kept across sleep(), when the pipeline itself is gone.
         self._native_size: tuple[int | None, int | None] = (None, None)
         self._size_multiple = 8
+        self._size_reason = "the VAE scale factor"
         self._scheduler_name = ""
         self._fixed_kwargs: dict[str, Any] = {}
         # Step execution: the family's step loop (None: unsupported, for _step_reason) and the
@@ -148,6 +202,7 @@ class DiffusionRunner(StageRunner):
                 type(pipe).__name__,
             )
         self._size_multiple = size_multiple(pipe)
+        self._size_reason = size_multiple_reason(pipe)
         self._native_size = native_size(pipe)
         self._scheduler_name = type(pipe.scheduler).__name__ if hasattr(pipe, "scheduler") else ""
         # Pipeline options that would change what is asked for, turned off where a pipeline has them:
@@ -175,6 +230,9 @@ class DiffusionRunner(StageRunner):
         )
         pipe = pipe.to(self.device)
         pipe.set_progress_bar_config(disable=True)
+        applied = apply_engine_options(pipe, self.stage.engine_args)
+        if applied:
+            logger.info("stage %d: %s", self.stage.stage_id, ", ".join(applied))
         self.pipe = pipe
         self.loras.bind(pipe)
         self._step_family, self._step_reason = step_family(pipe, self.device)
@@ -213,9 +271,20 @@ class DiffusionRunner(StageRunner):
     def constraints(self) -> dict[str, Any]:
         return {
             "size_multiple": self._size_multiple,
-            "max_pixels": self.stage.engine_args.max_pixels,
+            "size_multiple_reason": self._size_reason,
+            "max_pixels": self.max_pixels(),
+            "native_size": list(self._native_size) if all(self._native_size) else None,
             "lora": self.loras.supported,
         }
+
+    def max_pixels(self) -> int:
+        """The configured limit, or 4 x the model's native area: a 64 px model asked for 1024 x 1024
+        would hold the replica for minutes to make what it was never trained for."""
+        configured = self.stage.engine_args.max_pixels
+        if configured is not None:
+            return configured
+        height, width = self._native_size
+        return NATIVE_AREA_FACTOR * height * width if height and width else FALLBACK_MAX_PIXELS
 
     def _default(self, name: str, fallback: Any = None) -> Any:
         param = self._call_params.get(name)

@@ -152,6 +152,7 @@ def test_unknown_model_is_404(client):
         ({"prompt": "x", "size": "100000x100000"}, "size"),
         ({"prompt": "x", "size": "big"}, "size"),
         ({"prompt": "x", "size": "60x60"}, "size"),  # not a multiple of the VAE factor (engine check)
+        ({"prompt": "x", "size": "1024x1024"}, "size"),  # 256 x the area of this 64 px model
         ({"prompt": "x", "n": 1000}, "n"),
         ({"prompt": "x" * 1_000_000}, "prompt"),
         ({"prompt": ""}, "prompt"),
