@@ -6,7 +6,6 @@ failures fail only their requests, the control calls, and adapters in step execu
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +32,8 @@ MERGED_ATOL = 2e-4
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # steady on a busy machine
-    path = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_RUNTIME_CACHE", str(path))
-        yield path
-    torch.set_num_threads(threads)
+def cache(model_cache: Path) -> Path:
+    return model_cache
 
 
 @pytest.fixture(scope="module")
