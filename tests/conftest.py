@@ -30,6 +30,7 @@ MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tests/reliability/", ("reliability",)),
     ("tests/entrypoints/openai/", ("e2e",)),
     ("tests/entrypoints/test_cli.py", ("e2e",)),
+    ("tests/entrypoints/test_cli_lora.py", ("e2e",)),
     ("tests/entrypoints/", ("integration",)),
     ("tests/omni_runtime/models/", ("integration",)),
     ("tests/omni_runtime/stage/runners/", ("integration",)),
