@@ -15,6 +15,7 @@ import msgspec
 import yaml
 
 from omni_runtime.exceptions import ConfigError
+from omni_runtime.params import LORA_NAME_PATTERN, check_lora_path
 
 _Struct = {"kw_only": True, "forbid_unknown_fields": True}
 
@@ -135,6 +136,17 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: Priority aging: a waiting request gains one priority level per this many seconds it waits,
     #: so a low-priority request is served at last however many higher ones keep arriving.
     priority_aging_s: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 10.0
+    #: LoRA adapters a diffusion stage offers by name: ``{name: absolute path}`` of a local adapter
+    #: directory (or ``.safetensors`` file). Requests pick one with ``lora: {name, scale}``; HTTP
+    #: clients can only name these (and those added with ``collective_rpc("add_lora")``).
+    loras: dict[Annotated[str, msgspec.Meta(pattern=LORA_NAME_PATTERN)], str] = msgspec.field(default_factory=dict)
+    #: Most LoRA adapters kept loaded in each replica; past it the least recently used is unloaded
+    #: (and loaded again from disk when a request asks for it).
+    max_loras: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
+
+    def __post_init__(self) -> None:
+        for name, path in self.loras.items():
+            check_lora_path(path, f"loras.{name}")
 
 
 class StageConfig(msgspec.Struct, **_Struct):

@@ -59,6 +59,8 @@ class StepState:
     #: img2img: the input image (uint8 HxWx3) and strength (None: the img2img pipeline's default).
     image: Any = None
     strength: float | None = None
+    #: The request's LoRA adapter (its params' ``lora``), active whenever it is encoded or steps.
+    lora: dict[str, Any] | None = None
 
     @property
     def steps(self) -> int:

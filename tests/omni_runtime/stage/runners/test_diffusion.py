@@ -66,6 +66,7 @@ def test_load_facts(runner: DiffusionRunner) -> None:
         "native_size": [64, 64],
         "image_inputs": ["image", "mask_image"],  # img2img and inpainting forms of the same model
         "default_strength": {"image": 0.8, "inpaint": 1.0},
+        "lora": True,
     }
 
 

@@ -4,7 +4,6 @@ image stays the plain pipeline's within float tolerance."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -30,13 +29,8 @@ OPTIONS = {
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_RUNTIME_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
-    torch.set_num_threads(threads)
+def _cache(model_cache: object) -> None:
+    """A private model cache and one torch thread (tests/conftest.py)."""
 
 
 def loaded(model: str, **engine_args: Any) -> DiffusionRunner:
