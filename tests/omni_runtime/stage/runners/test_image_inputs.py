@@ -378,3 +378,32 @@ def test_a_flux_kontext_directory_edits_and_draws(cache: Path, tmp_path: Path) -
     # (about 0.01, where float noise between batched and solo runs is about 1e-6).
     text = floats(run(runner, req("tiny-flux", "b", seed=4))[0])
     assert np.abs(out - text).max() > 5e-3
+
+
+def test_img2img_with_a_lora_adapter(cache: Path, tmp_path: Path) -> None:
+    """An adapter bound to the text form's modules applies to the img2img and inpainting forms too
+    (they share the modules); requests without it are the base model's, bit for bit."""
+    from omni_runtime.models.tiny_lora import build_tiny_sd_lora
+
+    adapter = build_tiny_sd_lora(tmp_path / "lora", seed=1)
+    stage = msgspec.convert(
+        {
+            "stage_id": 0,
+            "stage_type": "diffusion",
+            "model": "builtin:tiny-sd",
+            "engine_args": {"loras": {"ink": str(adapter)}},
+        },
+        StageConfig,
+    )
+    runner = DiffusionRunner(stage)
+    runner.load()
+    image = picture(13)
+    base = floats(run(runner, req("tiny-sd", "a", image=image, strength=0.8, seed=2))[0])
+    lora = req("tiny-sd", "b", image=image, strength=0.8, seed=2, lora={"name": "ink", "scale": 1.0})
+    assert runner.batch_key(lora) != runner.batch_key(req("tiny-sd", "a", image=image, strength=0.8, seed=2))
+    with_lora = floats(run(runner, lora)[0])
+    assert np.abs(with_lora - base).max() > 0.02
+    inpaint = req("tiny-sd", "c", image=image, mask_image=MASK, seed=2, lora={"name": "ink", "scale": 1.0})
+    assert floats(run(runner, inpaint)[0]).shape == (1, SIZE, SIZE, 3)
+    again = floats(run(runner, req("tiny-sd", "d", image=image, strength=0.8, seed=2))[0])
+    assert np.array_equal(again, base)
