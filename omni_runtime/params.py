@@ -280,6 +280,15 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
         message, field = _field_of(e)
         name = f"`{field}`: " if field else ""
         raise InvalidRequestError(f"invalid sampling param {name}{message}", param=field) from None
+    except UnicodeEncodeError:
+        # msgspec quotes an unknown nested key in its error, and fails to when UTF-8 cannot
+        # encode it (a lone surrogate): name the param that holds it instead.
+        from omni_runtime.serialization import find_unencodable
+
+        field = next((k for k, v in merged.items() if find_unencodable(v, k) is not None), None)
+        raise InvalidRequestError(
+            f"invalid sampling param `{field}`: contains text that cannot be encoded as UTF-8", param=field
+        ) from None
     # ``lora`` travels as a plain dict of its set fields, like the rest of the params.
     fields = {
         k: {f: x for f, x in msgspec.structs.asdict(v).items() if x is not None} if isinstance(v, LoraRequest) else v

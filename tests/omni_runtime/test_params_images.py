@@ -164,3 +164,11 @@ def test_hostile_image_params_are_clear_errors(image, mask, strength):
         assert p["image"].dtype == np.uint8 and c == 3 and (p["height"], p["width"]) == (h, w)
         if p.get("mask_image") is not None:
             assert p["mask_image"].shape == (h, w)
+
+
+def test_a_surrogate_key_in_a_nested_param_is_a_clear_error():
+    """msgspec fails to quote a lone surrogate in its unknown-field error (UnicodeEncodeError):
+    found by the LoRA params' hypothesis test once both branches met."""
+    with pytest.raises(InvalidRequestError, match="cannot be encoded as UTF-8") as info:
+        resolve_params(DiffusionSamplingParams, {}, {"lora": {"\ud800": None}})
+    assert info.value.param == "lora"
