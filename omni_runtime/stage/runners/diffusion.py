@@ -379,15 +379,16 @@ class DiffusionRunner(StageRunner):
         # The pipeline of the wave's form: text-to-image, img2img or inpainting (equal keys: one form).
         form = self._form(first)
         call_params = form.call_params
+        batched = self._batched_inputs
         # Image forms get one row per output image (prompts repeated per image): their pipelines
-        # pair input images with generators row by row.
-        rows = per_prompt if form.kind != TEXT else 1
+        # pair input images with generators row by row. (A pipeline without list inputs takes one
+        # request, its image once, and num_images_per_prompt.)
+        rows = per_prompt if form.kind != TEXT and batched else 1
         prompts = [r.prompt for r in batch for _ in range(rows)]
         # "" is what pipelines use for a missing negative prompt, so a list may mix both.
         negatives: list[str] | None = [r.params.get("negative_prompt") or "" for r in batch for _ in range(rows)]
         if not any(negatives):
             negatives = None
-        batched = self._batched_inputs
         kwargs: dict[str, Any] = {
             "prompt": prompts if batched else prompts[0],
             "generator": generators if batched else generators[0],
