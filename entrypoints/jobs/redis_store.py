@@ -107,22 +107,31 @@ class RedisJobStore(JobStore):
             return None
         return {k: json.loads(v) for k, v in fields.items()}
 
+    def _update(self, p: Any, job_id: str, fields: dict[str, Any]) -> None:
+        p.hset(self._job(job_id), mapping={k: json.dumps(v) for k, v in fields.items()})
+        p.expire(self._job(job_id), self._ttl)
+        p.expire(self._events(job_id), self._ttl)
+        if fields.get("status") in TERMINAL and self.gateway_id is not None:
+            p.srem(self._owned(self.gateway_id), job_id)
+
     async def update(self, job_id: str, fields: dict[str, Any]) -> None:
         # Only an existing record is updated: an expired job is not brought back half-empty.
         if not await self.redis.exists(self._job(job_id)):
             return
         async with self.redis.pipeline(transaction=True) as p:
-            p.hset(self._job(job_id), mapping={k: json.dumps(v) for k, v in fields.items()})
-            p.expire(self._job(job_id), self._ttl)
-            p.expire(self._events(job_id), self._ttl)
-            if fields.get("status") in TERMINAL and self.gateway_id is not None:
-                p.srem(self._owned(self.gateway_id), job_id)
+            self._update(p, job_id, fields)
             await p.execute()
 
-    async def append_event(self, job_id: str, type: str, data: dict[str, Any]) -> str:
+    async def append_event(
+        self, job_id: str, type: str, data: dict[str, Any], fields: dict[str, Any] | None = None
+    ) -> str:
+        if fields and not await self.redis.exists(self._job(job_id)):
+            return "0-0"
         async with self.redis.pipeline(transaction=True) as p:
             p.xadd(self._events(job_id), {"t": type, "d": json.dumps(data)}, maxlen=MAX_EVENTS, approximate=True)
             p.expire(self._events(job_id), self._ttl)
+            if fields:
+                self._update(p, job_id, fields)
             results = await p.execute()
         return results[0]
 

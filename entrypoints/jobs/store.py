@@ -42,8 +42,9 @@ class JobStore(abc.ABC):
     """What the job routes need from a store; every method is a coroutine on the server's loop.
 
     Records are dicts of JSON values. ``update`` merges fields into a record; ``append_event``
-    adds an event and returns its id; ``events`` replays the events after an id (None: from the
-    start); ``wait_events`` also waits up to ``timeout`` seconds for the first new one.
+    adds an event (with record fields, atomically) and returns its id; ``events`` replays the
+    events after an id (None: from the start); ``wait_events`` also waits up to ``timeout``
+    seconds for the first new one.
     """
 
     #: ``memory`` or ``redis`` (shown on /readyz).
@@ -59,7 +60,11 @@ class JobStore(abc.ABC):
     async def update(self, job_id: str, fields: dict[str, Any]) -> None: ...
 
     @abc.abstractmethod
-    async def append_event(self, job_id: str, type: str, data: dict[str, Any]) -> str: ...
+    async def append_event(
+        self, job_id: str, type: str, data: dict[str, Any], fields: dict[str, Any] | None = None
+    ) -> str:
+        """Append an event (and merge ``fields`` into the record in the same step: a reader that
+        sees a finished record also sees its final event)."""
 
     @abc.abstractmethod
     async def events(self, job_id: str, after: str | None) -> list[Event]: ...
@@ -169,10 +174,14 @@ class MemoryJobStore(JobStore):
             job.expires = time.monotonic() + self.ttl_s
             self._finished[job_id] = None
 
-    async def append_event(self, job_id: str, type: str, data: dict[str, Any]) -> str:
+    async def append_event(
+        self, job_id: str, type: str, data: dict[str, Any], fields: dict[str, Any] | None = None
+    ) -> str:
         job = self._jobs.get(job_id)
         if job is None:
             return "0"
+        if fields:
+            await self.update(job_id, fields)
         event = Event(str(len(job.events) + 1), type, data)
         job.events.append(event)
         changed, job.changed = job.changed, asyncio.Event()

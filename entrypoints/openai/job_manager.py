@@ -206,8 +206,7 @@ class JobManager:
             if new:
                 await self.store.create(record, ("queued", event))
             else:
-                await self.store.update(job_id, {"status": "queued", "trace": record["trace"]})
-                await self.store.append_event(job_id, "queued", event)
+                await self.store.append_event(job_id, "queued", event, {"status": "queued", "trace": record["trace"]})
         except Exception:
             self._local.pop(job_id, None)
             omni.abort(job.request_id)
@@ -260,8 +259,12 @@ class JobManager:
         job.started = True
         record["started_at"] = max(record["created_at"], at or time.time())
         record["status"] = "running"
-        await self.store.update(job.job_id, {"status": "running", "started_at": record["started_at"]})
-        await self.store.append_event(job.job_id, "started", {"batch_id": batch_id, "batch_size": batch_size})
+        await self.store.append_event(
+            job.job_id,
+            "started",
+            {"batch_id": batch_id, "batch_size": batch_size},
+            {"status": "running", "started_at": record["started_at"]},
+        )
         self.state.metrics.jobs.labels("running").inc()
 
     async def _observe(self, job: _LocalJob, record: dict[str, Any], out: Any, seen: set[int]) -> None:
@@ -275,8 +278,7 @@ class JobManager:
                 "steps": progress.get("steps"),
             }
             record["progress"] = step
-            await self.store.update(job.job_id, {"progress": step})
-            await self.store.append_event(job.job_id, "step", step)
+            await self.store.append_event(job.job_id, "step", step, {"progress": step})
             return
         sid = out.stage_id
         result = out.outputs_by_stage.get(sid)
@@ -303,8 +305,7 @@ class JobManager:
             "queue_wait_ms": m.get("queue_wait_ms"),
             "execution_ms": m.get("execution_ms"),
         }
-        await self.store.update(job.job_id, {"trace": record["trace"]})
-        await self.store.append_event(job.job_id, "stage_done", done)
+        await self.store.append_event(job.job_id, "stage_done", done, {"trace": record["trace"]})
 
     async def _result(self, record: dict[str, Any], out: Any) -> dict[str, Any]:
         request = GenerateRequest.model_validate(record["request"] | {"async_run": True})
@@ -364,13 +365,12 @@ class JobManager:
             "trace_id": trace_id,
         }
         record.update(fields)
-        await self.store.update(job.job_id, fields)
         data: dict[str, Any] = {"job_id": job.job_id}
         if result is not None:
             data["result"] = result
         if error is not None:
             data["error"] = error
-        await self.store.append_event(job.job_id, status, data)
+        await self.store.append_event(job.job_id, status, data, fields)
         self.state.metrics.jobs.labels(status).inc()
 
     # ------------------------------------------------------------------ cancel
@@ -428,18 +428,17 @@ class JobManager:
         if after is not None:
             after = self.store.check_event_id(after)
         while True:
-            events = await self.store.wait_events(job_id, after, keepalive_s)
+            events = await self.store.events(job_id, after)
             if not events:
+                # A finished record has its final event already (both are written in one step),
+                # so nothing more can come after ``after``; an expired job has no more either.
                 record = await self.store.get(job_id)
                 if record is None or record["status"] in TERMINAL:
-                    # Ended before ``after``, or expired: nothing more will come. (A terminal
-                    # record whose event is still on its way is covered: the event is appended
-                    # right after the record, and this re-reads once more below.)
-                    for event in await self.store.events(job_id, after):
-                        yield event
                     return
-                yield None
-                continue
+                events = await self.store.wait_events(job_id, after, keepalive_s)
+                if not events:
+                    yield None
+                    continue
             for event in events:
                 yield event
                 after = event.id
@@ -461,8 +460,12 @@ class JobManager:
             return
         record["attempts"] = record.get("attempts", 1) + 1
         record["owner"] = self.gateway_id
-        await self.store.update(job_id, {"attempts": record["attempts"], "status": "queued", "progress": None})
-        await self.store.append_event(job_id, "requeued", {"reason": "gateway_lost", "attempt": record["attempts"]})
+        await self.store.append_event(
+            job_id,
+            "requeued",
+            {"reason": "gateway_lost", "attempt": record["attempts"]},
+            {"attempts": record["attempts"], "status": "queued", "progress": None},
+        )
         self.state.metrics.jobs.labels("requeued").inc()
         try:
             omni = self.state.started

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from omni_runtime.entrypoints.jobs.store import MemoryJobStore
+
 from omni_runtime.exceptions import InvalidRequestError, QueueFullError
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from omni_runtime.entrypoints.jobs.redis_store import RedisJobStore
+
 from omni_runtime.exceptions import InvalidRequestError
 from tests.conftest import eventually
 
