@@ -62,7 +62,10 @@ class RedisJobStore(JobStore):
     def __init__(self, url: str, *, ttl_s: float = 3600.0, lease_s: float = 10.0, prefix: str = "omni:") -> None:
         self.url, self.ttl_s, self.lease_s, self.prefix = url, ttl_s, lease_s, prefix
         self._ttl = max(1, int(ttl_s))
-        self.redis = aioredis.Redis.from_url(url, decode_responses=True, health_check_interval=30)
+        # The read timeout must outlast the longest XREAD BLOCK (an SSE keep-alive period).
+        self.redis = aioredis.Redis.from_url(
+            url, decode_responses=True, health_check_interval=30, socket_timeout=60, socket_connect_timeout=5
+        )
         self.gateway_id: str | None = None
         self._pubsub: Any = None
         self._listener: asyncio.Task | None = None
@@ -147,7 +150,8 @@ class RedisJobStore(JobStore):
         found = await self.events(job_id, after)
         if found or timeout <= 0:
             return found
-        got = await self.redis.xread({self._events(job_id): after or "0-0"}, block=max(1, int(timeout * 1000)))
+        block_ms = max(1, int(min(timeout, 30.0) * 1000))
+        got = await self.redis.xread({self._events(job_id): after or "0-0"}, block=block_ms)
         return self._decode(got[0][1]) if got else []
 
     def check_event_id(self, event_id: str) -> str:

@@ -389,9 +389,9 @@ class JobManager:
     async def cancel(self, job_id: str) -> dict[str, Any]:
         """Cancel a job wherever it runs; the job as it is once it ended (or after CANCEL_WAIT_S).
         A finished job is returned as it is: cancelling it again is no error."""
-        record = await self.get(job_id)
+        record = await self.get_record(job_id)
         if record["status"] in TERMINAL:
-            return record
+            return self.public(record)
         job = self._local.get(job_id)
         if job is not None:
             self._cancel_local(job)
