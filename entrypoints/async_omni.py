@@ -164,6 +164,16 @@ def apply_output(out: OmniRequestOutput, msg: EngineOutput) -> None:
     out.stage_id = msg.stage_id
     out.finished = msg.finished
     out.metrics = dict(payload.metrics)
+    out.progress = None
+    if not msg.stage_finished and payload.text is None:
+        if "progress" in payload.metrics:
+            out.progress = {"stage_id": msg.stage_id, **payload.metrics["progress"]}
+            out.text_delta = None
+            return
+        if payload.metrics.get("stage_done"):
+            out.progress = {"stage_id": msg.stage_id, "stage_done": True}
+            out.text_delta = None
+            return
     result = out.outputs_by_stage.setdefault(msg.stage_id, StageResult(stage_id=msg.stage_id))
     if msg.stage_finished:
         images = [Image.fromarray(a) for a in payload.images]

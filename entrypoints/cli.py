@@ -295,19 +295,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ]
             for i, request in enumerate(requests):
                 used[i] = request.params.get(image_stage, {})
-            bar = tqdm(total=len(jobs), desc="generate", unit="img", disable=args.quiet)
+            # The bar counts denoising steps of every image, so it moves while images are drawn
+            # (the stages report progress a few times a second), not only when one is done.
+            steps = [int(u.get("num_inference_steps") or 1) for u in used]
+            bar = tqdm(total=sum(steps), desc="generate", unit="step", disable=args.quiet)
             # More images than the engine admits at once are submitted as earlier ones finish.
             slots = asyncio.Semaphore(omni.health().max_pending)
 
             async def one(i: int, request: Any) -> None:
+                shown = 0  # steps of this image already on the bar
                 try:
                     async with slots:
                         async for out in omni.generate(request):
+                            if out.progress is not None:
+                                if out.progress.get("stage_id") == image_stage and "step" in out.progress:
+                                    step = min(int(out.progress["step"]), steps[i])
+                                    bar.update(max(0, step - shown))
+                                    shown = max(shown, step)
+                                continue
                             results[i] = out
                 except OmniError as e:
                     results[i] = e
                 finally:
-                    bar.update(1)
+                    bar.update(steps[i] - shown)
 
             start = time.perf_counter()
             try:

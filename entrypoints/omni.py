@@ -133,7 +133,8 @@ class Omni:
                     raise request
                 async with self._slots:
                     async for out in self._async.generate(request, request_id=request_id):
-                        last = out
+                        if out.progress is None:  # progress notices carry nothing to return
+                            last = out
             except OmniError as e:
                 last = last or OmniRequestOutput(request_id=request_id, stage_id=-1)
                 last.error, last.finished = e, True

@@ -98,8 +98,9 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: with every waiting request of that key) or ``fifo`` (the head and the run of same-key
     #: requests right behind it; a baseline for comparisons).
     scheduling_policy: Literal["oldest_key", "fifo"] = "oldest_key"
-    #: Largest height * width a diffusion request may ask for.
-    max_pixels: Annotated[int, msgspec.Meta(ge=64)] = 2048 * 2048
+    #: Largest height * width a diffusion request may ask for. ``null``: 4 x the model's native area
+    #: (a 512 px model takes up to 1024 x 1024), or 2048 x 2048 when the model does not say.
+    max_pixels: Annotated[int, msgspec.Meta(ge=64)] | None = None
     #: Quiet time (ms) after the latest arrival that ends an admission hold early. ``null`` adapts
     #: it to the gaps between recent arrivals (at least ``min(wait/4, 5 ms)``, at most the wait).
     batch_quiet_window_ms: Annotated[float, msgspec.Meta(ge=0, le=60_000)] | None = None
@@ -107,6 +108,9 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: between steps (continuous batching). A runner or pipeline that cannot falls back to
     #: request-level batching and logs why.
     step_execution: bool = False
+    #: Priority aging: a waiting request gains one priority level per this many seconds it waits,
+    #: so a low-priority request is served at last however many higher ones keep arriving.
+    priority_aging_s: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 10.0
 
 
 class StageConfig(msgspec.Struct, **_Struct):

@@ -81,8 +81,8 @@ class StageRequest(msgspec.Struct, tag="request", **_Msg):
     inputs: dict[str, Any] = {}
     #: When the caller submitted it (``time.time()``), for end-to-end metrics.
     arrival_time: float = 0.0
-    #: Higher first. Only step execution uses it (preemption at a step boundary); no public API
-    #: sets it yet, so every request has 0.
+    #: Higher first (aged: see omni_runtime/stage/scheduler.py); under step execution a request of
+    #: higher priority also takes a running one's place at a step boundary.
     priority: int = 0
 
 
@@ -185,6 +185,8 @@ class EngineRequest(msgspec.Struct, tag="request", **_Msg):
     arrival_time: float
     #: Absolute ``time.monotonic()`` deadline, or None.
     deadline: float | None = None
+    #: Higher is served first (every stage's scheduler).
+    priority: int = 0
 
 
 class EngineAbort(msgspec.Struct, tag="abort", **_Msg):

@@ -44,6 +44,11 @@ class OmniRequestOutput:
     #: batch_size, batch_id, seed, e2e_ms...
     metrics: dict[str, Any] = field(default_factory=dict)
     outputs_by_stage: dict[int, StageResult] = field(default_factory=dict)
+    #: On an output that only reports progress (``finished=False``, nothing new to read):
+    #: ``{"stage_id", "step", "steps"}`` after a denoising step (sent at most every 0.3 s or so), or
+    #: ``{"stage_id", "stage_done": True}`` when a stage that is not a final one is done. None on
+    #: every other output.
+    progress: dict[str, Any] | None = None
 
     def snapshot(self) -> OmniRequestOutput:
         """A copy whose containers later deliveries do not change (AsyncOmni yields these)."""

@@ -19,16 +19,23 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 #: A per-request deadline in seconds; at most a week (a larger one is a mistake, not a deadline).
 Timeout = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
+#: A request's priority: higher is served first (see docs/configuration.md, "Priority").
+Priority = Annotated[int, msgspec.Meta(ge=-1_000_000, le=1_000_000)]
+#: ``max_pixels`` of a stage when neither its config nor its model says: 2048 x 2048.
+FALLBACK_MAX_PIXELS = 2048 * 2048
 #: Longest prompt accepted, in characters.
 MAX_PROMPT_CHARS = 100_000
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Base of the typed params. ``timeout`` (seconds) is a per-request deadline for every stage type."""
+    """Base of the typed params, with what every stage type takes: ``timeout`` (seconds), a
+    per-request deadline, and ``priority`` (higher first, default 0). Either may be set in any
+    stage's params; it applies to the whole request."""
 
     #: Which ``stage_type`` these params are for.
     stage_type: ClassVar[str] = ""
     timeout: Timeout | None = None
+    priority: Priority | None = None
 
 
 class DiffusionSamplingParams(SamplingParams):
@@ -74,6 +81,7 @@ class GenericSamplingParams(msgspec.Struct, kw_only=True):
 
     stage_type: ClassVar[str] = "custom"
     timeout: Timeout | None = None
+    priority: Priority | None = None
 
 
 _PATH_RE = re.compile(r" - at `\$\.?([^`]*)`")
@@ -132,8 +140,9 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
 def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> None:
     """Checks that need the loaded model: what a stage reported in its READY message.
 
-    ``size_multiple``: height and width must be multiples of it (the VAE scale factor).
-    ``max_pixels``: height * width may not exceed it.
+    ``size_multiple``: height and width must be multiples of it; ``size_multiple_reason`` says why
+    in the model's terms (VAE scale factor, latent packing, patch size).
+    ``max_pixels``: height * width may not exceed it (``native_size``, when known, is named).
     """
     h = params.get("height")
     w = params.get("width")
@@ -141,14 +150,17 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
     if multiple:
         for name, value in (("height", h), ("width", w)):
             if value is not None and value % multiple:
+                why = constraints.get("size_multiple_reason") or "the model's VAE scale factor"
                 raise InvalidRequestError(
-                    f"invalid sampling param `{name}`: {value} is not a multiple of {multiple} "
-                    f"(the model's VAE scale factor)",
+                    f"invalid sampling param `{name}`: {value} is not a multiple of {multiple} ({why})",
                     param=name,
                 )
     max_pixels = constraints.get("max_pixels")
     if max_pixels and h is not None and w is not None and h * w > max_pixels:
+        native = constraints.get("native_size")
+        made_for = f"; the model was made for {native[1]}x{native[0]}" if native else ""
         raise InvalidRequestError(
-            f"invalid sampling param `height`/`width`: {w}x{h} exceeds this stage's limit of {max_pixels} pixels",
+            f"invalid sampling param `height`/`width`: {w}x{h} exceeds this stage's limit of {max_pixels} "
+            f"pixels (engine_args.max_pixels{made_for})",
             param="size",
         )

@@ -53,6 +53,8 @@ _SIZE_RE = re.compile(r"^(\d{1,6})x(\d{1,6})$")
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
 #: A per-request deadline in seconds (an extension: OpenAI has none in the body).
 Timeout = Annotated[float, Field(gt=0, le=86_400)]
+#: Higher is served first (an extension); see docs/configuration.md, "Priority".
+Priority = Annotated[int, Field(ge=-1_000_000, le=1_000_000)]
 
 
 class UnencodableValue(ValueError):
@@ -110,6 +112,7 @@ class ImageGenerationRequest(_Request):
     #: Seed of the first image; image i gets ``seed + i``.
     seed: Seed | None = None
     timeout: Timeout | None = None
+    priority: Priority | None = None
     # Sent by OpenAI callers; no meaning for this runtime.
     user: str | None = Field(None, max_length=256)
     quality: str | None = Field(None, max_length=32)
@@ -257,6 +260,7 @@ class ChatCompletionRequest(_Request):
     #: Only one choice is produced per request.
     n: Literal[1] | None = None
     timeout: Timeout | None = None
+    priority: Priority | None = None
     # Sent by OpenAI callers; no meaning for this runtime.
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = None

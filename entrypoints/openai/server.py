@@ -549,6 +549,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "num_inference_steps": body.num_inference_steps,
             "guidance_scale": body.guidance_scale,
             "timeout": body.timeout,
+            "priority": body.priority,
         }
         if size is not None:
             image["width"], image["height"] = size
@@ -603,6 +604,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
             "seed": body.seed,
             "timeout": body.timeout,
+            "priority": body.priority,
         }
         modalities = list(body.modalities) if body.modalities else None
         valid = omni.validate(prompt, omni.sampling_params(shared=shared), modalities=modalities)
@@ -688,6 +690,10 @@ async def _stream_chat(
             yield chunk(proto.DeltaMessage(role="assistant", content=""))
             out = first
             while True:
+                if out.progress is not None:
+                    # An SSE comment: clients (the openai one included) skip it, but it shows that
+                    # the image is being drawn and keeps proxies from timing the stream out.
+                    yield _progress_comment(out.progress)
                 for delta in await _deltas(out, sent, imaged):
                     yield chunk(delta)
                 if out.finished:
@@ -716,6 +722,12 @@ async def _stream_chat(
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": rid}
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+def _progress_comment(progress: dict[str, Any]) -> str:
+    if "step" in progress:
+        return f": progress stage={progress['stage_id']} step={progress['step']}/{progress['steps']}\n\n"
+    return f": progress stage={progress['stage_id']} done\n\n"
 
 
 async def _deltas(out: OmniRequestOutput, sent: dict[int, int], imaged: set[int]) -> list[proto.DeltaMessage]:

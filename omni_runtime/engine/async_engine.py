@@ -82,6 +82,8 @@ class ValidRequest:
     #: The request's deadline in seconds, or None.
     timeout: float | None
     engine_id: str
+    #: Higher is served first by every stage's scheduler.
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -287,7 +289,8 @@ class AsyncOmniEngine:
         params = self.resolve_params(sampling_params)
         finals = self.final_stages(modalities)
         timeout = next((p["timeout"] for p in params.values() if p.get("timeout")), self.default_timeout)
-        return ValidRequest(prompt, params, finals, timeout, self._id_prefix)
+        priority = next((p["priority"] for p in params.values() if p.get("priority") is not None), 0)
+        return ValidRequest(prompt, params, finals, timeout, self._id_prefix, priority)
 
     def add_request(
         self,
@@ -339,6 +342,7 @@ class AsyncOmniEngine:
                 final_stage_ids=valid.final_stage_ids,
                 arrival_time=time.time(),
                 deadline=time.monotonic() + timeout if timeout else None,
+                priority=valid.priority,
             )
             try:
                 self._orchestrator.request_queue.sync_q.put_nowait(msg)

@@ -289,6 +289,7 @@ class Orchestrator:
                     params=msg.params.get(stage_id, {}),
                     inputs=inputs,
                     arrival_time=msg.arrival_time,
+                    priority=msg.priority,
                 )
             )
         except Exception as e:  # no live replica, or a value no message can carry
@@ -326,6 +327,8 @@ class Orchestrator:
                     backend.settle(out, None),
                     lambda o: self._deliver(state, stage_id, o, finished=False, stage_finished=False),
                 )
+            elif "progress" in out.payload.metrics:  # an inner stage's progress: the caller sees it too
+                self._deliver(state, stage_id, out, finished=False, stage_finished=False)
             return
         self.pools[stage_id].done(out.request_id)
         state.running.discard(stage_id)
@@ -377,6 +380,16 @@ class Orchestrator:
             if finished:
                 self._forget(out.request_id)
                 return
+        else:
+            # An inner stage is done: the caller hears of it (and of its timings), not its data.
+            notice = Payload(metrics={**out.payload.metrics, "stage_done": True})
+            self._deliver(
+                state,
+                stage_id,
+                StageOutput(request_id=out.request_id, finished=False, payload=notice),
+                finished=False,
+                stage_finished=False,
+            )
         # Forward to each needed downstream stage whose inputs are all here.
         for down in consumers:
             stage = self.config.stage(down)

@@ -8,6 +8,12 @@ is idle, runs the :class:`Wave` it gets in one fused ``forward()``, then calls `
   that key in arrival order, up to ``max_num_seqs``: an incompatible request never blocks compatible
   ones behind it, and nothing starves. ``policy="fifo"`` is the strict-FIFO baseline: the head plus
   the consecutive requests of its key, stopping at the first incompatible one.
+* Priority. "Oldest" is by *aged priority*: a request of priority ``p`` that arrived at ``t`` ranks by
+  ``p - t / aging_s`` (higher first; equal ranks in arrival order). With one priority this is arrival
+  order; a request of higher priority goes first, yet every second a request waits counts as
+  ``1 / aging_s`` of a level, so a low-priority request waits at most ``aging_s`` seconds per level of
+  difference behind later arrivals: it cannot starve. The rank does not change as time passes (the
+  clock cancels out of every comparison), so no re-sorting is ever needed.
 * Admission wait. A wave goes at once when it is full, when ``max_wait_ms == 0``, or when its head
   queued behind an earlier wave (that wave's run was its batching window; holding again would idle a
   runner that has work, so under load the scheduler is work-conserving). Otherwise it is held until
@@ -66,12 +72,19 @@ class Wave:
         return len(self.request_ids)
 
 
+def aged_rank(priority: int, arrival: float, aging_s: float) -> float:
+    """The rank of a waiting request (lower goes first): its priority, less what waiting has aged it.
+    Comparing ``p1 - t1/a`` with ``p2 - t2/a`` is comparing the aged priorities at any moment."""
+    return arrival / aging_s - priority
+
+
 @dataclass(slots=True)
 class _Pending:
     request_id: str
     key: Hashable
     payload: Any
     arrival: float
+    priority: int = 0
 
 
 class RequestScheduler:
@@ -86,7 +99,10 @@ class RequestScheduler:
         stable_window_ms: float | None = None,
         max_queue_len: int | None = None,
         policy: Policy = "oldest_key",
+        priority_aging_s: float = 10.0,
     ) -> None:
+        if not isinstance(priority_aging_s, int | float) or not 0 < priority_aging_s < math.inf:
+            raise ConfigError(f"expected a finite number of seconds > 0, got {priority_aging_s!r}", path="aging")
         if stable_window_ms is not None:
             _check_ms("stable_window_ms", stable_window_ms)
         if max_queue_len is not None:
@@ -102,6 +118,9 @@ class RequestScheduler:
         self._stable_window_ms = stable_window_ms
         self._max_queue_len = max_queue_len
         self._policy: Policy = policy
+        self._aging_s = float(priority_aging_s)
+        #: How many waiting requests have each priority: with one priority, arrival order is the order.
+        self._priorities: dict[int, int] = {}
         # Arrival order overall (the head is the first entry), and per key (fills a wave in O(wave)).
         self._waiting: dict[str, _Pending] = {}
         self._by_key: dict[Hashable, dict[str, _Pending]] = {}
@@ -115,15 +134,17 @@ class RequestScheduler:
         self._requests_scheduled = 0
         self._histogram: dict[int, int] = {}
 
-    def add(self, request_id: str, key: Hashable, payload: Any = None) -> None:
-        """Queue a request. ``key`` groups requests that may share a ``forward()``."""
+    def add(self, request_id: str, key: Hashable, payload: Any = None, *, priority: int = 0) -> None:
+        """Queue a request. ``key`` groups requests that may share a ``forward()``; higher
+        ``priority`` goes first (aged: see the module docstring)."""
         if request_id in self._waiting or self._is_running(request_id):
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight", param="request_id")
         if self._max_queue_len is not None and len(self._waiting) >= self._max_queue_len:
             raise QueueFullError(f"{len(self._waiting)} requests already wait (max_queue_len)")
         now = self._clock()
-        pending = _Pending(request_id, key, payload, now)
+        pending = _Pending(request_id, key, payload, now, int(priority))
         self._waiting[request_id] = pending
+        self._priorities[pending.priority] = self._priorities.get(pending.priority, 0) + 1
         self._by_key.setdefault(key, {})[request_id] = pending
         if self._last_arrival > -math.inf:
             self._gaps.append(now - self._last_arrival)
@@ -150,8 +171,9 @@ class RequestScheduler:
         # 1) One wave at a time (the runner is busy until finish()); an empty queue needs no call back.
         if self._running is not None or not self._waiting:
             return None
-        # 2) The oldest waiting request picks the key, so no key starves behind a busier one.
-        head = next(iter(self._waiting.values()))
+        # 2) The oldest waiting request (by aged priority) picks the key, so no key starves behind a
+        #    busier one.
+        head = self._head()
         members, closed = self._select(head)
         now = self._clock()
         # 3) Go at once when holding cannot grow the wave (full, or a fifo run already cut off by an
@@ -249,17 +271,28 @@ class RequestScheduler:
         """The stable window a hold would use now (fixed, or adapted to recent arrivals)."""
         return self._stable_window()
 
+    def _rank(self, pending: _Pending) -> float:
+        return aged_rank(pending.priority, pending.arrival, self._aging_s)
+
+    def _head(self) -> _Pending:
+        if len(self._priorities) == 1:
+            return next(iter(self._waiting.values()))
+        return min(self._waiting.values(), key=self._rank)  # the first of equal ranks: arrival order
+
+    def _in_order(self, pendings: dict[str, _Pending]) -> Any:
+        return pendings.values() if len(self._priorities) == 1 else sorted(pendings.values(), key=self._rank)
+
     def _select(self, head: _Pending) -> tuple[list[_Pending], bool]:
         """The wave ``head`` would lead, and whether it is closed to later arrivals (fifo only)."""
         limit = self._max_num_seqs
         members: list[_Pending] = []
         if self._policy == "oldest_key":
-            for pending in self._by_key[head.key].values():
+            for pending in self._in_order(self._by_key[head.key]):
                 members.append(pending)
                 if len(members) == limit:
                     break
             return members, False
-        for pending in self._waiting.values():
+        for pending in self._in_order(self._waiting):
             if pending.key != head.key:
                 return members, True
             members.append(pending)
@@ -286,6 +319,11 @@ class RequestScheduler:
         return wave
 
     def _unindex(self, pending: _Pending) -> None:
+        left = self._priorities[pending.priority] - 1
+        if left:
+            self._priorities[pending.priority] = left
+        else:
+            del self._priorities[pending.priority]
         same_key = self._by_key[pending.key]
         del same_key[pending.request_id]
         if not same_key:

@@ -8,10 +8,12 @@ denoising step at a time: before each step it asks :meth:`StepScheduler.schedule
 
 * One key per step. A step is one batched denoiser call, so the requests that step together share a
   compatibility key (size, guidance mode...; not the step count: each request has its own timesteps).
-* The leader picks the key: the live request of highest priority, then earliest arrival, whether it
-  waits or has already taken steps, as request-level's oldest-key-first waves do. Nothing starves:
-  a request that waits only grows older than everyone who arrives after it.
-* The batch: the best ``max_num_seqs`` live requests of that key (priority, then arrival). So a
+* The leader picks the key: the live request of highest *aged* priority (as in
+  :func:`~omni_runtime.stage.scheduler.aged_rank`: one level per ``priority_aging_s`` waited), then
+  earliest arrival, whether it waits or has already taken steps, as request-level's oldest-key-first
+  waves do. Nothing starves: a request that waits only grows older than everyone who arrives after
+  it, and ages past any priority in time.
+* The batch: the best ``max_num_seqs`` live requests of that key (aged priority, then arrival). So a
   compatible request that arrives while the key is stepping joins at the next step when there is
   room, and a request leaves the batch after its own last step. Those taking their first step are
   *admitted* (the runner encodes them, in one call). Under load the batch is as full as a
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from omni_runtime.exceptions import ConfigError, DuplicateRequestError, QueueFullError
+from omni_runtime.stage.scheduler import aged_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +92,11 @@ class StepScheduler:
         *,
         clock: Callable[[], float] = time.monotonic,
         max_queue_len: int | None = None,
+        priority_aging_s: float = 10.0,
     ) -> None:
         if max_queue_len is not None:
             _check_int("max_queue_len", max_queue_len)
+        self._aging_s = float(priority_aging_s)
         self._clock = clock
         self._max_queue_len = max_queue_len
         self._asked_max_num_seqs = 1
@@ -297,14 +302,22 @@ class StepScheduler:
 
     # ------------------------------------------------------------------ internals
 
+    def _rank(self, entry: _Entry) -> tuple[float, int]:
+        return aged_rank(entry.priority, entry.arrival, self._aging_s), entry.seq
+
     def _leader(self) -> _Entry | None:
         if not self._by_priority:
             return None
+        if len(self._by_priority) > 1:  # aging may lift an older, lower priority over a newer one
+            return min(self._entries.values(), key=self._rank)
         return next(iter(self._by_priority[max(self._by_priority)].values()))
 
     def _best_of(self, key: Hashable, limit: int) -> list[_Entry]:
         best: list[_Entry] = []
         by_priority = self._by_key[key]
+        if len(by_priority) > 1:
+            entries = (e for same in by_priority.values() for e in same.values())
+            return sorted(entries, key=self._rank)[:limit]
         for priority in sorted(by_priority, reverse=True):
             for entry in by_priority[priority].values():
                 best.append(entry)
@@ -362,6 +375,14 @@ class ProgressThrottle:
 
     def due(self, now: float) -> bool:
         return now - self._last >= self.interval_s
+
+    def claim(self, now: float) -> bool:
+        """``due``, and if so the burst is taken now (for a caller in another thread than the sender,
+        so that two steps in quick succession do not both send)."""
+        if not self.due(now):
+            return False
+        self._last = now
+        return True
 
     def sent(self, now: float, events: int, cost_s: float) -> None:
         self._last = now

@@ -84,6 +84,7 @@ class StageWorker:
             max_queue_len=args.max_queue_len,
             policy=args.scheduling_policy,
             stable_window_ms=args.batch_quiet_window_ms,
+            priority_aging_s=args.priority_aging_s,
         )
         self._step_mode = False
         self._throttle = ProgressThrottle()
@@ -113,7 +114,9 @@ class StageWorker:
             reason = self.runner.step_support()
             if reason is None:
                 self._step_mode = True
-                self.scheduler = StepScheduler(args.max_num_seqs, max_queue_len=args.max_queue_len)
+                self.scheduler = StepScheduler(
+                    args.max_num_seqs, max_queue_len=args.max_queue_len, priority_aging_s=args.priority_aging_s
+                )
             else:
                 logger.warning(
                     "stage %d: step_execution is on, but requests run with request-level batching: %s",
@@ -182,7 +185,7 @@ class StageWorker:
             if isinstance(self.scheduler, StepScheduler):
                 self.scheduler.add(msg.request_id, self.runner.step_key(req), req, priority=req.priority)
             else:
-                self.scheduler.add(msg.request_id, self.runner.batch_key(req), req)
+                self.scheduler.add(msg.request_id, self.runner.batch_key(req), req, priority=req.priority)
         except OmniError as e:
             self._emit(StageOutput(request_id=msg.request_id, error=ErrorInfo.from_exception(e, self.stage_id)))
             return
@@ -285,7 +288,12 @@ class StageWorker:
             self._progress_at = time.monotonic()
             loop.call_soon_threadsafe(self._emit_partial, rid, part)
 
-        ctx = ExecuteContext(is_aborted=is_aborted, emit=emit)
+        def progress(ids: list[str], step: int, steps: int) -> None:
+            # In the forward thread, at every step: only a due burst costs a thread hop.
+            if self._throttle.claim(time.monotonic()):
+                loop.call_soon_threadsafe(self._send_progress, ids, step, steps)
+
+        ctx = ExecuteContext(is_aborted=is_aborted, emit=emit, progress=progress)
         self._progress_at = time.monotonic()
         try:
             if self.runner.runs_inline(batch):
@@ -403,17 +411,16 @@ class StageWorker:
         if not live:
             return
         start = time.perf_counter()
-        self._emit_outputs(
-            [
-                StageOutput(
-                    request_id=rid,
-                    finished=False,
-                    payload=Payload(metrics={"progress": {"step": r.step, "steps": r.steps}}),
-                )
-                for rid, r in live
-            ]
-        )
+        self._emit_outputs([_progress_output(rid, r.step, r.steps) for rid, r in live])
         self._throttle.sent(now, len(live), time.perf_counter() - start)
+
+    def _send_progress(self, ids: list[str], step: int, steps: int) -> None:
+        """A request-level wave's progress burst (the forward thread claimed it)."""
+        live = [rid for rid in ids if rid not in self._released and not self.scheduler.is_aborted(rid)]
+        if live:
+            start = time.perf_counter()
+            self._emit_outputs([_progress_output(rid, step, steps) for rid in live])
+            self._throttle.sent(time.monotonic(), len(live), time.perf_counter() - start)
 
     def _emit_partial(self, rid: str, part: RunnerOutput) -> None:
         if rid not in self._released:
@@ -521,3 +528,10 @@ class StageWorker:
             "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
             **step,
         }
+
+
+def _progress_output(rid: str, step: int, steps: int) -> StageOutput:
+    """A partial output that says only how far a request's denoising got."""
+    return StageOutput(
+        request_id=rid, finished=False, payload=Payload(metrics={"progress": {"step": step, "steps": steps}})
+    )

@@ -67,3 +67,10 @@ def test_model_constraints():
     assert info.value.param == "width"
     with pytest.raises(InvalidRequestError, match="exceeds"):
         check_constraints({"height": 128, "width": 128}, {"max_pixels": 64 * 64})
+    why = "the VAE scale factor 2 x the SD3Transformer2DModel patch size 2"
+    with pytest.raises(InvalidRequestError, match=r"60 is not a multiple of 8 \(the VAE scale factor 2 x the SD3"):
+        check_constraints({"height": 60}, {"size_multiple": 8, "size_multiple_reason": why})
+    with pytest.raises(
+        InvalidRequestError, match=r"16384 pixels \(engine_args.max_pixels; the model was made for 64x64\)"
+    ):
+        check_constraints({"height": 1024, "width": 1024}, {"max_pixels": 16384, "native_size": [64, 64]})

@@ -69,9 +69,11 @@ class ExecuteContext:
         self,
         is_aborted: Callable[[str], bool],
         emit: Callable[[str, RunnerOutput], None] | None = None,
+        progress: Callable[[list[str], int, int], None] | None = None,
     ) -> None:
         self._is_aborted = is_aborted
         self._emit = emit
+        self._progress = progress
 
     def is_aborted(self, request_id: str) -> bool:
         """True once the request has been aborted (or timed out); checked at every step."""
@@ -81,6 +83,12 @@ class ExecuteContext:
         """Send a partial (not finished) output, e.g. a text delta, to the caller now."""
         if self._emit is not None:
             self._emit(request_id, partial)
+
+    def step_progress(self, request_ids: list[str], step: int, steps: int) -> None:
+        """Report that ``request_ids`` finished step ``step`` of ``steps``. Cheap to call at every
+        step: the worker sends progress outputs only when its throttle says one is due."""
+        if self._progress is not None:
+            self._progress(request_ids, step, steps)
 
 
 class StageRunner(ABC):

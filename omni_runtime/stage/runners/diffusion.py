@@ -26,7 +26,7 @@ import torch
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import RequestAbortedError, StageAsleepError
 from omni_runtime.models.builtin import resolve_model
-from omni_runtime.params import DiffusionSamplingParams
+from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner, StepResult
 from omni_runtime.stage.runners.diffusion_steps import StepFamily, StepState, step_family
 from omni_runtime.stage.runners.torch_common import WaveAborted, image_generators, release_memory, request_seeds
@@ -54,6 +54,10 @@ def accepts_batched_inputs(signature: inspect.Signature) -> bool:
     return takes_list("prompt") and takes_list("generator")
 
 
+#: The default ``max_pixels`` is this many times the model's native area.
+NATIVE_AREA_FACTOR = 4
+
+
 def size_multiple(pipe: Any) -> int:
     """The step of the sizes a pipeline can make: VAE scale factor x the denoiser's patch size.
 
@@ -66,6 +70,25 @@ def size_multiple(pipe: Any) -> int:
     scale = getattr(processor, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor", None) or 8
     patch = getattr(getattr(_denoiser(pipe), "config", None), "patch_size", None) or 1
     return math.lcm(8, int(scale) * int(patch))
+
+
+def size_multiple_reason(pipe: Any) -> str:
+    """Why sizes must be multiples of :func:`size_multiple`, in the model's own terms (for the 400
+    a user gets): the VAE scale factor, the latent packing, the denoiser's patch size, or the
+    pipeline's own floor of 8."""
+    vae = int(getattr(pipe, "vae_scale_factor", None) or 8)
+    processor = getattr(getattr(pipe, "image_processor", None), "config", None)
+    scale = int(getattr(processor, "vae_scale_factor", None) or vae)
+    patch = int(getattr(getattr(_denoiser(pipe), "config", None), "patch_size", None) or 1)
+    parts = [f"the VAE scale factor {vae}"]
+    if scale != vae:
+        parts.append(f"latent packing x{scale // vae}")
+    if patch > 1:
+        parts.append(f"the {type(_denoiser(pipe)).__name__} patch size {patch}")
+    reason = " x ".join(parts)
+    if math.lcm(8, scale * patch) != scale * patch:
+        reason += ", and the pipeline takes multiples of 8 only"
+    return reason
 
 
 def native_size(pipe: Any) -> tuple[int | None, int | None]:
@@ -118,6 +141,7 @@ class DiffusionRunner(StageRunner):
         # Facts about the pipeline kept across sleep(), when the pipeline itself is gone.
         self._native_size: tuple[int | None, int | None] = (None, None)
         self._size_multiple = 8
+        self._size_reason = "the VAE scale factor"
         self._scheduler_name = ""
         self._fixed_kwargs: dict[str, Any] = {}
         # Step execution: the family's step loop (None: unsupported, for _step_reason) and the
@@ -142,6 +166,7 @@ class DiffusionRunner(StageRunner):
                 type(pipe).__name__,
             )
         self._size_multiple = size_multiple(pipe)
+        self._size_reason = size_multiple_reason(pipe)
         self._native_size = native_size(pipe)
         self._scheduler_name = type(pipe.scheduler).__name__ if hasattr(pipe, "scheduler") else ""
         # Pipeline options that would change what is asked for, turned off where a pipeline has them:
@@ -187,7 +212,21 @@ class DiffusionRunner(StageRunner):
     # ------------------------------------------------------------------ scheduling
 
     def constraints(self) -> dict[str, Any]:
-        return {"size_multiple": self._size_multiple, "max_pixels": self.stage.engine_args.max_pixels}
+        return {
+            "size_multiple": self._size_multiple,
+            "size_multiple_reason": self._size_reason,
+            "max_pixels": self.max_pixels(),
+            "native_size": list(self._native_size) if all(self._native_size) else None,
+        }
+
+    def max_pixels(self) -> int:
+        """The configured limit, or 4 x the model's native area: a 64 px model asked for 1024 x 1024
+        would hold the replica for minutes to make what it was never trained for."""
+        configured = self.stage.engine_args.max_pixels
+        if configured is not None:
+            return configured
+        height, width = self._native_size
+        return NATIVE_AREA_FACTOR * height * width if height and width else FALLBACK_MAX_PIXELS
 
     def _default(self, name: str, fallback: Any = None) -> Any:
         param = self._call_params.get(name)
@@ -278,9 +317,11 @@ class DiffusionRunner(StageRunner):
                 raise WaveAborted
 
         if "callback_on_step_end" in self._call_params:
+            steps = _total_steps(kwargs)
 
             def on_step_end(pipe: Any, step: int, timestep: Any, callback_kwargs: dict) -> dict:
                 check_abort()
+                ctx.step_progress(ids, step + 1, steps or getattr(pipe, "num_timesteps", 0) or step + 1)
                 return callback_kwargs
 
             kwargs["callback_on_step_end"] = on_step_end
@@ -471,3 +512,10 @@ class DiffusionRunner(StageRunner):
         for rid, out in outputs.items():
             out.metrics["seed"] = self._states[rid].seed
         return outputs
+
+
+def _total_steps(kwargs: dict[str, Any]) -> int | None:
+    """The denoising steps a call will run, when the call says (img2img's strength may shorten it:
+    then the pipeline's own count is used)."""
+    steps = kwargs.get("num_inference_steps")
+    return int(steps) if isinstance(steps, int) and "strength" not in kwargs else None

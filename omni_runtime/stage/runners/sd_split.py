@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, StageAsleepError
 from omni_runtime.models.builtin import resolve_model
-from omni_runtime.params import DiffusionSamplingParams
+from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
 
 if TYPE_CHECKING:
@@ -229,7 +229,8 @@ class SDDenoiseRunner(_SplitRunner):
 
     def constraints(self) -> dict[str, Any]:
         # The SD pipelines reject sizes that are not multiples of 8, whatever the VAE.
-        return {"size_multiple": math.lcm(8, self._scale), "max_pixels": self.stage.engine_args.max_pixels}
+        limit = self.stage.engine_args.max_pixels or FALLBACK_MAX_PIXELS
+        return {"size_multiple": math.lcm(8, self._scale), "max_pixels": limit}
 
     def batch_key(self, request: RunnerRequest) -> Hashable:
         """Shape- and guidance-sensitive params, defaults resolved, and the embeddings' shape."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 import warnings
 
 import httpx
@@ -100,6 +101,27 @@ def test_chat_stream_on_an_image_only_pipeline(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_chat_stream_sends_progress_comments_while_the_image_is_drawn(http):
+    body = {
+        "messages": [{"role": "user", "content": "a slow kite"}],
+        "stream": True,
+        "priority": 3,  # an extension field, like seed
+    }
+    time.sleep(0.5)  # the stage sends a progress burst at most every 0.3 s: this one is due at step 1
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    comments = [line for line in lines if line.startswith(": progress")]
+    assert comments and comments[0].startswith(": progress stage=0 step=1/")
+    first_image = next(i for i, line in enumerate(lines) if '"images"' in line)
+    assert lines.index(comments[0]) < first_image and lines[-1] == "data: [DONE]"
+
+
+def test_images_take_a_priority_extension_field(client):
+    resp = client.images.generate(prompt="x", size="64x64", extra_body={"priority": -5, "seed": 1})
+    assert len(resp.data) == 1 and resp.data[0].b64_json
+
+
 def test_every_v1_route_needs_the_key(server):
     for method, path, body in [
         ("GET", "/v1/models", None),
@@ -130,6 +152,7 @@ def test_unknown_model_is_404(client):
         ({"prompt": "x", "size": "100000x100000"}, "size"),
         ({"prompt": "x", "size": "big"}, "size"),
         ({"prompt": "x", "size": "60x60"}, "size"),  # not a multiple of the VAE factor (engine check)
+        ({"prompt": "x", "size": "1024x1024"}, "size"),  # 256 x the area of this 64 px model
         ({"prompt": "x", "n": 1000}, "n"),
         ({"prompt": "x" * 1_000_000}, "prompt"),
         ({"prompt": ""}, "prompt"),
@@ -137,6 +160,8 @@ def test_unknown_model_is_404(client):
         ({"prompt": "x", "guidance_scale": -1}, "guidance_scale"),
         ({"prompt": "x", "response_format": "gif"}, "response_format"),
         ({"prompt": "x", "style_preset": "anime"}, "style_preset"),
+        ({"prompt": "x", "priority": 10**7}, "priority"),
+        ({"prompt": "x", "priority": "urgent"}, "priority"),
         ({}, "prompt"),
     ],
 )

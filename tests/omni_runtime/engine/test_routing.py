@@ -161,6 +161,10 @@ async def test_a_request_flows_down_the_graph_and_is_delivered_once():
         assert req0.request_id == rid and req0.prompt == "hello"
         assert not h.replica(1).sent  # stage 1 waits for stage 0
         h.replica(0).say(StageOutput(request_id=rid, payload=Payload(text="HELLO", metrics={"batch_size": 1})))
+        # The caller hears that the inner stage is done, with its timings and without its data.
+        notice = await h.output()
+        assert notice.stage_id == 0 and not notice.finished and not notice.stage_finished
+        assert notice.payload.text is None and notice.payload.metrics == {"batch_size": 1, "stage_done": True}
         [req1] = await h.sent(1)
         assert req1.prompt == "HELLO" and req1.inputs == {"text": "HELLO"}
         assert h.backend.settled == [(rid, 1)]  # one consumer, no input function: handed over as it is
@@ -189,6 +193,7 @@ async def test_fan_out_then_fan_in_waits_for_every_source_and_calls_the_input_fu
         h.replica(0).say(StageOutput(request_id=rid, payload=Payload(text="a")))
         await h.sent(1)
         await h.sent(2)
+        assert (await h.output()).payload.metrics == {"stage_done": True}  # stage 0's notice
         assert (rid, None) in h.backend.settled  # two consumers: each gets its own values
         h.replica(2).say(StageOutput(request_id=rid, payload=Payload(text="c")))
         first = await h.output()
@@ -197,6 +202,7 @@ async def test_fan_out_then_fan_in_waits_for_every_source_and_calls_the_input_fu
         assert not h.replica(3).sent  # still waits for stage 1
         h.replica(1).say(StageOutput(request_id=rid, payload=Payload(text="b")))
         [req3] = await h.sent(3)
+        assert (await h.output()).stage_id == 1  # stage 1's notice
         assert req3.prompt == "1:B | 2:C" and req3.inputs == {"original": "x"}
         h.replica(3).say(StageOutput(request_id=rid, payload=Payload(text="end")))
         last = await h.output()

@@ -608,3 +608,80 @@ def test_a_fixed_stable_window_ignores_the_gaps(clock: FakeClock) -> None:
     burst(s, clock, ["r0", "r1"], [10.0])
     assert s.stable_window_ms == 2.0
     assert s.schedule() == pytest.approx(0.012)
+
+
+# ---------------------------------------------------------------- priority
+
+
+def test_higher_priority_goes_first_and_equal_priorities_keep_oldest_key_first(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=2)
+    s.add("a", "k1")
+    s.add("b", "k2", priority=1)
+    s.add("c", "k1", priority=2)
+    s.add("d", "k2", priority=1)
+    s.add("e", "k1", priority=2)
+    # c leads (priority 2) with e; then b and d (priority 1, same key); a last.
+    assert drain(s) == [["c", "e"], ["b", "d"], ["a"]]
+
+
+def test_a_wave_takes_the_best_of_its_key_not_the_first_to_arrive(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=2)
+    for rid, p in (("low1", 0), ("low2", 0), ("high", 3)):
+        s.add(rid, "k", priority=p)
+    assert drain(s) == [["high", "low1"], ["low2"]]
+
+
+def test_a_low_priority_request_ages_past_later_high_priority_ones(clock: FakeClock) -> None:
+    s = RequestScheduler(1, 0.0, clock=clock, priority_aging_s=1.0)
+    s.add("low", "k", priority=0)
+    clock.advance(1500)  # 1.5 s waited: aged 1.5 levels
+    s.add("high", "k", priority=1)
+    assert run(s) == ["low"]
+    s.add("low2", "k", priority=0)
+    s.add("high2", "k", priority=1)  # same instant: priority decides
+    assert drain(s) == [["high"], ["high2"], ["low2"]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(-3, 3), st.sampled_from(["a", "b"]), st.floats(0, 50)),
+        min_size=1,
+        max_size=30,
+    ),
+    st.integers(1, 4),
+    st.floats(0.01, 5.0),
+)
+def test_waves_follow_aged_priority_and_nothing_waits_beyond_its_bound(
+    arrivals: list[tuple[int, str, float]], max_num_seqs: int, aging_s: float
+) -> None:
+    """Properties of any arrival sequence: each wave's head has the best aged rank of everything
+    waiting (so a request is never led past by one that arrived more than ``aging_s`` seconds per
+    level of priority after it), and a wave holds the best of its key."""
+    clock = FakeClock()
+    s = RequestScheduler(max_num_seqs, 0.0, clock=clock, priority_aging_s=aging_s)
+    meta: dict[str, tuple[int, str, float]] = {}
+    served: list[str] = []
+    for i, (priority, key, gap_ms) in enumerate(arrivals):
+        clock.advance(gap_ms)
+        rid = f"r{i}"
+        s.add(rid, key, priority=priority)
+        meta[rid] = (priority, key, clock())
+        if i % 3 == 2:  # some waves run while requests keep arriving
+            served.extend(_checked_wave(s, meta, served, max_num_seqs, aging_s))
+    while s.num_waiting:
+        served.extend(_checked_wave(s, meta, served, max_num_seqs, aging_s))
+    assert sorted(served) == sorted(meta)  # nothing lost, nothing twice
+
+
+def _checked_wave(s, meta, served, max_num_seqs, aging_s) -> list[str]:
+    waiting = [rid for rid in meta if rid not in served]
+    rank = {rid: (meta[rid][2] / aging_s - meta[rid][0], int(rid[1:])) for rid in waiting}
+    wave = s.schedule()
+    assert isinstance(wave, Wave)
+    head = min(waiting, key=rank.__getitem__)
+    assert wave.key == meta[head][1]
+    same_key = sorted((rid for rid in waiting if meta[rid][1] == wave.key), key=rank.__getitem__)
+    assert wave.request_ids == same_key[:max_num_seqs]
+    s.finish(wave.batch_id)
+    return wave.request_ids

@@ -216,6 +216,28 @@ def test_preemption_takes_the_place_and_the_preempted_request_resumes(clock: Fak
     assert plan.join == ["later"] and plan.run == ["b", "later"] and s.num_waiting == 0
 
 
+def test_a_waiting_low_priority_request_ages_past_later_high_ones(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=1, priority_aging_s=1.0)
+    s.add("hog", "k", priority=5)
+    s.add("low", "k")
+    step(s)
+    for i in range(5):  # a stream of priority-1 requests, one every 0.4 s
+        clock.advance(400)
+        s.add(f"high{i}", "k", priority=1)
+    # low ranks 0 (priority 0, arrived at 0 s); high_i ranks 0.4*(i+1) - 1: the two that arrived
+    # within 1 s of low go first, every later one after low, however long the stream.
+    order = []
+    finished: tuple[str, ...] = ("hog",)
+    while True:
+        plan = s.schedule()
+        if plan is None:
+            break
+        s.finish_step(plan.step_id, plan.run, finished)
+        finished = tuple(plan.run)
+        order.extend(rid for rid in plan.join)
+    assert order == ["high0", "high1", "low", "high2", "high3", "high4"]
+
+
 def test_no_preemption_among_equal_priorities(clock: FakeClock) -> None:
     s = make(clock, max_num_seqs=1)
     s.add("a", "k")

@@ -161,7 +161,10 @@ async def test_a_text_stage_in_a_process_feeds_a_diffusion_stage_on_ray(ray_clus
         nodes = [s["replica_nodes"] for s in engine.health().stages]
         assert nodes[0] != nodes[1]  # a local process, and a Ray node
         out = await run(engine, "a small boat")
-        assert out.text and out.images and out.images[0].size == (64, 64)
+        # The text stage delivered (its sampled text may be empty: a random model can stop at once)
+        # and fed the image stage on Ray.
+        assert out.outputs_by_stage[0].text is not None
+        assert out.images and out.images[0].size == (64, 64)
 
 
 def test_a_placement_no_node_can_satisfy_fails_at_once_and_says_what_is_missing(ray_cluster):

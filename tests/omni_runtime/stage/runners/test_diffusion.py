@@ -59,7 +59,12 @@ def floats(out: RunnerOutput) -> np.ndarray:
 def test_load_facts(runner: DiffusionRunner) -> None:
     assert runner.max_batch_size is None  # StableDiffusion takes lists
     # tiny-sd's VAE scale is 2, but StableDiffusionPipeline itself insists on multiples of 8.
-    assert runner.constraints() == {"size_multiple": 8, "max_pixels": 2048 * 2048}
+    assert runner.constraints() == {
+        "size_multiple": 8,
+        "size_multiple_reason": "the VAE scale factor 2, and the pipeline takes multiples of 8 only",
+        "max_pixels": 4 * 64 * 64,  # 4 x the native 64 x 64
+        "native_size": [64, 64],
+    }
 
 
 def test_output_types_and_sizes(runner: DiffusionRunner) -> None:

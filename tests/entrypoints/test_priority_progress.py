@@ -1,0 +1,101 @@
+"""Priority and progress through a real engine (stage processes): a higher-priority request
+overtakes waiting ones, progress outputs arrive while a request-level wave denoises, and a split
+pipeline reports each inner stage as it finishes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from omni_runtime import AsyncOmni, Omni
+from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.params import DiffusionSamplingParams, EchoSamplingParams
+from tests.conftest import echo_stage, make_config
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+async def echo():
+    engine = AsyncOmni(make_config([echo_stage(engine_args={"max_num_seqs": 1})]))
+    yield engine
+    await asyncio.get_running_loop().run_in_executor(None, engine.close)
+
+
+async def finish(engine: AsyncOmni, prompt: str, params: object, order: list[str]) -> None:
+    async for out in engine.generate(prompt, params):
+        if out.finished:
+            order.append(prompt)
+
+
+async def test_a_higher_priority_request_overtakes_waiting_ones(echo: AsyncOmni) -> None:
+    order: list[str] = []
+    hog = asyncio.create_task(finish(echo, "hog", EchoSamplingParams(delay_ms=400), order))
+    await asyncio.sleep(0.15)  # the hog is running; the others queue behind it
+    tasks = [
+        asyncio.create_task(finish(echo, name, EchoSamplingParams(delay_ms=1, priority=p), order))
+        for name, p in (("low-a", 0), ("low-b", 0), ("high", 5), ("mid", 1))
+    ]
+    await asyncio.gather(hog, *tasks)
+    assert order == ["hog", "high", "mid", "low-a", "low-b"]
+
+
+async def test_priority_is_validated_and_a_bad_one_names_the_field(echo: AsyncOmni) -> None:
+    for bad in (10**7, -(10**7), "high", 1.5, True):
+        with pytest.raises(InvalidRequestError) as e:
+            echo.validate("x", {"priority": bad})
+        assert e.value.param == "priority"
+    assert echo.validate("x", {"priority": -3}).priority == -3
+    assert echo.validate("x").priority == 0
+    async for out in echo.generate("still serves", {"priority": 2}):
+        last = out
+    assert last.finished and last.text == "still serves"
+
+
+def sd(stage_id: int = 0, **engine_args: object) -> dict:
+    return {
+        "stage_id": stage_id,
+        "stage_type": "diffusion",
+        "model": "builtin:tiny-sd",
+        "runtime": {"backend": "process", "torch_threads": 1},
+        "final_output": True,
+        "final_output_type": "image",
+        "default_sampling_params": {"height": 32, "width": 32, "guidance_scale": 1.0},
+        "engine_args": {"max_num_seqs": 2, **engine_args},
+    }
+
+
+@pytest.fixture(scope="module")
+async def tiny_sd():
+    engine = AsyncOmni(make_config([sd()]))
+    yield engine
+    await asyncio.get_running_loop().run_in_executor(None, engine.close)
+
+
+async def test_request_level_waves_report_progress_before_the_image(tiny_sd: AsyncOmni) -> None:
+    steps = 60
+    outs = [o async for o in tiny_sd.generate("a red kite", DiffusionSamplingParams(num_inference_steps=steps))]
+    progress = [o.progress for o in outs if o.progress is not None]
+    assert progress, "no progress output before the image"
+    assert all(p["stage_id"] == 0 and p["steps"] == steps and 1 <= p["step"] <= steps for p in progress)
+    assert [p["step"] for p in progress] == sorted({p["step"] for p in progress})  # increasing, no repeats
+    assert all(not o.finished and not o.images for o in outs[:-1])
+    final = outs[-1]
+    assert final.finished and final.progress is None and len(final.images) == 1
+
+
+def test_the_blocking_api_returns_the_image_not_a_progress_notice() -> None:
+    with Omni(make_config([sd()])) as omni:
+        (out,) = omni.generate(["a green kite"], DiffusionSamplingParams(num_inference_steps=40))
+    assert out.finished and out.progress is None and len(out.images) == 1
+
+
+async def test_a_split_pipeline_reports_each_inner_stage_when_it_is_done() -> None:
+    async with AsyncOmni("tiny-sd-split") as engine:
+        outs = [
+            o async for o in engine.generate("a blue kite", engine.sampling_params(image={"num_inference_steps": 2}))
+        ]
+    done = [o.progress["stage_id"] for o in outs if o.progress and o.progress.get("stage_done")]
+    assert done == [0, 1]  # the encoder, then the denoiser; the decoder's output is the final one
+    assert outs[-1].finished and outs[-1].images and outs[-1].stage_id == 2
