@@ -268,35 +268,37 @@ class JobManager:
         self.state.metrics.jobs.labels("running").inc()
 
     async def _observe(self, job: _LocalJob, record: dict[str, Any], out: Any, seen: set[int]) -> None:
-        progress = getattr(out, "progress", None) or (None if out.finished else out.metrics.get("progress"))
-        if progress:
+        """One engine output: a denoising step, an inner stage done (both ``out.progress``), or a
+        final stage's result."""
+        progress = out.progress
+        if progress and not progress.get("stage_done"):
             if not job.started:
                 await self._started(job, record, progress.get("batch_id"), progress.get("batch_size"))
-            step = {
-                "stage_id": progress.get("stage_id", out.stage_id),
-                "step": progress.get("step"),
-                "steps": progress.get("steps"),
-            }
+            step = {"stage_id": progress.get("stage_id"), "step": progress.get("step"), "steps": progress.get("steps")}
             record["progress"] = step
             await self.store.append_event(job.job_id, "step", step, {"progress": step})
             return
-        sid = out.stage_id
-        result = out.outputs_by_stage.get(sid)
-        if result is None or sid in seen or out.text_delta is not None or not result.metrics:
+        if progress:  # an inner stage is done: its timings come in the output's metrics
+            sid, m = progress["stage_id"], out.metrics
+        else:
+            sid = out.stage_id
+            result = out.outputs_by_stage.get(sid)
+            if result is None or out.text_delta is not None or not result.metrics:
+                return
+            m = result.metrics
+        if sid in seen:
             return
         seen.add(sid)
-        m = result.metrics
         now = time.time()
         if not job.started:
-            # No progress output came first (request-level batching): the wave began
+            # No progress output came first (a stage that reports no steps): the wave began
             # execution_ms before its output arrived.
             ran = m.get("execution_ms")
             at = now - ran / 1000.0 if isinstance(ran, int | float) else None
             await self._started(job, record, m.get("batch_id"), m.get("batch_size"), at)
         spans = stage_spans(sid, now, m)
-        if spans[0]["start"] < record["created_at"]:  # clocks: never before the job existed
-            for s in spans:
-                s["start"] = max(s["start"], record["created_at"])
+        for s in spans:  # clocks: never before the job existed
+            s["start"] = max(s["start"], record["created_at"])
         record["trace"].extend(spans)
         done = {
             "stage_id": sid,
@@ -305,6 +307,8 @@ class JobManager:
             "queue_wait_ms": m.get("queue_wait_ms"),
             "execution_ms": m.get("execution_ms"),
         }
+        if progress:
+            self.state.metrics.observe_stage(sid, m)  # final stages are observed with the result
         await self.store.append_event(job.job_id, "stage_done", done, {"trace": record["trace"]})
 
     async def _result(self, record: dict[str, Any], out: Any) -> dict[str, Any]:

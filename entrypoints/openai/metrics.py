@@ -149,9 +149,10 @@ class ServerMetrics:
                 self.queue_wait.labels(str(sid)).observe(wait / 1000.0)
             if isinstance(size, int | float):
                 self.batch_size.labels(str(sid)).observe(size)
-            self._observe_wave(sid, result.metrics)
+            self.observe_stage(sid, result.metrics)
 
-    def _observe_wave(self, sid: int, metrics: dict[str, Any]) -> None:
+    def observe_stage(self, sid: int, metrics: dict[str, Any]) -> None:
+        """The wave histogram, from one stage's output metrics (each wave counted once)."""
         execution, batch = metrics.get("execution_ms"), metrics.get("batch_id")
         if not isinstance(execution, int | float):
             return

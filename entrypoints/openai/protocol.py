@@ -204,8 +204,8 @@ class GenerateRequest(_Request):
     inputs: GenerateInputs
     config: GenerateConfig = Field(default_factory=GenerateConfig)
     async_run: bool = True
-    #: Higher is served first (where the engine's params take a priority).
-    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    #: Higher is served first (docs/configuration.md, "Priority"); default 0.
+    priority: Priority = 0
     response_format: Literal["url", "b64_json"] = "url"
 
 

@@ -15,8 +15,6 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from omni_runtime.params import DiffusionSamplingParams
-
 from .jobs_client import first_step, job_body, read_sse, submit, wait_status
 from .server_process import start_server, stop_server
 
@@ -176,6 +174,7 @@ def test_job_routes_need_the_api_key(server):
         ({"task": "text2image", "inputs": {"prompt": "x", "width": 64}}, 400, "inputs"),
         ({"task": "text2image", "inputs": {"prompt": "x"}, "config": {"steps": 3}}, 400, "config.steps"),
         ({"task": "text2image", "inputs": {"prompt": "x"}, "priority": 2**40}, 400, "priority"),
+        ({"task": "text2image", "inputs": {"prompt": "x"}, "priority": "high"}, 400, "priority"),
         ({"task": "text2image", "inputs": {"prompt": "x"}, "model": "nope"}, 404, "model"),
     ],
 )
@@ -200,10 +199,6 @@ def test_unknown_jobs_bad_event_ids_and_post_jobs(server, http):
     wait_status(http, job["job_id"], {"completed"})
 
 
-@pytest.mark.skipif(
-    "priority" not in DiffusionSamplingParams.__struct_fields__,
-    reason="the engine's sampling params take no priority yet (the scheduler work lands it)",
-)
 def test_a_high_priority_job_overtakes_low_ones_under_load(server, http):
     hog = submit(http, job_body("hog", steps=12))
     first_step(http, hog["job_id"])
