@@ -202,11 +202,11 @@ class JobManager:
         admitted = time.time()
         record["trace"] = [span("admission", record["created_at"], admitted, job_id=job_id)]
         try:
-            event = {"job_id": job_id, "priority": record["priority"], "attempt": record["attempts"]}
+            event = {"job_id": job_id, "priority": record["priority"], "attempt": record["attempts"], "at": time.time()}
             if new:
                 await self.store.create(record, ("queued", event))
             else:
-                await self.store.append_event(job_id, "queued", event, {"status": "queued", "trace": record["trace"]})
+                await self._emit(job_id, "queued", event, {"status": "queued", "trace": record["trace"]})
         except Exception:
             self._local.pop(job_id, None)
             omni.abort(job.request_id)
@@ -217,6 +217,10 @@ class JobManager:
         job.task = asyncio.create_task(self._follow(job, record, agen, first), name=f"job-{job_id}")
 
     # ------------------------------------------------------------------ following a job
+
+    async def _emit(self, job_id: str, type: str, data: dict[str, Any], fields: dict[str, Any] | None = None) -> str:
+        """Append an event stamped with the gateway's clock (``at``, epoch seconds)."""
+        return await self.store.append_event(job_id, type, {**data, "at": time.time()}, fields)
 
     async def _follow(self, job: _LocalJob, record: dict[str, Any], agen: AsyncIterator[Any], first: Any) -> None:
         job_id = job.job_id
@@ -259,7 +263,7 @@ class JobManager:
         job.started = True
         record["started_at"] = max(record["created_at"], at or time.time())
         record["status"] = "running"
-        await self.store.append_event(
+        await self._emit(
             job.job_id,
             "started",
             {"batch_id": batch_id, "batch_size": batch_size},
@@ -276,7 +280,7 @@ class JobManager:
                 await self._started(job, record, progress.get("batch_id"), progress.get("batch_size"))
             step = {"stage_id": progress.get("stage_id"), "step": progress.get("step"), "steps": progress.get("steps")}
             record["progress"] = step
-            await self.store.append_event(job.job_id, "step", step, {"progress": step})
+            await self._emit(job.job_id, "step", step, {"progress": step})
             return
         if progress:  # an inner stage is done: its timings come in the output's metrics
             sid, m = progress["stage_id"], out.metrics
@@ -309,7 +313,7 @@ class JobManager:
         }
         if progress:
             self.state.metrics.observe_stage(sid, m)  # final stages are observed with the result
-        await self.store.append_event(job.job_id, "stage_done", done, {"trace": record["trace"]})
+        await self._emit(job.job_id, "stage_done", done, {"trace": record["trace"]})
 
     async def _result(self, record: dict[str, Any], out: Any) -> dict[str, Any]:
         request = GenerateRequest.model_validate(record["request"] | {"async_run": True})
@@ -374,7 +378,7 @@ class JobManager:
             data["result"] = result
         if error is not None:
             data["error"] = error
-        await self.store.append_event(job.job_id, status, data, fields)
+        await self._emit(job.job_id, status, data, fields)
         self.state.metrics.jobs.labels(status).inc()
 
     # ------------------------------------------------------------------ cancel
@@ -464,7 +468,7 @@ class JobManager:
             return
         record["attempts"] = record.get("attempts", 1) + 1
         record["owner"] = self.gateway_id
-        await self.store.append_event(
+        await self._emit(
             job_id,
             "requeued",
             {"reason": "gateway_lost", "attempt": record["attempts"]},
