@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.step_batching
 	$(PY) -m benchmarks.transfer
 	$(PY) -m benchmarks.http
+	$(PY) -m benchmarks.jobs
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -30,6 +30,7 @@ MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tests/reliability/", ("reliability",)),
     ("tests/entrypoints/openai/", ("e2e",)),
     ("tests/entrypoints/jobs/test_memory_store.py", ("unit",)),
+    ("tests/entrypoints/jobs/test_follow.py", ("unit",)),
     ("tests/entrypoints/test_cli.py", ("e2e",)),
     ("tests/entrypoints/", ("integration",)),
     ("tests/omni_runtime/models/", ("integration",)),

@@ -245,13 +245,12 @@ class JobManager:
                     error = {"message": "the server shut down before the job finished", "code": "shutdown"}
                     await asyncio.shield(self._end(job, record, "failed", error=error))
             raise
-        except RequestAbortedError as e:
-            if job.cancelled:
-                await self._end(job, record, "cancelled", out=last)
-            else:
-                await self._end(job, record, "failed", error=_error(e), out=last)
         except Exception as e:
-            await self._end(job, record, "failed", error=_error(e), out=last)
+            status = "cancelled" if job.cancelled and isinstance(e, RequestAbortedError) else "failed"
+            try:
+                await self._end(job, record, status, error=None if status == "cancelled" else _error(e), out=last)
+            except Exception as store_error:  # the store is unreachable: the job stays as it was
+                logger.error("job %s ended %s but could not be recorded: %s", job_id, status, store_error)
         finally:
             self._local.pop(job_id, None)
             with contextlib.suppress(Exception):
@@ -438,15 +437,19 @@ class JobManager:
         while True:
             events = await self.store.events(job_id, after)
             if not events:
-                # A finished record has its final event already (both are written in one step),
-                # so nothing more can come after ``after``; an expired job has no more either.
                 record = await self.store.get(job_id)
                 if record is None or record["status"] in TERMINAL:
-                    return
-                events = await self.store.wait_events(job_id, after, keepalive_s)
-                if not events:
-                    yield None
-                    continue
+                    # A finished record has its final event already (both are written in one
+                    # step), possibly written since the read above: read once more, and that is
+                    # all there will be. An expired job has no more events either.
+                    events = [] if record is None else await self.store.events(job_id, after)
+                    if not events:
+                        return
+                else:
+                    events = await self.store.wait_events(job_id, after, keepalive_s)
+                    if not events:
+                        yield None
+                        continue
             for event in events:
                 yield event
                 after = event.id

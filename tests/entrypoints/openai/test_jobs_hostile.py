@@ -158,3 +158,6 @@ def test_after_all_that_the_server_still_runs_jobs(server, http, stage_pid):
     r = http.post("/v1/generate", json=job_body(steps=2, async_run=False))
     assert r.status_code == 200 and r.json()["status"] == "completed", r.text[:300]
     assert [p.pid for p in server.stage_processes()] == [stage_pid]
+    # Well over --max-jobs were submitted: the in-memory store kept to its bound.
+    store = http.get("/readyz").json()["job_store"]
+    assert store["backend"] == "memory" and 0 < store["jobs"] <= 64

@@ -15,7 +15,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from .jobs_client import first_step, job_body, read_sse, submit, wait_status
-from .server_process import assert_gone, start_server, stop_server, wait_for
+from .server_process import ServerProcess, assert_gone, free_port, start_server, stop_server, wait_for
 
 LONG_STEPS = 400
 
@@ -198,3 +198,13 @@ def test_a_killed_gateways_jobs_are_requeued_once_then_lost(tmp_path, redis_serv
             assert time.time() - lost["finished_at"] < 120
     finally:
         stop_server(e)
+
+
+def test_an_unreachable_redis_stops_the_server_at_start_saying_so(tmp_path):
+    dead_port = free_port()  # nothing listens there
+    server = ServerProcess("tiny-sd", "--redis-url", f"redis://127.0.0.1:{dead_port}/0", log=tmp_path / "s.log")
+    try:
+        assert server.wait(60) != 0
+    finally:
+        server.stop()
+    assert "job store (redis) cannot be reached" in server.log()
