@@ -1,8 +1,9 @@
 """What async jobs cost: one real ``omni-runtime serve`` (tiny-sd), in one run.
 
-1) overhead: one-image requests, sequential, interleaved request by request: the synchronous
-   ``POST /v1/images/generations``, and an async job (``POST /v1/generate``, then its SSE stream
-   until ``completed``, then ``GET /v1/jobs/{id}``); p50/p99 of each and the difference of p50s
+1) overhead: one-image requests, sequential, interleaved request by request (each side first
+   every other time): the synchronous ``POST /v1/images/generations``, and an async job
+   (``POST /v1/generate``, then its SSE stream until ``completed``, then ``GET /v1/jobs/{id}``);
+   p50/p99 of each and the difference of p50s
 2) SSE delivery: ``--jobs`` jobs, ``--concurrency`` at a time, each followed by an SSE client;
    every event carries the gateway's clock (``at``), so delivery latency = received - at (one
    machine, one clock); p50/p99, and the events/s the clients received
@@ -125,11 +126,14 @@ async def overhead(url: str, total: int) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         image = {"prompt": "a red fox", "num_inference_steps": IMAGE["num_inference_steps"], "size": IMAGE["size"]}
         job = {"task": "text2image", "inputs": {"prompt": "a red fox", **IMAGE}, "response_format": "b64_json"}
-        for i in range(total + 2):  # the first two are warm-up
+
+        async def one_sync() -> float:
             start = time.perf_counter()
             r = await http.post("/v1/images/generations", json=image)
             r.raise_for_status()
-            sync = (time.perf_counter() - start) * 1000.0
+            return (time.perf_counter() - start) * 1000.0
+
+        async def one_job() -> float:
             start = time.perf_counter()
             r = await http.post("/v1/generate", json=job)
             r.raise_for_status()
@@ -137,7 +141,15 @@ async def overhead(url: str, total: int) -> dict[str, Any]:
             events = await follow_sse(http, job_id)
             assert events[-1][1]["type"] == "completed", events[-1]
             (await http.get(f"/v1/jobs/{job_id}")).raise_for_status()
-            done = (time.perf_counter() - start) * 1000.0
+            return (time.perf_counter() - start) * 1000.0
+
+        for i in range(total + 2):  # the first pair is warm-up
+            # Each side goes first every other time: the first request after a pause may run on
+            # a colder engine than the one right behind it.
+            if i % 2:
+                sync, done = await one_sync(), await one_job()
+            else:
+                done, sync = await one_job(), await one_sync()
             if i >= 2:
                 sync_ms.append(sync)
                 job_ms.append(done)
