@@ -3,7 +3,8 @@
 1) overhead: one-image requests, sequential, interleaved request by request (each side first
    every other time): the synchronous ``POST /v1/images/generations``, and an async job
    (``POST /v1/generate``, then its SSE stream until ``completed``, then ``GET /v1/jobs/{id}``);
-   p50/p99 of each and the difference of p50s
+   p50/p99 of each, the difference of p50s and the median paired difference, and the job's
+   latency minus the engine's own end-to-end time (what the job machinery adds on top of it)
 2) SSE delivery: ``--jobs`` jobs, ``--concurrency`` at a time, each followed by an SSE client;
    every event carries the gateway's clock (``at``), so delivery latency = received - at (one
    machine, one clock); p50/p99, and the events/s the clients received
@@ -123,6 +124,7 @@ async def follow_sse(http: httpx.AsyncClient, job_id: str) -> list[tuple[float, 
 async def overhead(url: str, total: int) -> dict[str, Any]:
     sync_ms: list[float] = []
     job_ms: list[float] = []
+    gateway_ms: list[float] = []  # a job's latency minus the engine's own e2e time
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         image = {"prompt": "a red fox", "num_inference_steps": IMAGE["num_inference_steps"], "size": IMAGE["size"]}
         job = {"task": "text2image", "inputs": {"prompt": "a red fox", **IMAGE}, "response_format": "b64_json"}
@@ -140,8 +142,11 @@ async def overhead(url: str, total: int) -> dict[str, Any]:
             job_id = r.json()["job_id"]
             events = await follow_sse(http, job_id)
             assert events[-1][1]["type"] == "completed", events[-1]
-            (await http.get(f"/v1/jobs/{job_id}")).raise_for_status()
-            return (time.perf_counter() - start) * 1000.0
+            r = await http.get(f"/v1/jobs/{job_id}")
+            r.raise_for_status()
+            took = (time.perf_counter() - start) * 1000.0
+            gateway_ms.append(took - r.json()["timings"]["engine_e2e_ms"])
+            return took
 
         for i in range(total + 2):  # the first pair is warm-up
             # Each side goes first every other time: the first request after a pause may run on
@@ -153,8 +158,13 @@ async def overhead(url: str, total: int) -> dict[str, Any]:
             if i >= 2:
                 sync_ms.append(sync)
                 job_ms.append(done)
+    paired = [j - s for j, s in zip(job_ms, sync_ms, strict=True)]
+    gateway = gateway_ms[2:]  # without the warm-up pair
     return {
         "requests_per_side": total,
+        "paired_difference_p50_ms": round(pct(paired, 50), 2),
+        "job_gateway_p50_ms": round(pct(gateway, 50), 2),
+        "job_gateway_p99_ms": round(pct(gateway, 99), 2),
         "sync_p50_ms": round(pct(sync_ms, 50), 2),
         "sync_p99_ms": round(pct(sync_ms, 99), 2),
         "job_p50_ms": round(pct(job_ms, 50), 2),
@@ -247,7 +257,12 @@ def main() -> int:
     print(f"overhead, sequential, interleaved, {o['requests_per_side']} per side")
     print(f"  POST /v1/images/generations   p50 {o['sync_p50_ms']:8.1f} ms   p99 {o['sync_p99_ms']:8.1f} ms")
     print(f"  job: submit -> SSE completed  p50 {o['job_p50_ms']:8.1f} ms   p99 {o['job_p99_ms']:8.1f} ms")
-    print(f"  overhead of a job             p50 {o['overhead_p50_ms']:8.1f} ms")
+    print(f"  overhead of a job             p50 {o['overhead_p50_ms']:8.1f} ms (difference of the p50s)")
+    print(f"  job - sync, paired            p50 {o['paired_difference_p50_ms']:8.1f} ms")
+    print(
+        f"  job latency - engine e2e      p50 {o['job_gateway_p50_ms']:8.1f} ms   p99 {o['job_gateway_p99_ms']:8.1f} ms"
+        " (the gateway's share: submit, store, events, SSE, GET)"
+    )
     print(f"SSE delivery, {d['jobs']} jobs of 8 steps, {d['concurrency']} at a time")
     print(f"  {d['events']} events, {d['events_per_s']} events/s received")
     print(f"  delivery latency              p50 {d['delivery_p50_ms']:8.3f} ms   p99 {d['delivery_p99_ms']:8.3f} ms")
