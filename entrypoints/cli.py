@@ -274,6 +274,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     image: dict[str, Any] = {"num_inference_steps": args.steps, "guidance_scale": args.guidance_scale}
     if args.size is not None:
         image["width"], image["height"] = args.size
+    if args.lora is not None:
+        # An existing file or folder is a path (this process loads it); anything else a name.
+        where = Path(args.lora).expanduser()
+        spec = {"path": str(where.resolve())} if where.exists() else {"name": args.lora}
+        image["lora"] = {**spec, "scale": args.lora_scale}
     jobs = []  # (prompt, seed) for every image: each is its own request, so they batch together
     for prompt in args.prompts:
         jobs.extend((prompt, None if args.seed is None else args.seed + i) for i in range(args.n))
@@ -564,6 +569,9 @@ _RPC_METHODS = """built-in methods:
   set_batching   --kwargs '{"max_num_seqs": 8, "request_batch_max_wait_ms": 10}'
   sleep          release the model's memory (requests get 503 until wake_up)
   wake_up        reload the model
+  list_loras     LoRA adapters offered by name, loaded (least recently used first), active
+  add_lora       --kwargs '{"name": "ink", "path": "/srv/loras/ink", "load": true}' (a path on the server)
+  remove_lora    --kwargs '{"name": "ink"}'
   a custom runner's rpc_<name> methods are called by <name>
 
 examples:
@@ -653,6 +661,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=_positive_int, help="num_inference_steps (default: the model's)")
     g.add_argument("--size", type=_size, help="WIDTHxHEIGHT (default: the model's)")
     g.add_argument("--guidance-scale", type=_float(0), help="classifier-free guidance (default: the model's)")
+    g.add_argument("--lora", metavar="PATH_OR_NAME", help="a LoRA adapter: a local folder/file, or a registered name")
+    g.add_argument("--lora-scale", type=float, default=1.0, help="how strongly the LoRA applies")
     g.add_argument("--max-num-seqs", type=_positive_int, help="most requests fused into one forward")
     _add_step_execution_arg(g)
     _add_placement_args(g)

@@ -15,6 +15,7 @@ import msgspec
 import yaml
 
 from omni_runtime.exceptions import ConfigError
+from omni_runtime.params import LORA_NAME_PATTERN, check_lora_path
 
 _Struct = {"kw_only": True, "forbid_unknown_fields": True}
 
@@ -82,8 +83,21 @@ class RuntimeConfig(msgspec.Struct, **_Struct):
             self.backend = "process"
 
 
+class TorchCompile(msgspec.Struct, **_Struct):
+    """``engine_args.torch_compile``: ``torch.compile`` the denoiser (UNet or transformer) at load."""
+
+    #: ``inductor`` (kernels generated for the machine: needs a C++ compiler on CPU, minutes of
+    #: warm-up on the first request of each shape) or any other registered backend.
+    backend: str = "inductor"
+    #: ``default``, ``reduce-overhead`` (CUDA graphs), ``max-autotune``... (inductor only).
+    mode: str | None = None
+    fullgraph: bool = False
+    #: None: let torch decide (it recompiles with dynamic shapes after a second size).
+    dynamic: bool | None = None
+
+
 class EngineArgs(msgspec.Struct, **_Struct):
-    """Scheduling knobs of one stage."""
+    """Scheduling knobs of one stage, and how a diffusion stage runs its model."""
 
     #: Most requests fused into one forward().
     max_num_seqs: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
@@ -108,9 +122,31 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: between steps (continuous batching). A runner or pipeline that cannot falls back to
     #: request-level batching and logs why.
     step_execution: bool = False
+    #: ``torch.compile`` the denoiser (``true`` for the defaults, or ``{backend, mode, fullgraph,
+    #: dynamic}``). Off by default: worth it on a GPU for a long-running server.
+    torch_compile: bool | TorchCompile = False
+    #: Weights and activations of the UNet / VAE convolutions in NHWC (channels-last) memory
+    #: format: faster convolutions on most GPUs and with oneDNN on recent CPUs.
+    channels_last: bool = False
+    #: Attention computed in slices to cut peak memory: ``auto`` (half the heads at a time),
+    #: ``max`` (one at a time) or a slice size; null = off.
+    attention_slicing: Literal["auto", "max"] | Annotated[int, msgspec.Meta(ge=1)] | None = None
+    #: Decode (and encode) large images with the VAE in tiles: bounded memory for big sizes.
+    vae_tiling: bool = False
     #: Priority aging: a waiting request gains one priority level per this many seconds it waits,
     #: so a low-priority request is served at last however many higher ones keep arriving.
     priority_aging_s: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 10.0
+    #: LoRA adapters a diffusion stage offers by name: ``{name: absolute path}`` of a local adapter
+    #: directory (or ``.safetensors`` file). Requests pick one with ``lora: {name, scale}``; HTTP
+    #: clients can only name these (and those added with ``collective_rpc("add_lora")``).
+    loras: dict[Annotated[str, msgspec.Meta(pattern=LORA_NAME_PATTERN)], str] = msgspec.field(default_factory=dict)
+    #: Most LoRA adapters kept loaded in each replica; past it the least recently used is unloaded
+    #: (and loaded again from disk when a request asks for it).
+    max_loras: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
+
+    def __post_init__(self) -> None:
+        for name, path in self.loras.items():
+            check_lora_path(path, f"loras.{name}")
 
 
 class StageConfig(msgspec.Struct, **_Struct):

@@ -104,6 +104,11 @@ class StageAsleepError(RequestError):
     """The stage was put to sleep with ``collective_rpc("sleep")`` and has not been woken."""
 
 
+class LoraLoadError(RequestError):
+    """A LoRA adapter that exists could not be loaded into the model (not LoRA weights, made for
+    another architecture, a registered path that is gone). The request fails; the stage serves on."""
+
+
 # --------------------------------------------------------------------------- engine
 
 
@@ -145,6 +150,7 @@ ERROR_TYPES: dict[str, type[OmniError]] = {
         StageExecutionError,
         StageDeadError,
         StageAsleepError,
+        LoraLoadError,
         EngineError,
         EngineClosedError,
         EngineDeadError,

@@ -8,6 +8,7 @@ once, in the caller's thread, before anything is enqueued: errors are
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -25,6 +26,12 @@ Priority = Annotated[int, msgspec.Meta(ge=-1_000_000, le=1_000_000)]
 FALLBACK_MAX_PIXELS = 2048 * 2048
 #: Longest prompt accepted, in characters.
 MAX_PROMPT_CHARS = 100_000
+#: What a LoRA adapter's registered name may look like (``engine_args.loras``, ``add_lora``).
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+#: Largest magnitude of a LoRA scale: past a few units an adapter only produces noise.
+MAX_LORA_SCALE = 10.0
+#: Longest adapter path accepted, in characters (Linux's PATH_MAX).
+MAX_LORA_PATH_CHARS = 4096
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -36,6 +43,41 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stage_type: ClassVar[str] = ""
     timeout: Timeout | None = None
     priority: Priority | None = None
+
+
+def check_lora_path(path: str, field: str = "lora.path") -> None:
+    """A LoRA path must be an absolute local path: adapters are never fetched from a hub, and a
+    relative path would depend on the stage process's working directory. InvalidRequestError
+    (a ValueError) otherwise."""
+    if "\x00" in path:
+        raise InvalidRequestError(f"`{field}` contains a NUL character", param=field)
+    if not os.path.isabs(path):
+        raise InvalidRequestError(
+            f"`{field}` must be an absolute path to a local adapter directory or file, got {path[:80]!r} "
+            "(adapters are never downloaded: a hub id such as `user/repo` is not fetched)",
+            param=field,
+        )
+
+
+class LoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """The LoRA adapter a diffusion request runs with: exactly one of ``name`` (an adapter the
+    operator registered, ``engine_args.loras`` or ``collective_rpc("add_lora")``) or ``path`` (a
+    local directory or ``.safetensors`` file; Python API only, HTTP takes names), and its ``scale``.
+    """
+
+    name: Annotated[str, msgspec.Meta(pattern=LORA_NAME_PATTERN)] | None = None
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_LORA_PATH_CHARS)] | None = None
+    #: How strongly the adapter applies: 0 = not at all, 1 = as trained, negative = away from it.
+    scale: Annotated[float, msgspec.Meta(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)] = 1.0
+
+    def __post_init__(self) -> None:
+        if (self.name is None) == (self.path is None):
+            raise InvalidRequestError(
+                "give exactly one of `lora.name` (a registered adapter) or `lora.path` (a local directory)",
+                param="lora",
+            )
+        if self.path is not None:
+            check_lora_path(self.path)
 
 
 class DiffusionSamplingParams(SamplingParams):
@@ -53,6 +95,8 @@ class DiffusionSamplingParams(SamplingParams):
     seed: Seed | None = None
     #: ``pil`` images, ``np`` float arrays in [0, 1], or ``latent`` tensors.
     output_type: Literal["pil", "np", "latent"] | None = None
+    #: A LoRA adapter to run with (a :class:`LoraRequest` or a dict of its fields); none when unset.
+    lora: LoraRequest | None = None
 
 
 class TextSamplingParams(SamplingParams):
@@ -130,7 +174,12 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
         message, field = _field_of(e)
         name = f"`{field}`: " if field else ""
         raise InvalidRequestError(f"invalid sampling param {name}{message}", param=field) from None
-    fields = {k: v for k, v in msgspec.structs.asdict(typed).items() if v is not None}
+    # ``lora`` travels as a plain dict of its set fields, like the rest of the params.
+    fields = {
+        k: {f: x for f, x in msgspec.structs.asdict(v).items() if x is not None} if isinstance(v, LoraRequest) else v
+        for k, v in msgspec.structs.asdict(typed).items()
+        if v is not None
+    }
     if not params_cls.__struct_config__.forbid_unknown_fields:
         extra = {k: v for k, v in merged.items() if k not in params_cls.__struct_fields__ and v is not None}
         fields = {**extra, **fields}
@@ -143,7 +192,12 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
     ``size_multiple``: height and width must be multiples of it; ``size_multiple_reason`` says why
     in the model's terms (VAE scale factor, latent packing, patch size).
     ``max_pixels``: height * width may not exceed it (``native_size``, when known, is named).
+    ``lora``: whether the stage's model takes LoRA adapters; a stage that does not say so refuses them.
     """
+    if params.get("lora") is not None and not constraints.get("lora"):
+        raise InvalidRequestError(
+            "invalid sampling param `lora`: this stage's model does not take LoRA adapters", param="lora"
+        )
     h = params.get("height")
     w = params.get("width")
     multiple = constraints.get("size_multiple")

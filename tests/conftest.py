@@ -32,6 +32,7 @@ MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tests/entrypoints/jobs/test_memory_store.py", ("unit",)),
     ("tests/entrypoints/jobs/test_follow.py", ("unit",)),
     ("tests/entrypoints/test_cli.py", ("e2e",)),
+    ("tests/entrypoints/test_cli_lora.py", ("e2e",)),
     ("tests/entrypoints/", ("integration",)),
     ("tests/omni_runtime/models/", ("integration",)),
     ("tests/omni_runtime/stage/runners/", ("integration",)),
@@ -134,3 +135,32 @@ def no_leaks():
     leftover = [p for p in children() if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not leftover, f"child processes left: {[(p.pid, p.cmdline()) for p in leftover]}"
     assert shm_segments() - before_shm == set()
+
+
+class FakeClock:
+    """A clock in seconds that moves only when told, in milliseconds (for the pure schedulers)."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+
+    def __call__(self) -> float:
+        return self.ms / 1000.0
+
+    def advance(self, ms: float) -> None:
+        self.ms += ms
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory: pytest.TempPathFactory):
+    """A private builtin-model cache for the module (stage processes inherit it through the
+    environment) and one torch thread in this process: intra-op threads that wait for each
+    other slow down badly on a busy machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMNI_RUNTIME_CACHE", str(path))
+        yield path
+    torch.set_num_threads(threads)

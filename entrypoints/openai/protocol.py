@@ -35,7 +35,7 @@ from omni_runtime.exceptions import (
     StageDeadError,
 )
 from omni_runtime.outputs import OmniRequestOutput
-from omni_runtime.params import MAX_PROMPT_CHARS
+from omni_runtime.params import LORA_NAME_PATTERN, MAX_LORA_SCALE, MAX_PROMPT_CHARS
 from omni_runtime.serialization import find_unencodable
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,32 @@ def parse_size(value: str) -> tuple[int, int]:
     return width, height
 
 
+class LoraSpec(_Request):
+    """The ``lora`` extension field: an adapter the operator registered, by name, and its scale.
+
+    Paths are refused: a client must not choose files on the server. The operator offers adapters
+    with ``engine_args.loras`` or ``collective_rpc("add_lora")``; the Python API may pass paths.
+    """
+
+    name: str = Field(pattern=LORA_NAME_PATTERN)
+    scale: float = Field(1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)
+    #: Declared only to be refused with the reason.
+    path: Any = None
+
+    @field_validator("path")
+    @classmethod
+    def _no_paths(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError(
+                "adapter paths are not accepted over HTTP; name an adapter the server offers "
+                "(engine_args.loras, or collective_rpc add_lora)"
+            )
+        return value
+
+    def params(self) -> dict[str, Any]:
+        return {"name": self.name, "scale": self.scale}
+
+
 # --------------------------------------------------------------------------- images
 
 
@@ -112,6 +138,8 @@ class ImageGenerationRequest(_Request):
     #: Seed of the first image; image i gets ``seed + i``.
     seed: Seed | None = None
     timeout: Timeout | None = None
+    #: A registered LoRA adapter and its scale (an extension).
+    lora: LoraSpec | None = None
     priority: Priority | None = None
     # Sent by OpenAI callers; no meaning for this runtime.
     user: str | None = Field(None, max_length=256)
@@ -260,6 +288,8 @@ class ChatCompletionRequest(_Request):
     #: Only one choice is produced per request.
     n: Literal[1] | None = None
     timeout: Timeout | None = None
+    #: A registered LoRA adapter for the image stages, and its scale (an extension).
+    lora: LoraSpec | None = None
     priority: Priority | None = None
     # Sent by OpenAI callers; no meaning for this runtime.
     user: str | None = Field(None, max_length=256)

@@ -549,6 +549,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "num_inference_steps": body.num_inference_steps,
             "guidance_scale": body.guidance_scale,
             "timeout": body.timeout,
+            "lora": body.lora.params() if body.lora else None,
             "priority": body.priority,
         }
         if size is not None:
@@ -604,6 +605,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
             "seed": body.seed,
             "timeout": body.timeout,
+            "lora": body.lora.params() if body.lora else None,
             "priority": body.priority,
         }
         modalities = list(body.modalities) if body.modalities else None

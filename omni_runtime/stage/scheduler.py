@@ -87,7 +87,37 @@ class _Pending:
     priority: int = 0
 
 
-class RequestScheduler:
+class BatchSize:
+    """``max_num_seqs`` as asked (config, ``set_batching``) and as applied: never above the
+    runner's own cap, whichever was set first. Shared by the request and step schedulers."""
+
+    _asked_max_num_seqs: int = 1
+    _batch_cap: int | None = None
+    _max_num_seqs: int = 1
+
+    def _ask_max_num_seqs(self, value: int) -> None:
+        _check_int("max_num_seqs", value)
+        self._asked_max_num_seqs = value
+        self._apply_cap()
+
+    def set_batch_cap(self, cap: int | None) -> None:
+        """The most requests the runner can take in one forward or step (None: no limit of its
+        own). ``max_num_seqs`` never exceeds it, whatever is asked before or after."""
+        if cap is not None:
+            _check_int("batch cap", cap)
+        self._batch_cap = cap
+        self._apply_cap()
+
+    def _apply_cap(self) -> None:
+        cap = self._batch_cap
+        self._max_num_seqs = self._asked_max_num_seqs if cap is None else min(cap, self._asked_max_num_seqs)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._max_num_seqs
+
+
+class RequestScheduler(BatchSize):
     """Decides the waves of one stage replica. Not thread-safe: owned by the worker's event loop."""
 
     def __init__(
@@ -109,9 +139,6 @@ class RequestScheduler:
             _check_int("max_queue_len", max_queue_len)
         if policy not in ("oldest_key", "fifo"):
             raise ConfigError(f"expected 'oldest_key' or 'fifo', got {policy!r}", path="policy")
-        self._max_num_seqs = 1  # as applied: min(asked, batch cap)
-        self._asked_max_num_seqs = 1
-        self._batch_cap: int | None = None
         self._max_wait_ms = 0.0
         self.set_config(max_num_seqs=max_num_seqs, max_wait_ms=max_wait_ms)
         self._clock = clock
@@ -209,26 +236,9 @@ class RequestScheduler:
         if max_wait_ms is not None:
             _check_ms("max_wait_ms", max_wait_ms)
         if max_num_seqs is not None:
-            self._asked_max_num_seqs = max_num_seqs
-            self._apply_cap()
+            self._ask_max_num_seqs(max_num_seqs)
         if max_wait_ms is not None:
             self._max_wait_ms = float(max_wait_ms)
-
-    def set_batch_cap(self, cap: int | None) -> None:
-        """The most requests the runner can take in one forward (None: no limit of its own).
-        ``max_num_seqs`` never exceeds it, whatever is asked before or after."""
-        if cap is not None:
-            _check_int("batch cap", cap)
-        self._batch_cap = cap
-        self._apply_cap()
-
-    def _apply_cap(self) -> None:
-        cap = self._batch_cap
-        self._max_num_seqs = self._asked_max_num_seqs if cap is None else min(cap, self._asked_max_num_seqs)
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self._max_num_seqs
 
     @property
     def max_wait_ms(self) -> float:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from omni_runtime.exceptions import ConfigError, DuplicateRequestError, QueueFullError
-from omni_runtime.stage.scheduler import aged_rank
+from omni_runtime.stage.scheduler import BatchSize, aged_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +83,7 @@ class _Entry:
     pauses: int = 0
 
 
-class StepScheduler:
+class StepScheduler(BatchSize):
     """Decides the steps of one stage replica. Not thread-safe: owned by the worker's event loop."""
 
     def __init__(
@@ -99,9 +99,6 @@ class StepScheduler:
         self._aging_s = float(priority_aging_s)
         self._clock = clock
         self._max_queue_len = max_queue_len
-        self._asked_max_num_seqs = 1
-        self._batch_cap: int | None = None
-        self._max_num_seqs = 1
         self.set_config(max_num_seqs=max_num_seqs)
         # Every live request, and two indexes in arrival order: by priority, and by key then priority.
         self._entries: dict[str, _Entry] = {}
@@ -251,24 +248,7 @@ class StepScheduler:
         ``max_wait_ms`` is accepted for the request-level interface and has no effect: a request
         joins at the next step anyway."""
         if max_num_seqs is not None:
-            _check_int("max_num_seqs", max_num_seqs)
-            self._asked_max_num_seqs = max_num_seqs
-            self._apply_cap()
-
-    def set_batch_cap(self, cap: int | None) -> None:
-        """The most requests the runner can step at once; ``max_num_seqs`` never exceeds it."""
-        if cap is not None:
-            _check_int("batch cap", cap)
-        self._batch_cap = cap
-        self._apply_cap()
-
-    def _apply_cap(self) -> None:
-        cap = self._batch_cap
-        self._max_num_seqs = self._asked_max_num_seqs if cap is None else min(cap, self._asked_max_num_seqs)
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self._max_num_seqs
+            self._ask_max_num_seqs(max_num_seqs)
 
     @property
     def max_wait_ms(self) -> float:

@@ -99,3 +99,23 @@ async def test_a_split_pipeline_reports_each_inner_stage_when_it_is_done() -> No
     done = [o.progress["stage_id"] for o in outs if o.progress and o.progress.get("stage_done")]
     assert done == [0, 1]  # the encoder, then the denoiser; the decoder's output is the final one
     assert outs[-1].finished and outs[-1].images and outs[-1].stage_id == 2
+
+
+async def test_with_step_execution_a_higher_priority_request_preempts_at_a_step_boundary() -> None:
+    async with AsyncOmni(make_config([sd(max_num_seqs=1, step_execution=True)])) as engine:
+        order: list[str] = []
+        low_outs: list = []
+
+        async def low() -> None:
+            async for out in engine.generate("a slow ship", DiffusionSamplingParams(num_inference_steps=60, seed=1)):
+                low_outs.append(out)
+            order.append("low")
+
+        task = asyncio.create_task(low())
+        while not any(o.progress for o in low_outs):  # low is stepping, alone in the batch
+            await asyncio.sleep(0.01)
+        await finish(engine, "high", DiffusionSamplingParams(num_inference_steps=2, priority=9), order)
+        await task
+    assert order == ["high", "low"]
+    final = low_outs[-1]
+    assert final.finished and final.metrics["pauses"] >= 1 and final.metrics["steps_run"] == 60

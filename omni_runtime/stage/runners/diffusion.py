@@ -9,6 +9,9 @@ For the families of :mod:`omni_runtime.stage.runners.diffusion_steps` it can als
 denoising step at a time (``step_admit`` / ``step_run`` / ``step_drop``, driven by the worker with
 ``engine_args.step_execution``): each request keeps its own state between steps, so requests join
 and leave a running batch at step boundaries, with the same per-request generators and seeds.
+
+A request's LoRA adapter (``lora``) is part of both keys, so a wave or a step batch runs with one
+adapter at one scale; :mod:`omni_runtime.stage.runners.lora` loads, caches and activates them.
 """
 
 from __future__ import annotations
@@ -17,18 +20,19 @@ import inspect
 import logging
 import math
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from omni_runtime.config import StageConfig
-from omni_runtime.exceptions import RequestAbortedError, StageAsleepError
+from omni_runtime.config import EngineArgs, StageConfig, TorchCompile
+from omni_runtime.exceptions import RequestAbortedError, RequestError, StageAsleepError
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner, StepResult
 from omni_runtime.stage.runners.diffusion_steps import StepFamily, StepState, step_family
+from omni_runtime.stage.runners.lora import LoraAdapters
 from omni_runtime.stage.runners.torch_common import WaveAborted, image_generators, release_memory, request_seeds
 
 logger = logging.getLogger(__name__)
@@ -110,6 +114,36 @@ def native_size(pipe: Any) -> tuple[int | None, int | None]:
     return _pair(default, scale) if default else (None, None)
 
 
+def apply_engine_options(pipe: Any, args: EngineArgs) -> list[str]:
+    """The model-running options of ``engine_args`` (channels-last, attention slicing, VAE tiling,
+    ``torch.compile``), applied to a loaded pipeline; returns what was applied, for the log.
+    An option the pipeline has no use for (channels-last on a transformer) is skipped, not an error."""
+    applied = []
+    if args.channels_last:
+        for name in ("unet", "vae"):
+            module = getattr(pipe, name, None)
+            if isinstance(module, torch.nn.Module):
+                module.to(memory_format=torch.channels_last)
+                applied.append(f"{name} channels-last")
+    if args.attention_slicing is not None and hasattr(pipe, "enable_attention_slicing"):
+        pipe.enable_attention_slicing(args.attention_slicing)
+        applied.append(f"attention slicing {args.attention_slicing}")
+    vae = getattr(pipe, "vae", None)
+    if args.vae_tiling and hasattr(vae, "enable_tiling"):
+        vae.enable_tiling()
+        applied.append("VAE tiling")
+    if args.torch_compile:
+        options = args.torch_compile if isinstance(args.torch_compile, TorchCompile) else TorchCompile()
+        denoiser = _denoiser(pipe)
+        # In place (the module stays the pipeline's, so its config and hooks are as they were);
+        # compilation itself happens at the first forward of each shape.
+        denoiser.compile(
+            backend=options.backend, mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic
+        )
+        applied.append(f"torch.compile of the {type(denoiser).__name__} ({options.backend})")
+    return applied
+
+
 def _denoiser(pipe: Any) -> Any:
     unet = getattr(pipe, "unet", None)
     return unet if unet is not None else getattr(pipe, "transformer", None)
@@ -149,12 +183,14 @@ class DiffusionRunner(StageRunner):
         self._step_family: StepFamily | None = None
         self._step_reason: str | None = "the model is not loaded"
         self._states: dict[str, StepState] = {}
+        self.loras = LoraAdapters(stage.engine_args.loras, stage.engine_args.max_loras)
 
     # ------------------------------------------------------------------ lifecycle
 
     def load(self) -> None:
         self._model_dir = resolve_model(self.stage.model)
         self._load_pipeline()
+        self.loras.check_registry()
         pipe = self.pipe
         signature = inspect.signature(type(pipe).__call__)
         self._call_params = dict(signature.parameters)
@@ -194,11 +230,16 @@ class DiffusionRunner(StageRunner):
         )
         pipe = pipe.to(self.device)
         pipe.set_progress_bar_config(disable=True)
+        applied = apply_engine_options(pipe, self.stage.engine_args)
+        if applied:
+            logger.info("stage %d: %s", self.stage.stage_id, ", ".join(applied))
         self.pipe = pipe
+        self.loras.bind(pipe)
         self._step_family, self._step_reason = step_family(pipe, self.device)
 
     def sleep(self) -> dict[str, Any]:
         self.pipe = None
+        self.loras.bind(None)  # the adapters went with the pipeline; the registry stays
         self._step_family = None
         self._states.clear()  # the worker fails those requests at the next step boundary
         return release_memory()
@@ -209,6 +250,22 @@ class DiffusionRunner(StageRunner):
         self._load_pipeline()
         return {"reloaded": True}
 
+    # ------------------------------------------------------------------ LoRA control calls
+
+    def rpc_list_loras(self) -> dict[str, Any]:
+        """``collective_rpc("list_loras")``: registered names, loaded adapters (least recently used
+        first), the active one, ``max_loras``, loads and evictions so far."""
+        return self.loras.describe()
+
+    def rpc_add_lora(self, name: str, path: str, load: bool = False) -> dict[str, Any]:
+        """``collective_rpc("add_lora", kwargs={"name": ..., "path": ..., "load": False})``: offer the
+        adapter at ``path`` (absolute, on the stage's machine) under ``name``; ``load`` loads it now."""
+        return self.loras.add(name, path, load)
+
+    def rpc_remove_lora(self, name: str) -> dict[str, Any]:
+        """``collective_rpc("remove_lora", kwargs={"name": ...})``: stop offering ``name`` and unload it."""
+        return self.loras.remove(name)
+
     # ------------------------------------------------------------------ scheduling
 
     def constraints(self) -> dict[str, Any]:
@@ -217,6 +274,7 @@ class DiffusionRunner(StageRunner):
             "size_multiple_reason": self._size_reason,
             "max_pixels": self.max_pixels(),
             "native_size": list(self._native_size) if all(self._native_size) else None,
+            "lora": self.loras.supported,
         }
 
     def max_pixels(self) -> int:
@@ -248,6 +306,7 @@ class DiffusionRunner(StageRunner):
             p.get("num_images_per_prompt") or 1,
             p.get("output_type") or "pil",
             self._scheduler_name,
+            LoraAdapters.key(p.get("lora")),
         )
 
     # ------------------------------------------------------------------ execution
@@ -277,6 +336,10 @@ class DiffusionRunner(StageRunner):
 
         if all(ctx.is_aborted(rid) for rid in ids):  # everyone left before the wave started
             return aborted_outputs(0.0)
+        try:  # one adapter (or none) for the whole wave: it is part of the batch key
+            self.loras.activate(first.get("lora"))
+        except RequestError as e:
+            return [RunnerOutput(error=e, metrics=m) for m in metrics]
 
         # 2) One generator per output image, in the pipeline's prompt-major order (req0's k images,
         #    then req1's...); image j of a request uses seed + j, whatever its batch-mates.
@@ -365,13 +428,15 @@ class DiffusionRunner(StageRunner):
         return self._step_reason
 
     def step_key(self, request: RunnerRequest) -> Hashable:
-        """Size and guidance mode: requests of one key take a step in one denoiser call. The step
-        count, guidance scale, seed and negative prompt are per sample and not part of it."""
+        """Size, guidance mode and LoRA adapter: requests of one key take a step in one denoiser
+        call. The step count, guidance scale, seed and negative prompt are per sample and not part
+        of it; the adapter and its scale are the pipeline's, so they are."""
         p = request.params
         return (
             p.get("height") or self._native_size[0],
             p.get("width") or self._native_size[1],
             self._step_family.uses_cfg(self._guidance(p)),
+            LoraAdapters.key(p.get("lora")),
         )
 
     def _guidance(self, params: dict[str, Any]) -> float:
@@ -400,6 +465,7 @@ class DiffusionRunner(StageRunner):
             num_inference_steps=int(steps),
             output_type=p.get("output_type") or "pil",
             generators=image_generators([seed], rows, self.device),
+            lora=p.get("lora"),
         )
 
     def step_admit(self, requests: list[RunnerRequest], ctx: ExecuteContext) -> dict[str, RunnerOutput]:
@@ -414,9 +480,11 @@ class DiffusionRunner(StageRunner):
             except Exception as e:
                 failed[r.request_id] = RunnerOutput(error=e)
         with torch.inference_mode():
-            # 1) Prompts encoded once, one encoder call per guidance mode for all that join now.
-            for cfg in (False, True):
-                self._isolated([s for s in states if s.cfg == cfg], family.encode, failed)
+            # 1) Prompts encoded once, one encoder call per adapter and guidance mode for all that
+            #    join now (a text encoder may carry the adapter too).
+            for group in self._lora_groups(states, failed):
+                for cfg in (False, True):
+                    self._isolated([s for s in group if s.cfg == cfg], family.encode, failed)
             # 2) Per request: timesteps, noise from its generators, a scheduler of its own.
             for s in states:
                 if s.request_id not in failed:
@@ -434,14 +502,16 @@ class DiffusionRunner(StageRunner):
         states = [self._states[rid] for rid in request_ids if rid in self._states and not ctx.is_aborted(rid)]
         failed: dict[str, RunnerOutput] = {}
         with torch.inference_mode():
-            # 1) One batched denoiser call; if it raises, each request alone, so only the culprit fails.
+            # 1) One batched denoiser call (per adapter: a step's requests share one, it is in the
+            #    key); if it raises, each request alone, so only the culprit fails.
             preds: dict[str, torch.Tensor] = {}
 
             def predict(group: list[StepState]) -> None:
                 for s, pred in zip(group, self._step_denoise(group), strict=True):
                     preds[s.request_id] = pred
 
-            self._isolated(states, predict, failed)
+            for group in self._lora_groups(states, failed):
+                self._isolated(group, predict, failed)
             # 2) Each request's own scheduler takes its step.
             for s in states:
                 if s.request_id in preds:
@@ -456,6 +526,20 @@ class DiffusionRunner(StageRunner):
             if output is not None:
                 self._states.pop(s.request_id, None)
         return results
+
+    def _lora_groups(self, states: list[StepState], failed: dict[str, RunnerOutput]) -> Iterator[list[StepState]]:
+        """``states`` by adapter, each group yielded with its adapter active (a step's requests share
+        one key, so there is one group); the requests of a group whose adapter fails fail."""
+        groups: dict[Hashable, list[StepState]] = {}
+        for s in states:
+            groups.setdefault(LoraAdapters.key(s.lora), []).append(s)
+        for group in groups.values():
+            try:
+                self.loras.activate(group[0].lora)
+            except RequestError as e:
+                failed.update({s.request_id: RunnerOutput(error=e) for s in group})
+                continue
+            yield group
 
     def step_drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:

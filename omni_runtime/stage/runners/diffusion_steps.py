@@ -56,6 +56,8 @@ class StepState:
     extra_step_kwargs: dict[str, Any] = field(default_factory=dict)
     #: Steps taken.
     index: int = 0
+    #: The request's LoRA adapter (its params' ``lora``), active whenever it is encoded or steps.
+    lora: dict[str, Any] | None = None
 
     @property
     def steps(self) -> int:

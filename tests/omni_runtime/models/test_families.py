@@ -13,7 +13,6 @@ import importlib
 import json
 import socket
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,16 +52,8 @@ FAMILIES = {
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    # A private model cache (stage processes inherit it) and one torch thread: intra-op threads
-    # that wait for each other slow down badly on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    path = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_RUNTIME_CACHE", str(path))
-        yield path
-    torch.set_num_threads(threads)
+def cache(model_cache: Path) -> Path:
+    return model_cache
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -8,22 +8,13 @@ bits. A deliberate change re-records them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_RUNTIME_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
-    torch.set_num_threads(threads)
+def _cache(model_cache: object) -> None:
+    """A private model cache and one torch thread (tests/conftest.py)."""
 
 
 def test_tiny_sd_golden_slice() -> None:

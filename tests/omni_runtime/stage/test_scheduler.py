@@ -10,19 +10,7 @@ from hypothesis import strategies as st
 
 from omni_runtime.exceptions import DuplicateRequestError, QueueFullError
 from omni_runtime.stage.scheduler import RequestScheduler, Wave
-
-
-class FakeClock:
-    """A clock in seconds that moves only when told, in milliseconds."""
-
-    def __init__(self) -> None:
-        self.ms = 0.0
-
-    def __call__(self) -> float:
-        return self.ms / 1000.0
-
-    def advance(self, ms: float) -> None:
-        self.ms += ms
+from tests.conftest import FakeClock
 
 
 @pytest.fixture

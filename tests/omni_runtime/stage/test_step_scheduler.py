@@ -8,19 +8,9 @@ from hypothesis import strategies as st
 
 from omni_runtime.exceptions import ConfigError, DuplicateRequestError, QueueFullError
 from omni_runtime.stage.step_scheduler import ProgressThrottle, StepPlan, StepScheduler
+from tests.conftest import FakeClock
 
 pytestmark = pytest.mark.unit
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.ms = 0.0
-
-    def __call__(self) -> float:
-        return self.ms / 1000.0
-
-    def advance(self, ms: float) -> None:
-        self.ms += ms
 
 
 @pytest.fixture

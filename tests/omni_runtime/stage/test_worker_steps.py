@@ -7,14 +7,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
-import torch
 
 from omni_runtime.config import StageConfig
 from omni_runtime.messages import StageAbort, StageOutput, StageOutputs, StageRequest
@@ -27,14 +26,8 @@ SD = {"height": 64, "width": 64, "guidance_scale": 7.5, "output_type": "np"}
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    path = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_RUNTIME_CACHE", str(path))
-        yield path
-    torch.set_num_threads(threads)
+def cache(model_cache: Path) -> Path:
+    return model_cache
 
 
 def stage(stage_type: str, model: str | None = None, **engine_args: Any) -> StageConfig:

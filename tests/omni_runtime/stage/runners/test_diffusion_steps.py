@@ -5,7 +5,6 @@ preemption (a pause of any length) and a failing request that fails alone."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +40,8 @@ class RecordingRunner(DiffusionRunner):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # steady timings on a busy machine
-    path = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_RUNTIME_CACHE", str(path))
-        yield path
-    torch.set_num_threads(threads)
+def cache(model_cache: Path) -> Path:
+    return model_cache
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
