@@ -605,10 +605,11 @@ def build_parser() -> argparse.ArgumentParser:
         "  omni-runtime serve                                # tiny-sd on http://127.0.0.1:8000\n"
         "  omni-runtime serve small-sd --port 9000 --max-num-seqs 8\n"
         "  omni-runtime serve ./my-sdxl --device cuda --dtype float16 --replicas 2 --host 0.0.0.0\n"
-        '  omni-runtime serve pipeline.yaml --api-key "$KEY" --ray-address head:6379',
-        "Run the OpenAI-style HTTP server (docs/http_api.md). It answers at once: /health is 503\n"
-        "`loading` until the models are loaded, then 200. SIGTERM drains, then exits 0; a dead engine\n"
-        "makes it exit 1.",
+        '  omni-runtime serve pipeline.yaml --api-key "$KEY" --ray-address head:6379\n'
+        "  omni-runtime serve tiny-sd --redis-url redis://127.0.0.1:6379/0   # jobs shared by gateways",
+        "Run the OpenAI-style HTTP server (docs/http_api.md), async jobs included (docs/jobs.md).\n"
+        "It answers at once: /health is 503 `loading` until the models are loaded, then 200. SIGTERM\n"
+        "drains, then exits 0; a dead engine makes it exit 1.",
     )
     s.add_argument("model", nargs="?", default="tiny-sd", help="bundled config name, deploy YAML or model dir")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
