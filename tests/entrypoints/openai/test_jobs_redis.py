@@ -147,9 +147,9 @@ def test_gateway_a_exports_the_job_trace_over_otlp(clients, receiver):
 # --------------------------------------------------------------------------- durability
 
 
-def _denoising(http: httpx.Client, job_id: str) -> bool:
+def _denoising(http: httpx.Client, job_id: str, attempt: int = 2) -> bool:
     job = http.get(f"/v1/jobs/{job_id}").json()
-    return job["status"] == "running" and job["progress"] is not None
+    return job["attempts"] == attempt and job["status"] == "running" and job["progress"] is not None
 
 
 def _kill(server) -> None:
@@ -208,3 +208,21 @@ def test_an_unreachable_redis_stops_the_server_at_start_saying_so(tmp_path):
     finally:
         server.stop()
     assert "job store (redis) cannot be reached" in server.log()
+
+
+def test_a_gateway_stopped_cleanly_hands_its_unfinished_jobs_over(tmp_path, redis_server):
+    url = redis_server.url.rsplit("/", 1)[0] + "/2"
+    common = ("tiny-sd", "--step-execution", "--redis-url", url, "--job-lease", "1")
+    f = start_server(*common, log=tmp_path / "f.log")
+    with httpx.Client(base_url=f.url, timeout=60) as http:
+        job = submit(http, job_body("running at SIGTERM", steps=LONG_STEPS))
+        first_step(http, job["job_id"])
+    stop_server(f)  # SIGTERM: exit 0, no stage process left; the job is left to the next gateway
+    g = start_server(*common, log=tmp_path / "g.log")
+    try:
+        with httpx.Client(base_url=g.url, timeout=60) as http:
+            # Left as it was (running, attempt 1), then re-queued and denoising again here.
+            assert wait_for(lambda: _denoising(http, job["job_id"], attempt=2), timeout=90, interval=0.1)
+            assert http.delete(f"/v1/jobs/{job['job_id']}").json()["status"] == "cancelled"
+    finally:
+        stop_server(g)
