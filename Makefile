@@ -7,19 +7,26 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench lint format clean
+.PHONY: serve test bench lint format clean redis-server
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[test,bench,ray]"
+	$(PIP) install -q -c constraints.txt -e ".[test,bench,ray,otel]"
 	touch $@
 
 serve: $(STAMP)
 	$(VENV)/bin/omni-runtime serve
 
-test: $(STAMP)
+# The job tests start a private redis-server (Debian's package); serve needs it only with --redis-url.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		$(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q redis-server; }
+
+test: $(STAMP) redis-server
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -29,6 +36,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.step_batching
 	$(PY) -m benchmarks.transfer
 	$(PY) -m benchmarks.http
+	$(PY) -m benchmarks.jobs
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -88,6 +88,12 @@ def _json_value(kind: type):
     return parse
 
 
+def _redis_url(text: str) -> str:
+    if not text.startswith(("redis://", "rediss://", "unix://")):
+        raise argparse.ArgumentTypeError(f"expected a redis://, rediss:// or unix:// URL, got {text!r}")
+    return text
+
+
 def _url(text: str) -> str:
     if not text.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {text!r}")
@@ -184,6 +190,7 @@ def _make_server(config: Any, state: Any, shutdown_timeout: float) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from .openai.job_manager import JobSettings
     from .openai.server import create_app
     from .openai.timeouts import timed_protocol
 
@@ -202,6 +209,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins,
         file_ttl_s=args.file_ttl,
         file_store_bytes=int(args.file_store_mb * 1024 * 1024),
+        jobs=JobSettings(
+            redis_url=args.redis_url,
+            ttl_s=args.job_ttl,
+            max_jobs=args.max_jobs,
+            lease_s=args.job_lease,
+            otlp_endpoint=args.otlp_endpoint,
+        ),
     )
     # Bind before the engine starts: a busy port is a clear error, not a model load and a crash.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
@@ -591,10 +605,11 @@ def build_parser() -> argparse.ArgumentParser:
         "  omni-runtime serve                                # tiny-sd on http://127.0.0.1:8000\n"
         "  omni-runtime serve small-sd --port 9000 --max-num-seqs 8\n"
         "  omni-runtime serve ./my-sdxl --device cuda --dtype float16 --replicas 2 --host 0.0.0.0\n"
-        '  omni-runtime serve pipeline.yaml --api-key "$KEY" --ray-address head:6379',
-        "Run the OpenAI-style HTTP server (docs/http_api.md). It answers at once: /health is 503\n"
-        "`loading` until the models are loaded, then 200. SIGTERM drains, then exits 0; a dead engine\n"
-        "makes it exit 1.",
+        '  omni-runtime serve pipeline.yaml --api-key "$KEY" --ray-address head:6379\n'
+        "  omni-runtime serve tiny-sd --redis-url redis://127.0.0.1:6379/0   # jobs shared by gateways",
+        "Run the OpenAI-style HTTP server (docs/http_api.md), async jobs included (docs/jobs.md).\n"
+        "It answers at once: /health is 503 `loading` until the models are loaded, then 200. SIGTERM\n"
+        "drains, then exits 0; a dead engine makes it exit 1.",
     )
     s.add_argument("model", nargs="?", default="tiny-sd", help="bundled config name, deploy YAML or model dir")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -613,6 +628,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--body-timeout", type=_float(0, strict=True), default=60.0, help="time (s) to send a body")
     s.add_argument("--file-ttl", type=_float(0, strict=True), default=600.0, help="life (s) of response_format=url")
     s.add_argument("--file-store-mb", type=_float(0, strict=True), default=256.0, help="memory for url images")
+    s.add_argument("--redis-url", type=_redis_url, help="share /v1/generate jobs through Redis (redis://HOST:PORT/DB)")
+    s.add_argument("--job-ttl", type=_float(0, strict=True), default=3600.0, help="life (s) of a finished job")
+    s.add_argument("--max-jobs", type=_positive_int, default=10_000, help="jobs the in-memory store holds")
+    s.add_argument(
+        "--job-lease",
+        type=_float(0.3),
+        default=10.0,
+        help="(s) a gateway may miss heartbeats before its jobs are recovered (Redis)",
+    )
+    s.add_argument("--otlp-endpoint", type=_url, help="export job traces over OTLP/HTTP (http://HOST:4318)")
     s.add_argument(
         "--log-level",
         default="info",

@@ -29,6 +29,8 @@ MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tests/reliability/test_soak.py", ("reliability", "slow")),
     ("tests/reliability/", ("reliability",)),
     ("tests/entrypoints/openai/", ("e2e",)),
+    ("tests/entrypoints/jobs/test_memory_store.py", ("unit",)),
+    ("tests/entrypoints/jobs/test_follow.py", ("unit",)),
     ("tests/entrypoints/test_cli.py", ("e2e",)),
     ("tests/entrypoints/test_cli_lora.py", ("e2e",)),
     ("tests/entrypoints/", ("integration",)),
@@ -112,6 +114,16 @@ def shm_segments() -> set[str]:
         return {name for name in os.listdir("/dev/shm") if name.startswith(("omni", "psm_"))}
     except FileNotFoundError:
         return set()
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A private redis-server for the whole session (started on first use, stopped by PID)."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -9,7 +9,9 @@ and cost nothing between scrapes.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -115,6 +117,23 @@ class ServerMetrics:
             "omni_requests_aborted", "Engine requests aborted by the server, by reason.", ["reason"], registry=r
         )
         self.images = Counter("omni_images_generated", "Images returned to clients.", registry=r)
+        self.jobs = Counter(
+            "omni_runtime_jobs",
+            "Jobs (/v1/generate) of this gateway reaching each status: queued, running, completed, failed, "
+            "cancelled, requeued.",
+            ["status"],
+            registry=r,
+        )
+        self.wave_seconds = Histogram(
+            "omni_runtime_stage_wave_seconds",
+            "Duration of each stage wave (fused forward, or a request's stay in a step batch), once per "
+            "wave (output metrics execution_ms, by batch_id).",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        #: (stage, replica, batch id) of waves already observed, so a wave of 8 counts once.
+        self._waves: OrderedDict[tuple[Any, Any, Any], None] = OrderedDict()
         r.register(_EngineCollector(health))
 
     def observe_output(self, out: OmniRequestOutput | None) -> None:
@@ -130,6 +149,21 @@ class ServerMetrics:
                 self.queue_wait.labels(str(sid)).observe(wait / 1000.0)
             if isinstance(size, int | float):
                 self.batch_size.labels(str(sid)).observe(size)
+            self.observe_stage(sid, result.metrics)
+
+    def observe_stage(self, sid: int, metrics: dict[str, Any]) -> None:
+        """The wave histogram, from one stage's output metrics (each wave counted once)."""
+        execution, batch = metrics.get("execution_ms"), metrics.get("batch_id")
+        if not isinstance(execution, int | float):
+            return
+        if batch is not None:
+            key = (sid, metrics.get("replica_id"), batch)
+            if key in self._waves:
+                return
+            self._waves[key] = None
+            if len(self._waves) > 4096:
+                self._waves.popitem(last=False)
+        self.wave_seconds.labels(str(sid)).observe(execution / 1000.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

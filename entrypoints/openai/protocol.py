@@ -236,6 +236,67 @@ class ImageGenerationResponse(BaseModel):
     size: str | None = None
 
 
+# --------------------------------------------------------------------------- jobs
+
+
+class GenerateInputs(_Request):
+    """What to generate: ``inputs`` of ``POST /v1/generate`` (task ``text2image``)."""
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    #: ``WxH``; or ``width`` and ``height``; unset: the stage's default size.
+    size: str | None = None
+    width: int | None = Field(None, ge=MIN_SIDE, le=MAX_SIDE)
+    height: int | None = Field(None, ge=MIN_SIDE, le=MAX_SIDE)
+    num_inference_steps: int | None = Field(None, ge=1, le=1000)
+    guidance_scale: float | None = Field(None, ge=0, le=100)
+    seed: Seed | None = None
+
+    @field_validator("size")
+    @classmethod
+    def _check_size(cls, value: str | None) -> str | None:
+        if value is None or value.strip().lower() == "auto":
+            return None
+        parse_size(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_size(self) -> GenerateInputs:
+        if self.size is not None and (self.width is not None or self.height is not None):
+            raise ValueError("give either size or width and height, not both")
+        if (self.width is None) != (self.height is None):
+            raise ValueError("width and height go together")
+        return self
+
+    def dimensions(self) -> tuple[int, int] | None:
+        if self.size is not None:
+            return parse_size(self.size)
+        return None if self.width is None or self.height is None else (self.width, self.height)
+
+
+class GenerateConfig(_Request):
+    """How to run and deliver it: ``config`` of ``POST /v1/generate``."""
+
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_compression: int | None = Field(None, ge=0, le=100)
+    #: The engine's deadline for the generation (seconds), as ``timeout`` on the other routes.
+    timeout: Timeout | None = None
+
+
+class GenerateRequest(_Request):
+    """``POST /v1/generate``: a job. ``async_run`` (the default) answers at once with the queued job;
+    ``async_run: false`` waits for the job to end and answers with the same shape."""
+
+    task: Literal["text2image"]
+    model: str | None = None
+    inputs: GenerateInputs
+    config: GenerateConfig = Field(default_factory=GenerateConfig)
+    async_run: bool = True
+    #: Higher is served first (docs/configuration.md, "Priority"); default 0.
+    priority: Priority = 0
+    response_format: Literal["url", "b64_json"] = "url"
+
+
 # --------------------------------------------------------------------------- chat
 
 

@@ -18,6 +18,7 @@ import base64
 import hmac
 import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -48,9 +49,12 @@ from omni_runtime.params import MAX_PROMPT_CHARS
 from omni_runtime.resolve import ResolvedConfig
 
 from ..async_omni import AsyncOmni, ValidRequest, load_resolved
+from ..jobs.store import JobStore, MemoryJobStore
 from . import protocol as proto
 from .files import FileStore, encode_images
 from .images import chat_image, images_engine, run_images, validate_images
+from .job_manager import JobManager, JobSettings
+from .jobs import add_job_routes
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ApiError, ClientDisconnected, error_body
 from .uploads import image_params, read_image_form
@@ -60,6 +64,7 @@ T = TypeVar("T")
 
 #: Largest request body; a 1 MB prompt still reaches validation (and gets a 400 naming the field).
 MAX_BODY_BYTES = 8 * 1024 * 1024
+_HOSTNAME = socket.gethostname()  # the node name of this machine's own replicas
 #: Scope key set when the client went away, so the request is counted as status 499.
 _DISCONNECTED = "omni.client_disconnected"
 
@@ -110,8 +115,12 @@ class ServerState:
         default_timeout: float | None,
         file_ttl_s: float,
         file_store_bytes: int,
+        jobs: JobSettings | None = None,
     ) -> None:
         self.resolved = resolved
+        self.job_settings = jobs or JobSettings()
+        #: The job manager (/v1/generate, /v1/jobs), once the app has started.
+        self.jobs: JobManager | None = None
         self.config = config = resolved.config
         self.api_key = api_key.encode() if api_key else None
         self._engine_kwargs = {"max_pending": max_pending, "default_timeout": default_timeout}
@@ -140,6 +149,29 @@ class ServerState:
         """Start the engine in the background: the server answers at once (503 ``loading`` until
         the models are loaded, so a probe sees the difference between loading and gone)."""
         self._starting = asyncio.ensure_future(self._start())
+
+    async def start_jobs(self) -> None:
+        """Connect the job store (an unreachable Redis stops the server here, saying so)."""
+        settings = self.job_settings
+        store: JobStore
+        if settings.redis_url:
+            from ..jobs.redis_store import RedisJobStore
+
+            store = RedisJobStore(settings.redis_url, ttl_s=settings.ttl_s, lease_s=settings.lease_s)
+        else:
+            store = MemoryJobStore(max_jobs=settings.max_jobs, ttl_s=settings.ttl_s)
+        otlp = None
+        if settings.otlp_endpoint:
+            from ..jobs.tracing import OtlpExporter
+
+            otlp = OtlpExporter(settings.otlp_endpoint)
+        manager = JobManager(self, store, lease_s=settings.lease_s, otlp=otlp)
+        try:
+            await manager.start()
+        except Exception as e:
+            await store.close()
+            raise EngineError(f"the job store ({store.backend}) cannot be reached: {e}") from e
+        self.jobs = manager
 
     async def _start(self) -> None:
         stages = ", ".join(f"{s.stage_type} ({s.model or 'no model'})" for s in self.config.stage_args)
@@ -176,6 +208,8 @@ class ServerState:
         if self._closed:
             return
         self._closed = True
+        if self.jobs is not None:
+            await self.jobs.close()
         if self._starting is not None and not self._starting.done():
             await asyncio.gather(self._starting, return_exceptions=True)
         if self.omni is not None:
@@ -264,7 +298,7 @@ class ServerState:
 
 #: Routes whose body is JSON: another content type is a 415 that says so (form-encoded is what
 #: `curl -d` sends, and FastAPI would read it as a missing body).
-JSON_ROUTES = frozenset({"/v1/chat/completions", "/v1/images/generations", "/v1/omni/collective_rpc"})
+JSON_ROUTES = frozenset({"/v1/chat/completions", "/v1/images/generations", "/v1/omni/collective_rpc", "/v1/generate"})
 #: Routes whose body is multipart/form-data (file uploads), as the openai client sends them.
 MULTIPART_ROUTES = frozenset({"/v1/images/edits", "/v1/images/variations"})
 
@@ -384,6 +418,7 @@ def create_app(
     allowed_origins: Sequence[str] | None = None,
     file_ttl_s: float = 600.0,
     file_store_bytes: int = 256 * 1024 * 1024,
+    jobs: JobSettings | None = None,
 ) -> FastAPI:
     """The FastAPI app for ``model`` (a config name, YAML path, model dir or DeployConfig).
 
@@ -398,10 +433,12 @@ def create_app(
         default_timeout=default_timeout,
         file_ttl_s=file_ttl_s,
         file_store_bytes=file_store_bytes,
+        jobs=jobs,
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start_jobs()
         state.start()
         try:
             yield
@@ -424,6 +461,7 @@ def create_app(
         app.add_exception_handler(exc_class, _handle)
     app.add_exception_handler(HTTPException, _handle)
     _add_routes(app, state)
+    add_job_routes(app, state, SafeJSONResponse)
     return app
 
 
@@ -471,6 +509,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "pending": h.pending,
             "max_pending": h.max_pending,
             "stages": stages,
+            # Live replicas that are not this machine's processes (Ray actors, by node id).
+            "remote_replicas": sum(
+                1
+                for s in h.stages
+                for node, st in zip(s.get("replica_nodes", []), s.get("replica_states", []), strict=False)
+                if node is not None and node != _HOSTNAME and st == "live"
+            ),
+            "job_store": await _job_store_status(state),
         }
         return SafeJSONResponse(body, status_code=200 if ready else 503)
 
@@ -598,6 +644,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 def _images_response(result: tuple[dict[str, Any], str]) -> JSONResponse:
     body, request_id = result
     return SafeJSONResponse(body, headers={"X-Request-Id": request_id})
+
+
+async def _job_store_status(state: ServerState) -> dict[str, Any]:
+    if state.jobs is None:
+        return {"backend": None, "ok": False}
+    store = state.jobs.store
+    return {"backend": store.backend, "ok": await store.ping(), "jobs": store.count(), "gateway": state.jobs.gateway_id}
 
 
 async def _image_parts(images: Sequence[Any]) -> list[dict[str, Any]]:

@@ -1,0 +1,221 @@
+"""Job stores: where a job's record and its events live. Runs on the server's event loop.
+
+One small async interface, :class:`JobStore`, with two implementations: :class:`MemoryJobStore`
+(the default; one gateway, bounded, TTL eviction) and ``RedisJobStore`` (``serve --redis-url``;
+gateways share jobs). A job is a flat record (a dict of JSON values) plus an append-only list of
+events, each with an id that grows within the job: that id is the SSE event id, so a client that
+reconnects with ``Last-Event-ID`` gets exactly the events after it.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from omni_runtime.exceptions import InvalidRequestError, QueueFullError
+
+#: States a job ends in; nothing changes a job after it reached one.
+TERMINAL = frozenset({"completed", "failed", "cancelled"})
+#: Event types that end a job's event stream.
+TERMINAL_EVENTS = TERMINAL
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event of a job: ``id`` orders it within the job (the SSE event id)."""
+
+    id: str
+    type: str
+    data: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "type": self.type, "data": self.data}
+
+
+class JobStore(abc.ABC):
+    """What the job routes need from a store; every method is a coroutine on the server's loop.
+
+    Records are dicts of JSON values. ``update`` merges fields into a record; ``append_event``
+    adds an event (with record fields, atomically) and returns its id; ``events`` replays the
+    events after an id (None: from the start); ``wait_events`` also waits up to ``timeout``
+    seconds for the first new one.
+    """
+
+    #: ``memory`` or ``redis`` (shown on /readyz).
+    backend: str = "?"
+
+    @abc.abstractmethod
+    async def create(self, record: dict[str, Any], first_event: tuple[str, dict[str, Any]]) -> str: ...
+
+    @abc.abstractmethod
+    async def get(self, job_id: str) -> dict[str, Any] | None: ...
+
+    @abc.abstractmethod
+    async def update(self, job_id: str, fields: dict[str, Any]) -> None: ...
+
+    @abc.abstractmethod
+    async def append_event(
+        self, job_id: str, type: str, data: dict[str, Any], fields: dict[str, Any] | None = None
+    ) -> str:
+        """Append an event (and merge ``fields`` into the record in the same step: a reader that
+        sees a finished record also sees its final event)."""
+
+    @abc.abstractmethod
+    async def events(self, job_id: str, after: str | None) -> list[Event]: ...
+
+    @abc.abstractmethod
+    async def wait_events(self, job_id: str, after: str | None, timeout: float) -> list[Event]: ...
+
+    @abc.abstractmethod
+    def check_event_id(self, event_id: str) -> str:
+        """``event_id`` if it is one of this store's ids, else InvalidRequestError."""
+
+    async def ping(self) -> bool:
+        return True
+
+    # Gateways sharing a store (Redis): ownership, cross-gateway cancel, recovery. In memory the
+    # one gateway owns every job, so these do nothing.
+
+    async def start(self, gateway_id: str, on_cancel: Callable[[str], None]) -> None:
+        """Register this gateway; ``on_cancel(job_id)`` is called (on the loop) when another
+        gateway asks to cancel a job this one runs."""
+        return None
+
+    async def signal_cancel(self, record: dict[str, Any]) -> None:
+        """Ask the gateway that runs ``record``'s job to cancel it."""
+        return None
+
+    async def heartbeat(self) -> None:
+        """Keep this gateway's lease alive (called every ``lease_s / 3``)."""
+        return None
+
+    async def claim_orphans(self) -> list[str]:
+        """Jobs of gateways whose lease ran out, now owned by this one (each claimed once)."""
+        return []
+
+    def count(self) -> int | None:
+        """Jobs held (the in-memory store), or None where the store cannot say cheaply."""
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class _MemoryJob:
+    __slots__ = ("changed", "events", "expires", "record")
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self.record = record
+        self.events: list[Event] = []
+        #: Set (and replaced) whenever an event is appended: waiters wake without polling.
+        self.changed = asyncio.Event()
+        self.expires: float | None = None  # set once the job is finished
+
+
+_EVENT_ID = re.compile(r"^[0-9]{1,18}$")
+
+
+class MemoryJobStore(JobStore):
+    """Jobs in this process: at most ``max_jobs``; a finished job is kept ``ttl_s`` seconds.
+
+    Eviction runs when a job is created (nothing polls): expired jobs go first, then, while the
+    store is full, the oldest finished ones. When every held job is still running the store is
+    full and a new job is refused (429), which the engine's own admission limit makes rare.
+    """
+
+    backend = "memory"
+
+    def __init__(self, *, max_jobs: int = 10_000, ttl_s: float = 3600.0) -> None:
+        self.max_jobs, self.ttl_s = max_jobs, ttl_s
+        self._jobs: dict[str, _MemoryJob] = {}
+        #: Finished jobs in the order they finished, which is also their expiry order.
+        self._finished: OrderedDict[str, None] = OrderedDict()
+
+    def _evict(self, now: float) -> None:
+        while self._finished:
+            oldest = next(iter(self._finished))
+            job = self._jobs[oldest]
+            if job.expires is not None and job.expires > now and len(self._jobs) < self.max_jobs:
+                break
+            del self._finished[oldest]
+            del self._jobs[oldest]
+            job.changed.set()  # streams of an evicted job end
+
+    async def create(self, record: dict[str, Any], first_event: tuple[str, dict[str, Any]]) -> str:
+        self._evict(time.monotonic())
+        if len(self._jobs) >= self.max_jobs:
+            raise QueueFullError(f"the job store holds {self.max_jobs} unfinished jobs; retry later")
+        job = _MemoryJob(dict(record))
+        self._jobs[record["job_id"]] = job
+        return await self.append_event(record["job_id"], *first_event)
+
+    async def get(self, job_id: str) -> dict[str, Any] | None:
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        if job.expires is not None and job.expires <= time.monotonic():
+            self._finished.pop(job_id, None)
+            del self._jobs[job_id]
+            return None
+        return dict(job.record)
+
+    async def update(self, job_id: str, fields: dict[str, Any]) -> None:
+        job = self._jobs.get(job_id)
+        if job is None:
+            return
+        job.record.update(fields)
+        if fields.get("status") in TERMINAL and job.expires is None:
+            job.expires = time.monotonic() + self.ttl_s
+            self._finished[job_id] = None
+
+    async def append_event(
+        self, job_id: str, type: str, data: dict[str, Any], fields: dict[str, Any] | None = None
+    ) -> str:
+        job = self._jobs.get(job_id)
+        if job is None:
+            return "0"
+        if fields:
+            await self.update(job_id, fields)
+        event = Event(str(len(job.events) + 1), type, data)
+        job.events.append(event)
+        changed, job.changed = job.changed, asyncio.Event()
+        changed.set()
+        return event.id
+
+    def _after(self, job: _MemoryJob, after: str | None) -> list[Event]:
+        start = 0 if after is None else int(after)
+        return job.events[start:]
+
+    async def events(self, job_id: str, after: str | None) -> list[Event]:
+        job = self._jobs.get(job_id)
+        return [] if job is None else self._after(job, after)
+
+    async def wait_events(self, job_id: str, after: str | None, timeout: float) -> list[Event]:
+        job = self._jobs.get(job_id)
+        if job is None:
+            return []
+        found = self._after(job, after)
+        if found:
+            return found
+        try:
+            await asyncio.wait_for(job.changed.wait(), timeout)
+        except TimeoutError:
+            return []
+        return self._after(job, after)
+
+    def check_event_id(self, event_id: str) -> str:
+        if not _EVENT_ID.match(event_id):
+            raise InvalidRequestError(
+                f"Last-Event-ID must be an event id this server sent (digits), got {event_id[:40]!r}",
+                param="Last-Event-ID",
+            )
+        return event_id
+
+    def count(self) -> int:
+        return len(self._jobs)

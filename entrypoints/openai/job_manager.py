@@ -1,0 +1,511 @@
+"""The job manager: runs ``/v1/generate`` jobs on the engine and records what happens to them.
+Runs on the server's event loop.
+
+A job is one engine request. It is admitted into the engine before the job is stored (so a full
+engine is a 429 at once, not a job that fails later), and a task per job then follows the engine's
+outputs: progress outputs become ``step`` events, each finished stage a ``stage_done`` event and
+two trace spans, the last output the result. ``queued`` and ``started`` frame it; ``completed``,
+``failed`` or ``cancelled`` end it. Every event goes to the job store, which also holds the record
+(status, progress, result, error, timings, trace), so any gateway on the same store can answer.
+
+Ownership (a shared store): the gateway that runs a job owns it. A cancel from another gateway is
+a signal to the owner (the store's cancel channel). A gateway that died (its lease ran out) has its
+unfinished jobs claimed by a live one, which re-queues each once (``requeued`` event); a job
+whose second run is lost too fails with ``gateway_lost``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError
+
+from ..async_omni import AsyncOmni, ValidRequest
+from ..jobs.store import TERMINAL, Event, JobStore
+from ..jobs.tracing import OtlpExporter, span, stage_spans
+from .files import MEDIA_TYPES, encode_images
+from .protocol import ApiError, GenerateRequest, classify_error
+
+if TYPE_CHECKING:
+    from .server import ServerState
+
+logger = logging.getLogger(__name__)
+
+#: How many times a job lost with its gateway runs again (then it fails with ``gateway_lost``).
+MAX_REQUEUES = 1
+#: How long ``DELETE`` waits for the job to end before answering with it as it is.
+CANCEL_WAIT_S = 10.0
+
+_IMAGE_PARAMS = ("negative_prompt", "num_inference_steps", "guidance_scale", "seed")
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """The job options of ``serve`` (docs/jobs.md)."""
+
+    #: ``redis://...``: the Redis job store (gateways share jobs); None: in memory.
+    redis_url: str | None = None
+    #: How long a finished job (record, events, result) is kept, seconds.
+    ttl_s: float = 3600.0
+    #: Most jobs the in-memory store holds (finished ones are dropped oldest first).
+    max_jobs: int = 10_000
+    #: A gateway's lease in the Redis store: this long after its last heartbeat it counts as dead.
+    lease_s: float = 10.0
+    #: OTLP/HTTP traces endpoint (``http://host:4318`` or ``.../v1/traces``); None: no export.
+    otlp_endpoint: str | None = None
+
+
+class _LocalJob:
+    """A job this gateway runs: its engine request, and whether a cancel was asked for."""
+
+    __slots__ = ("cancelled", "job_id", "request_id", "started", "task")
+
+    def __init__(self, job_id: str, request_id: str) -> None:
+        self.job_id, self.request_id = job_id, request_id
+        self.cancelled = False
+        self.started = False
+        self.task: asyncio.Task | None = None
+
+
+class JobManager:
+    """Jobs of one gateway (``gateway_id``) over ``store``; see the module docstring."""
+
+    def __init__(
+        self, state: ServerState, store: JobStore, *, lease_s: float = 10.0, otlp: OtlpExporter | None = None
+    ) -> None:
+        self.state, self.store, self.lease_s, self.otlp = state, store, lease_s, otlp
+        self.gateway_id = "gw-" + secrets.token_urlsafe(9)
+        self._local: dict[str, _LocalJob] = {}
+        self._background: asyncio.Task | None = None
+        self._closing = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        await self.store.start(self.gateway_id, self._remote_cancel)
+        if self.store.backend != "memory":
+            self._background = asyncio.create_task(self._keep_lease(), name="job-lease")
+
+    async def _keep_lease(self) -> None:
+        """1) renew the lease  2) renew the TTL of running jobs  3) recover dead gateways' jobs."""
+        beats = 0
+        while True:
+            try:
+                await self.store.heartbeat()
+                if beats % 3 == 0:
+                    keep_alive = getattr(self.store, "keep_alive", None)
+                    if keep_alive is not None:
+                        await keep_alive(list(self._local))
+                    if self.state.omni is not None:  # recovered jobs need a running engine
+                        for job_id in await self.store.claim_orphans():
+                            await self._recover(job_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.warning("job store heartbeat failed: %s", e)
+            beats += 1
+            await asyncio.sleep(self.lease_s / 3)
+
+    async def close(self) -> None:
+        """Stop following jobs. In memory, unfinished jobs fail (``shutdown``); in a shared store
+        they stay owned by this gateway, whose lease is dropped: the next gateway recovers them."""
+        self._closing = True
+        if self._background is not None:
+            self._background.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._background
+        jobs = list(self._local.values())
+        for job in jobs:
+            if job.task is not None:
+                job.task.cancel()
+        await asyncio.gather(*(j.task for j in jobs if j.task is not None), return_exceptions=True)
+        if self.otlp is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.otlp.close)
+        await self.store.close()
+
+    # ------------------------------------------------------------------ submit
+
+    def _validate(self, omni: AsyncOmni, body: GenerateRequest) -> ValidRequest:
+        if self.state.image_stage is None:
+            message = f"the model `{self.state.model_name}` has no image output"
+            raise ApiError(400, message, param="model", code="no_image")
+        image: dict[str, Any] = {k: getattr(body.inputs, k) for k in _IMAGE_PARAMS}
+        size = body.inputs.dimensions()
+        if size is not None:
+            image["width"], image["height"] = size
+        # ``priority`` reaches every stage whose params take it (and none where no params class does).
+        shared = {"timeout": body.config.timeout, "priority": body.priority or None}
+        try:
+            params = omni.sampling_params(image=image, shared=shared)
+            return omni.validate(body.inputs.prompt, params, modalities=["image"])
+        except InvalidRequestError as e:
+            if e.param in ("height", "width"):
+                e.param = "inputs.size"
+            elif e.param in (*_IMAGE_PARAMS, "prompt"):
+                e.param = f"inputs.{e.param}"
+            elif e.param == "timeout":
+                e.param = "config.timeout"
+            raise
+
+    async def submit(self, body: GenerateRequest, base_url: str, traceparent: str | None = None) -> dict[str, Any]:
+        """Admit a job and store it; returns its record (``queued``). Raises the engine's
+        admission errors (400, 429, 503) before anything is stored."""
+        omni = self.state.check_request(body.model)
+        valid = self._validate(omni, body)
+        job_id = "job-" + secrets.token_urlsafe(18)
+        now = time.time()
+        record: dict[str, Any] = {
+            "job_id": job_id,
+            "object": "job",
+            "task": body.task,
+            "model": self.state.model_name,
+            "status": "queued",
+            "priority": body.priority,
+            "created_at": now,
+            "started_at": None,
+            "finished_at": None,
+            "progress": None,
+            "result": None,
+            "error": None,
+            "timings": {},
+            "owner": self.gateway_id,
+            "attempts": 1,
+            "request": body.model_dump(mode="json", exclude={"async_run"}),
+            "base_url": base_url,
+            "traceparent": traceparent,
+            "trace_id": None,
+            "trace": [],
+        }
+        await self._launch(record, omni, valid, new=True)
+        return self.public(record)
+
+    async def _launch(self, record: dict[str, Any], omni: AsyncOmni, valid: ValidRequest, *, new: bool) -> None:
+        job_id = record["job_id"]
+        job = _LocalJob(job_id, f"{job_id}-{record['attempts']}")
+        agen = omni.generate(valid, request_id=job.request_id)
+        first = asyncio.ensure_future(agen.__anext__())
+        # The engine admits the request in the generator's first step, which runs now: a full
+        # engine or a bad request fails here, before the job exists anywhere.
+        await asyncio.sleep(0)
+        if first.done() and first.exception() is not None:
+            await agen.aclose()
+            raise first.exception()  # type: ignore[misc]
+        self._local[job_id] = job
+        admitted = time.time()
+        record["trace"] = [span("admission", record["created_at"], admitted, job_id=job_id)]
+        try:
+            event = {"job_id": job_id, "priority": record["priority"], "attempt": record["attempts"], "at": time.time()}
+            if new:
+                await self.store.create(record, ("queued", event))
+            else:
+                await self._emit(job_id, "queued", event, {"status": "queued", "trace": record["trace"]})
+        except Exception:
+            self._local.pop(job_id, None)
+            omni.abort(job.request_id)
+            first.cancel()
+            await agen.aclose()
+            raise
+        self.state.metrics.jobs.labels("queued").inc()
+        job.task = asyncio.create_task(self._follow(job, record, agen, first), name=f"job-{job_id}")
+
+    # ------------------------------------------------------------------ following a job
+
+    async def _emit(self, job_id: str, type: str, data: dict[str, Any], fields: dict[str, Any] | None = None) -> str:
+        """Append an event stamped with the gateway's clock (``at``, epoch seconds)."""
+        return await self.store.append_event(job_id, type, {**data, "at": time.time()}, fields)
+
+    async def _follow(self, job: _LocalJob, record: dict[str, Any], agen: AsyncIterator[Any], first: Any) -> None:
+        job_id = job.job_id
+        seen: set[int] = set()
+        last = None
+        try:
+            out = await first
+            while True:
+                last = out
+                await self._observe(job, record, out, seen)
+                if out.finished:
+                    break
+                out = await agen.__anext__()
+            self.state.metrics.observe_output(last)
+            result = await self._result(record, last)
+            await self._end(job, record, "completed", result=result, out=last)
+        except asyncio.CancelledError:
+            # The gateway is stopping. In memory nobody could finish the job later.
+            if self.store.backend == "memory":
+                self.state.omni.abort(job.request_id)
+                with contextlib.suppress(Exception):
+                    error = {"message": "the server shut down before the job finished", "code": "shutdown"}
+                    await asyncio.shield(self._end(job, record, "failed", error=error))
+            raise
+        except Exception as e:
+            status = "cancelled" if job.cancelled and isinstance(e, RequestAbortedError) else "failed"
+            try:
+                await self._end(job, record, status, error=None if status == "cancelled" else _error(e), out=last)
+            except Exception as store_error:  # the store is unreachable: the job stays as it was
+                logger.error("job %s ended %s but could not be recorded: %s", job_id, status, store_error)
+        finally:
+            self._local.pop(job_id, None)
+            with contextlib.suppress(Exception):
+                await agen.aclose()  # type: ignore[attr-defined]
+
+    async def _started(
+        self, job: _LocalJob, record: dict[str, Any], batch_id: Any, batch_size: Any, at: float | None = None
+    ) -> None:
+        job.started = True
+        record["started_at"] = max(record["created_at"], at or time.time())
+        record["status"] = "running"
+        await self._emit(
+            job.job_id,
+            "started",
+            {"batch_id": batch_id, "batch_size": batch_size},
+            {"status": "running", "started_at": record["started_at"]},
+        )
+        self.state.metrics.jobs.labels("running").inc()
+
+    async def _observe(self, job: _LocalJob, record: dict[str, Any], out: Any, seen: set[int]) -> None:
+        """One engine output: a denoising step, an inner stage done (both ``out.progress``), or a
+        final stage's result."""
+        progress = out.progress
+        if progress and not progress.get("stage_done"):
+            if not job.started:
+                await self._started(job, record, progress.get("batch_id"), progress.get("batch_size"))
+            step = {"stage_id": progress.get("stage_id"), "step": progress.get("step"), "steps": progress.get("steps")}
+            record["progress"] = step
+            await self._emit(job.job_id, "step", step, {"progress": step})
+            return
+        if progress:  # an inner stage is done: its timings come in the output's metrics
+            sid, m = progress["stage_id"], out.metrics
+        else:
+            sid = out.stage_id
+            result = out.outputs_by_stage.get(sid)
+            if result is None or out.text_delta is not None or not result.metrics:
+                return
+            m = result.metrics
+        if sid in seen:
+            return
+        seen.add(sid)
+        now = time.time()
+        if not job.started:
+            # No progress output came first (a stage that reports no steps): the wave began
+            # execution_ms before its output arrived.
+            ran = m.get("execution_ms")
+            at = now - ran / 1000.0 if isinstance(ran, int | float) else None
+            await self._started(job, record, m.get("batch_id"), m.get("batch_size"), at)
+        spans = stage_spans(sid, now, m)
+        for s in spans:  # clocks: never before the job existed
+            s["start"] = max(s["start"], record["created_at"])
+        record["trace"].extend(spans)
+        done = {
+            "stage_id": sid,
+            "batch_id": m.get("batch_id"),
+            "batch_size": m.get("batch_size"),
+            "queue_wait_ms": m.get("queue_wait_ms"),
+            "execution_ms": m.get("execution_ms"),
+        }
+        if progress:
+            self.state.metrics.observe_stage(sid, m)  # final stages are observed with the result
+        await self._emit(job.job_id, "stage_done", done, {"trace": record["trace"]})
+
+    async def _result(self, record: dict[str, Any], out: Any) -> dict[str, Any]:
+        request = GenerateRequest.model_validate(record["request"] | {"async_run": True})
+        fmt = request.config.output_format
+        start = time.time()
+        blobs = await encode_images(out.images, fmt, request.config.output_compression)
+        seeds = [r.metrics.get("seed") for sid, r in sorted(out.outputs_by_stage.items()) for _ in r.images if r.images]
+        images = []
+        for blob, seed in zip(blobs, seeds, strict=False):
+            item: dict[str, Any] = {"seed": seed}
+            if request.response_format == "url":
+                file_id = self.state.files.put(blob, MEDIA_TYPES[fmt])
+                item["url"] = f"{record['base_url'].rstrip('/')}/v1/files/{file_id}"
+            else:
+                item["b64_json"] = base64.b64encode(blob).decode()
+            images.append(item)
+        self.state.metrics.images.inc(len(images))
+        record["trace"].append(span("encode", start, time.time(), images=len(images), format=fmt))
+        size = f"{out.images[0].width}x{out.images[0].height}" if out.images else None
+        return {"images": images, "output_format": fmt, "size": size}
+
+    async def _end(
+        self,
+        job: _LocalJob,
+        record: dict[str, Any],
+        status: str,
+        *,
+        result: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+        out: Any = None,
+    ) -> None:
+        now = time.time()
+        timings = _timings(record, out, now)
+        root = span(
+            "job",
+            record["created_at"],
+            now,
+            job_id=job.job_id,
+            status=status,
+            attempt=record["attempts"],
+            gateway=self.gateway_id,
+        )
+        trace = [root, *record["trace"]]
+        trace_id = None
+        if self.otlp is not None:
+            try:
+                trace_id = self.otlp.export(root, record["trace"], record.get("traceparent"))
+            except Exception as e:  # tracing never fails a job
+                logger.warning("job %s: trace export failed: %s", job.job_id, e)
+        fields = {
+            "status": status,
+            "finished_at": now,
+            "result": result,
+            "error": error,
+            "timings": timings,
+            "trace": trace,
+            "trace_id": trace_id,
+        }
+        record.update(fields)
+        data: dict[str, Any] = {"job_id": job.job_id}
+        if result is not None:
+            data["result"] = result
+        if error is not None:
+            data["error"] = error
+        await self._emit(job.job_id, status, data, fields)
+        self.state.metrics.jobs.labels(status).inc()
+
+    # ------------------------------------------------------------------ cancel
+
+    def _cancel_local(self, job: _LocalJob) -> None:
+        if not job.cancelled and self.state.omni is not None:
+            job.cancelled = True
+            self.state.metrics.aborted.labels("job_cancel").inc()
+            self.state.omni.abort(job.request_id, RequestAbortedError(f"job {job.job_id} was cancelled"))
+
+    def _remote_cancel(self, job_id: str) -> None:
+        job = self._local.get(job_id)
+        if job is not None:
+            self._cancel_local(job)
+
+    async def cancel(self, job_id: str) -> dict[str, Any]:
+        """Cancel a job wherever it runs; the job as it is once it ended (or after CANCEL_WAIT_S).
+        A finished job is returned as it is: cancelling it again is no error."""
+        record = await self.get_record(job_id)
+        if record["status"] in TERMINAL:
+            return self.public(record)
+        job = self._local.get(job_id)
+        if job is not None:
+            self._cancel_local(job)
+        else:
+            await self.store.signal_cancel(record)
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        async for _ in self.follow(job_id, None, keepalive_s=max(0.05, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                break
+        return await self.get(job_id)
+
+    # ------------------------------------------------------------------ reading
+
+    async def get_record(self, job_id: str) -> dict[str, Any]:
+        if not job_id or len(job_id) > 64:
+            raise _not_found(job_id)
+        record = await self.store.get(job_id)
+        if record is None:
+            raise _not_found(job_id)
+        return record
+
+    async def get(self, job_id: str) -> dict[str, Any]:
+        return self.public(await self.get_record(job_id))
+
+    @staticmethod
+    def public(record: dict[str, Any]) -> dict[str, Any]:
+        """What clients see of a record (not the stored request, owner or trace)."""
+        hidden = {"request", "base_url", "traceparent", "trace", "owner", "cancel_requested"}
+        return {k: v for k, v in record.items() if k not in hidden}
+
+    async def follow(self, job_id: str, after: str | None, *, keepalive_s: float = 15.0) -> AsyncIterator[Event | None]:
+        """The job's events after ``after`` (None: all), then new ones as they come, until the job
+        ends or disappears; ``None`` after ``keepalive_s`` without one (a keep-alive is due)."""
+        if after is not None:
+            after = self.store.check_event_id(after)
+        while True:
+            events = await self.store.events(job_id, after)
+            if not events:
+                record = await self.store.get(job_id)
+                if record is None or record["status"] in TERMINAL:
+                    # A finished record has its final event already (both are written in one
+                    # step), possibly written since the read above: read once more, and that is
+                    # all there will be. An expired job has no more events either.
+                    events = [] if record is None else await self.store.events(job_id, after)
+                    if not events:
+                        return
+                else:
+                    events = await self.store.wait_events(job_id, after, keepalive_s)
+                    if not events:
+                        yield None
+                        continue
+            for event in events:
+                yield event
+                after = event.id
+                if event.type in TERMINAL:
+                    return
+
+    # ------------------------------------------------------------------ recovery
+
+    async def _recover(self, job_id: str) -> None:
+        """A job whose gateway died: run it again here once, else fail it with ``gateway_lost``."""
+        record = await self.store.get(job_id)
+        if record is None or record["status"] in TERMINAL:
+            return
+        lost = {"message": "the gateway running this job was lost", "code": "gateway_lost"}
+        job = _LocalJob(job_id, "")
+        if record.get("cancel_requested") or record.get("attempts", 1) > MAX_REQUEUES:
+            status = "cancelled" if record.get("cancel_requested") else "failed"
+            await self._end(job, record, status, error=None if status == "cancelled" else lost)
+            return
+        record["attempts"] = record.get("attempts", 1) + 1
+        record["owner"] = self.gateway_id
+        await self._emit(
+            job_id,
+            "requeued",
+            {"reason": "gateway_lost", "attempt": record["attempts"]},
+            {"attempts": record["attempts"], "status": "queued", "progress": None},
+        )
+        self.state.metrics.jobs.labels("requeued").inc()
+        try:
+            omni = self.state.started
+            body = GenerateRequest.model_validate(record["request"] | {"async_run": True})
+            valid = self._validate(omni, body)
+            await self._launch(record, omni, valid, new=False)
+        except Exception as e:
+            await self._end(job, record, "failed", error=_error(e))
+
+
+def _not_found(job_id: str) -> ApiError:
+    shown = job_id[:64]
+    return ApiError(404, f"job `{shown}` does not exist or has expired", param="job_id", code="not_found")
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    status, type_, param, code, message = classify_error(exc)
+    return {"message": message, "type": type_, "param": param, "code": code, "status": status}
+
+
+def _timings(record: dict[str, Any], out: Any, now: float) -> dict[str, Any]:
+    timings: dict[str, Any] = {"total_ms": round((now - record["created_at"]) * 1000.0, 3)}
+    if record.get("started_at"):
+        timings["queued_ms"] = round((record["started_at"] - record["created_at"]) * 1000.0, 3)
+    if out is not None:
+        for sid, r in sorted(out.outputs_by_stage.items()):
+            for key in ("queue_wait_ms", "execution_ms", "batch_size", "batch_id"):
+                if key in r.metrics:
+                    timings.setdefault("stages", {}).setdefault(str(sid), {})[key] = r.metrics[key]
+        if isinstance(out.metrics.get("e2e_ms"), int | float):
+            timings["engine_e2e_ms"] = out.metrics["e2e_ms"]
+    return timings

@@ -1,0 +1,165 @@
+"""The job routes: ``POST /v1/generate`` and ``/v1/jobs/{id}`` (state, cancel, events as SSE or a
+WebSocket, trace). Runs on the server's event loop; the work is :class:`JobManager`'s.
+
+``GET /v1/jobs/{id}/events`` is resumable: each event's SSE ``id`` is its id in the job store, and
+a client that reconnects with ``Last-Event-ID`` gets the events after it, none twice, from any
+gateway on the same store. The WebSocket sends the same events as JSON messages and takes
+``{"type": "cancel"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from omni_runtime.exceptions import InvalidRequestError
+
+from ..jobs.store import Event
+from .protocol import ApiError, ClientDisconnected, GenerateRequest, error_body
+
+if TYPE_CHECKING:
+    from .server import ServerState
+
+#: Seconds without an event after which an SSE stream sends a keep-alive comment.
+KEEPALIVE_S = 15.0
+#: Largest WebSocket message a client may send (it only ever sends ``{"type": "cancel"}``).
+MAX_WS_MESSAGE = 4096
+
+
+def _sse(event: Event) -> str:
+    return f"id: {event.id}\nevent: {event.type}\ndata: {json.dumps(event.data, separators=(',', ':'))}\n\n"
+
+
+def add_job_routes(app: FastAPI, state: ServerState, response_class: type[JSONResponse]) -> None:
+    def jobs():
+        if state.jobs is None:
+            raise ApiError(503, "the job manager is not running", type="service_unavailable", code="loading")
+        return state.jobs
+
+    @app.post("/v1/generate")
+    async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
+        manager = jobs()
+        base_url = str(request.base_url).rstrip("/")
+        traceparent = request.headers.get("traceparent")
+        if traceparent is not None and len(traceparent) > 128:
+            traceparent = None
+        job = await manager.submit(body, base_url, traceparent)
+        job_id = job["job_id"]
+        headers = {"X-Request-Id": job_id, "Location": f"/v1/jobs/{job_id}"}
+        if body.async_run:
+            return response_class(job, status_code=202, headers=headers)
+        # The synchronous form: the same job, once it ended. A client that goes away cancels it.
+        try:
+            await state.until_disconnect(request, [], _until_done(manager, job_id))
+        except ClientDisconnected:
+            await manager.cancel(job_id)
+            raise
+        return response_class(await manager.get(job_id), headers=headers)
+
+    @app.post("/v1/jobs")
+    async def post_jobs() -> JSONResponse:
+        raise ApiError(
+            405, "jobs are created with POST /v1/generate; /v1/jobs/{id} reads, streams and cancels them",
+            type="invalid_request_error", code="method_not_allowed",
+        )  # fmt: skip
+
+    @app.get("/v1/jobs/{job_id}")
+    async def get_job(job_id: str) -> JSONResponse:
+        return response_class(await jobs().get(job_id))
+
+    @app.delete("/v1/jobs/{job_id}")
+    async def cancel_job(job_id: str) -> JSONResponse:
+        return response_class(await jobs().cancel(job_id))
+
+    @app.get("/v1/jobs/{job_id}/trace")
+    async def get_trace(job_id: str) -> JSONResponse:
+        record = await jobs().get_record(job_id)
+        body = {"job_id": job_id, "status": record["status"], "trace_id": record.get("trace_id"), "spans": []}
+        body["spans"] = record.get("trace") or []
+        return response_class(body)
+
+    @app.get("/v1/jobs/{job_id}/events")
+    async def job_events(job_id: str, request: Request) -> StreamingResponse:
+        manager = jobs()
+        await manager.get_record(job_id)  # 404 before the stream starts
+        after = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+        if after is not None:
+            after = manager.store.check_event_id(after.strip())
+
+        async def stream() -> AsyncIterator[str]:
+            async for event in manager.follow(job_id, after, keepalive_s=KEEPALIVE_S):
+                yield ": keep-alive\n\n" if event is None else _sse(event)
+
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+
+    @app.websocket("/v1/jobs/{job_id}/stream")
+    async def job_stream(websocket: WebSocket, job_id: str) -> None:
+        # The HTTP middleware does not see WebSockets: the key is checked here, before accepting.
+        try:
+            state.check_auth(websocket.scope)
+            manager = jobs()
+            await manager.get_record(job_id)
+            after = websocket.query_params.get("last_event_id")
+            if after is not None:
+                after = manager.store.check_event_id(after)
+        except (ApiError, InvalidRequestError) as e:
+            status, body = error_body(e)
+            await websocket.accept()
+            await websocket.send_json(body | {"type": "error"})
+            await websocket.close(code=4000 + status)
+            return
+        await websocket.accept()
+        sender = asyncio.create_task(_send_events(websocket, manager, job_id, after))
+        try:
+            while not sender.done():
+                receiver = asyncio.ensure_future(websocket.receive())
+                await asyncio.wait((receiver, sender), return_when=asyncio.FIRST_COMPLETED)
+                if not receiver.done():
+                    receiver.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect):
+                        await receiver
+                    break
+                message = receiver.result()
+                if message["type"] == "websocket.disconnect":
+                    break
+                if _is_cancel(message.get("text")):
+                    await manager.cancel(job_id)
+                else:
+                    error = {"message": 'the only message taken is {"type": "cancel"}', "code": "invalid_value"}
+                    await websocket.send_json({"type": "error", "error": error})
+        except (WebSocketDisconnect, RuntimeError):
+            pass  # the client went away: the job goes on (DELETE or a cancel message stop it)
+        finally:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await sender
+        with contextlib.suppress(Exception):
+            await websocket.close()
+
+
+async def _until_done(manager: Any, job_id: str) -> None:
+    async for _ in manager.follow(job_id, None, keepalive_s=KEEPALIVE_S):
+        pass
+
+
+async def _send_events(websocket: WebSocket, manager: Any, job_id: str, after: str | None) -> None:
+    async for event in manager.follow(job_id, after, keepalive_s=KEEPALIVE_S):
+        if event is not None:
+            await websocket.send_json(event.to_json())
+
+
+def _is_cancel(text: str | None) -> bool:
+    if text is None or len(text) > MAX_WS_MESSAGE:
+        return False
+    try:
+        message = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(message, dict) and message.get("type") == "cancel"

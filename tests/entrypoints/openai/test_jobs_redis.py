@@ -1,0 +1,228 @@
+"""Jobs across gateways on one real redis-server: two ``serve --redis-url`` processes share jobs
+(read, stream, resume and cancel from the other), a SIGKILLed gateway's jobs are re-queued once
+by the next gateway and fail with ``gateway_lost`` when lost again, and gateway A exports each
+job's trace over OTLP/HTTP to a real local receiver that decodes the protobuf."""
+
+from __future__ import annotations
+
+import http.server
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from .jobs_client import first_step, job_body, read_sse, submit, wait_status
+from .server_process import ServerProcess, assert_gone, free_port, start_server, stop_server, wait_for
+
+LONG_STEPS = 400
+
+
+class _Receiver(http.server.ThreadingHTTPServer):
+    """An OTLP/HTTP traces endpoint: every span it is sent, decoded."""
+
+    def __init__(self) -> None:
+        self.spans: list = []
+        self.paths: list[str] = []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                with receiver.lock:
+                    receiver.paths.append(self.path)
+                    for resource in request.resource_spans:
+                        for scope in resource.scope_spans:
+                            receiver.spans.extend(scope.spans)
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    r = _Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def gateways(tmp_path_factory, redis_server, receiver):
+    tmp = tmp_path_factory.mktemp("gateways")
+    common = ("tiny-sd", "--step-execution", "--max-num-seqs", "1", "--redis-url", redis_server.url)
+    a = start_server(*common, "--otlp-endpoint", receiver.url, log=tmp / "a.log")
+    try:
+        b = start_server(*common, log=tmp / "b.log")
+    except BaseException:
+        stop_server(a)
+        raise
+    yield a, b
+    stop_server(a)
+    stop_server(b)
+
+
+@pytest.fixture(scope="module")
+def clients(gateways):
+    a, b = gateways
+    with httpx.Client(base_url=a.url, timeout=120) as ca, httpx.Client(base_url=b.url, timeout=120) as cb:
+        yield ca, cb
+
+
+def test_a_job_submitted_on_a_is_read_streamed_and_resumed_on_b(clients):
+    a, b = clients
+    job = submit(a, job_body(steps=3))
+    assert b.get(f"/v1/jobs/{job['job_id']}").json()["status"] in ("queued", "running", "completed")
+    head = read_sse(a, job["job_id"], limit=2)
+    rest = read_sse(b, job["job_id"], last_event_id=head[-1]["id"])  # resumed on the other gateway
+    assert [e["type"] for e in rest][-1] == "completed"
+    assert head + rest == read_sse(b, job["job_id"]) == read_sse(a, job["job_id"])
+    assert a.get(f"/v1/jobs/{job['job_id']}").json() == b.get(f"/v1/jobs/{job['job_id']}").json()
+    ready = b.get("/readyz").json()
+    assert ready["job_store"]["backend"] == "redis" and ready["job_store"]["ok"] is True
+
+
+def test_b_cancels_a_job_running_on_a(clients):
+    a, b = clients
+    job = submit(a, job_body("long, on a", steps=LONG_STEPS))
+    first_step(b, job["job_id"])  # streamed from b while a runs it
+    r = b.delete(f"/v1/jobs/{job['job_id']}")
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    assert [e["type"] for e in read_sse(a, job["job_id"])][-1] == "cancelled"
+    # a's replica is free again: its next job completes.
+    nxt = submit(a, job_body("next, on a", steps=2))
+    assert wait_status(b, nxt["job_id"], {"completed", "failed"}, timeout=60)["status"] == "completed"
+    assert b.delete(f"/v1/jobs/{job['job_id']}").json()["status"] == "cancelled"  # idempotent
+
+
+def test_gateway_a_exports_the_job_trace_over_otlp(clients, receiver):
+    a, _ = clients
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    r = a.post(
+        "/v1/generate",
+        json=job_body(steps=2, async_run=False),
+        headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
+    )
+    job = r.json()
+    assert job["status"] == "completed" and job["trace_id"] == trace_id
+
+    def spans_of_trace() -> list:
+        with receiver.lock:
+            return [s for s in receiver.spans if s.trace_id.hex() == trace_id]
+
+    assert wait_for(lambda: any(s.name == "job" for s in spans_of_trace()), timeout=20), receiver.paths
+    assert all(p == "/v1/traces" for p in receiver.paths)
+    spans = {s.name: s for s in spans_of_trace()}
+    assert {"job", "admission", "stage 0 queue", "stage 0 wave", "encode"} <= set(spans)
+    root = spans["job"]
+    assert root.parent_span_id.hex() == parent_id  # joined the caller's trace
+    for name, s in spans.items():
+        if name != "job":
+            assert s.parent_span_id == root.span_id, name
+            assert root.start_time_unix_nano <= s.start_time_unix_nano <= s.end_time_unix_nano
+    attributes = {kv.key: kv.value for kv in spans["stage 0 wave"].attributes}
+    assert attributes["batch_size"].int_value == 1
+
+
+# --------------------------------------------------------------------------- durability
+
+
+def _denoising(http: httpx.Client, job_id: str, attempt: int = 2) -> bool:
+    job = http.get(f"/v1/jobs/{job_id}").json()
+    return job["attempts"] == attempt and job["status"] == "running" and job["progress"] is not None
+
+
+def _kill(server) -> None:
+    children = server.children()
+    server.signal(signal.SIGKILL)
+    server.wait(30)
+    assert_gone(children, timeout=20)  # its stage processes follow it
+
+
+def test_a_killed_gateways_jobs_are_requeued_once_then_lost(tmp_path, redis_server):
+    # Database 1: the module's gateways (database 0) must not be the ones that recover these.
+    url = redis_server.url.rsplit("/", 1)[0] + "/1"
+    common = ("tiny-sd", "--step-execution", "--redis-url", url, "--job-lease", "1")
+    c = start_server(*common, "--max-num-seqs", "1", log=tmp_path / "c.log")
+    with httpx.Client(base_url=c.url, timeout=60) as http:
+        running = submit(http, job_body("running when killed", steps=LONG_STEPS))
+        first_step(http, running["job_id"])
+        queued = submit(http, job_body("queued when killed", steps=2))
+        assert http.get(f"/v1/jobs/{queued['job_id']}").json()["status"] == "queued"
+    _kill(c)
+
+    # The next gateway recovers both (its lease check runs at start and every lease / 3 * 3).
+    d = start_server(*common, "--max-num-seqs", "2", log=tmp_path / "d.log")
+    try:
+        with httpx.Client(base_url=d.url, timeout=60) as http:
+            done = wait_status(http, queued["job_id"], {"completed", "failed"}, timeout=90)
+            assert done["status"] == "completed" and done["attempts"] == 2
+            types = [e["type"] for e in read_sse(http, queued["job_id"])]
+            assert types[0] == "queued" and "requeued" in types and types[-1] == "completed"
+            assert types.index("requeued") < len(types) - 1 - types[::-1].index("queued")
+            # The long job denoises again (its progress was reset when it was re-queued).
+            assert wait_for(lambda: _denoising(http, running["job_id"]), timeout=90, interval=0.1)
+            assert http.get(f"/v1/jobs/{running['job_id']}").json()["attempts"] == 2
+    except BaseException:
+        stop_server(d)
+        raise
+    _kill(d)
+
+    # Lost a second time: the next gateway fails it with gateway_lost instead of running it again.
+    e = start_server(*common, log=tmp_path / "e.log")
+    try:
+        with httpx.Client(base_url=e.url, timeout=60) as http:
+            lost = wait_status(http, running["job_id"], {"completed", "failed", "cancelled"}, timeout=90)
+            assert lost["status"] == "failed" and lost["error"]["code"] == "gateway_lost"
+            assert [ev["type"] for ev in read_sse(http, running["job_id"])][-1] == "failed"
+            assert time.time() - lost["finished_at"] < 120
+    finally:
+        stop_server(e)
+
+
+def test_an_unreachable_redis_stops_the_server_at_start_saying_so(tmp_path):
+    dead_port = free_port()  # nothing listens there
+    server = ServerProcess("tiny-sd", "--redis-url", f"redis://127.0.0.1:{dead_port}/0", log=tmp_path / "s.log")
+    try:
+        assert server.wait(60) != 0
+    finally:
+        server.stop()
+    assert "job store (redis) cannot be reached" in server.log()
+
+
+def test_a_gateway_stopped_cleanly_hands_its_unfinished_jobs_over(tmp_path, redis_server):
+    url = redis_server.url.rsplit("/", 1)[0] + "/2"
+    common = ("tiny-sd", "--step-execution", "--redis-url", url, "--job-lease", "1")
+    f = start_server(*common, log=tmp_path / "f.log")
+    with httpx.Client(base_url=f.url, timeout=60) as http:
+        job = submit(http, job_body("running at SIGTERM", steps=LONG_STEPS))
+        first_step(http, job["job_id"])
+    stop_server(f)  # SIGTERM: exit 0, no stage process left; the job is left to the next gateway
+    g = start_server(*common, log=tmp_path / "g.log")
+    try:
+        with httpx.Client(base_url=g.url, timeout=60) as http:
+            # Left as it was (running, attempt 1), then re-queued and denoising again here.
+            assert wait_for(lambda: _denoising(http, job["job_id"], attempt=2), timeout=90, interval=0.1)
+            assert http.delete(f"/v1/jobs/{job['job_id']}").json()["status"] == "cancelled"
+    finally:
+        stop_server(g)

@@ -1,0 +1,83 @@
+"""A private ``redis-server`` for a test session: a free loopback port, persistence off, stopped by
+its PID (SIGTERM, then SIGKILL after 5 s). ``make test`` installs the Debian package."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        if not Path(binary).exists():
+            raise RuntimeError("redis-server is not installed: `make test` installs it (apt-get install redis-server)")
+        self.dir = Path(tempfile.mkdtemp(prefix="omni-redis-"))
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        # A killed test run must not leave the server behind: it lives in its own process group
+        # only as long as the session, and the fixture stops it by PID.
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--daemonize", "no",
+                "--dir", str(self.dir),
+                "--save", "",
+                "--appendonly", "no",
+                "--loglevel", "warning",
+                "--logfile", str(self.dir / "redis.log"),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        self._wait_pong(10.0)
+
+    def _wait_pong(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {self.log()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.01)
+        self.stop()
+        raise TimeoutError("redis-server did not answer PING")
+
+    def log(self) -> str:
+        try:
+            return (self.dir / "redis.log").read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""
+
+    def flush(self) -> None:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
+            s.sendall(b"FLUSHALL\r\n")
+            s.recv(16)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
