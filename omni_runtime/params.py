@@ -13,6 +13,7 @@ import re
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
+import numpy as np
 
 from omni_runtime.exceptions import InvalidRequestError
 
@@ -95,6 +96,16 @@ class DiffusionSamplingParams(SamplingParams):
     seed: Seed | None = None
     #: ``pil`` images, ``np`` float arrays in [0, 1], or ``latent`` tensors.
     output_type: Literal["pil", "np", "latent"] | None = None
+    #: An input image (img2img, edit, inpainting): a uint8 HxWx3 array, or a PIL image in the
+    #: Python API (converted in the caller's thread; arrays travel as raw buffers, never PIL).
+    #: The output has the image's size; see :func:`check_image_params`.
+    image: Any = None
+    #: Inpainting mask (needs ``image``): uint8 HxW, HxWx1 or HxWx3 of the image's size, or a PIL
+    #: image; white (255) is repainted, black kept.
+    mask_image: Any = None
+    #: How far the input image is noised before denoising: 1 ignores it, near 0 keeps it; only
+    #: with ``image``. Unset: the pipeline's own default.
+    strength: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     #: A LoRA adapter to run with (a :class:`LoraRequest` or a dict of its fields); none when unset.
     lora: LoraRequest | None = None
 
@@ -126,6 +137,98 @@ class GenericSamplingParams(msgspec.Struct, kw_only=True):
     stage_type: ClassVar[str] = "custom"
     timeout: Timeout | None = None
     priority: Priority | None = None
+
+
+#: Largest input image accepted anywhere (a stage's own ``max_pixels`` applies on top).
+MAX_IMAGE_PIXELS = 4096 * 4096
+#: Smallest and largest side of an input image, as of ``height`` / ``width``.
+MIN_IMAGE_SIDE, MAX_IMAGE_SIDE = 8, 4096
+
+
+def _is_pil(value: Any) -> bool:
+    return type(value).__module__.startswith("PIL.") and hasattr(value, "convert")
+
+
+def _as_uint8(value: Any, name: str, what: str) -> np.ndarray:
+    """``value`` (a numpy array or a PIL image) as a uint8 numpy array of its own."""
+    if _is_pil(value):
+        value = np.asarray(value.convert("L" if name == "mask_image" else "RGB"))
+    if not isinstance(value, np.ndarray):
+        raise InvalidRequestError(
+            f"invalid sampling param `{name}`: expected {what} (a numpy array) or a PIL image, "
+            f"got {type(value).__name__}",
+            param=name,
+        )
+    if value.dtype != np.uint8:
+        raise InvalidRequestError(
+            f"invalid sampling param `{name}`: expected a uint8 array ({what}), got dtype {value.dtype}", param=name
+        )
+    # A copy: the caller may reuse its array while the request is queued.
+    return np.array(value, dtype=np.uint8, order="C", copy=True)
+
+
+def check_image_params(merged: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """Validate and normalise the image inputs of a diffusion request (caller's thread).
+
+    ``merged`` is the request's params over the stage defaults, ``given`` the request's own.
+    Returns what replaces them in ``merged``: ``image`` as a uint8 HxWx3 array, ``mask_image`` as
+    uint8 HxW, and ``height`` / ``width`` set to the image's size (the output has the size of its
+    input, so a default size never conflicts; an explicit different size is an error). Raises
+    InvalidRequestError naming the param.
+    """
+    image, mask = merged.get("image"), merged.get("mask_image")
+    if image is None:
+        for name in ("mask_image", "strength"):
+            if given.get(name) is not None:
+                raise InvalidRequestError(f"invalid sampling param `{name}`: it needs an input `image`", param=name)
+        return {}
+    image = _as_uint8(image, "image", "uint8 HxWx3")
+    if image.ndim != 3 or image.shape[2] != 3:
+        raise InvalidRequestError(
+            f"invalid sampling param `image`: expected shape (height, width, 3) (RGB), got {image.shape}",
+            param="image",
+        )
+    h, w = image.shape[:2]
+    if not (MIN_IMAGE_SIDE <= h <= MAX_IMAGE_SIDE and MIN_IMAGE_SIDE <= w <= MAX_IMAGE_SIDE):
+        raise InvalidRequestError(
+            f"invalid sampling param `image`: each side must be {MIN_IMAGE_SIDE}..{MAX_IMAGE_SIDE} pixels, got {w}x{h}",
+            param="image",
+        )
+    if h * w > MAX_IMAGE_PIXELS:
+        raise InvalidRequestError(
+            f"invalid sampling param `image`: {w}x{h} exceeds {MAX_IMAGE_PIXELS} pixels", param="image"
+        )
+    for name, side in (("height", h), ("width", w)):
+        asked = given.get(name)
+        if asked is not None and asked != side:
+            raise InvalidRequestError(
+                f"invalid sampling param `{name}`: {asked}, but the input image is {w}x{h} (WxH); the output has "
+                "the input's size: resize the image, or leave height and width out",
+                param=name,
+            )
+    out: dict[str, Any] = {"image": image, "height": h, "width": w}
+    if mask is not None:
+        mask = _as_uint8(mask, "mask_image", "uint8 HxW, HxWx1 or HxWx3")
+        if mask.ndim == 3 and mask.shape[2] == 1:
+            mask = mask[:, :, 0]
+        elif mask.ndim == 3 and mask.shape[2] == 3:
+            # Luminance, as PIL's "L" conversion (ITU-R 601-2) that pipelines apply to masks.
+            weights = np.array([299, 587, 114], dtype=np.uint32)
+            mask = ((mask.astype(np.uint32) @ weights + 500) // 1000).astype(np.uint8)
+        if mask.ndim != 2:
+            raise InvalidRequestError(
+                f"invalid sampling param `mask_image`: expected shape (height, width), (height, width, 1) or "
+                f"(height, width, 3), got {mask.shape}",
+                param="mask_image",
+            )
+        if mask.shape != (h, w):
+            raise InvalidRequestError(
+                f"invalid sampling param `mask_image`: its size {mask.shape[1]}x{mask.shape[0]} differs from "
+                f"the image's {w}x{h}",
+                param="mask_image",
+            )
+        out["mask_image"] = np.ascontiguousarray(mask)
+    return out
 
 
 _PATH_RE = re.compile(r" - at `\$\.?([^`]*)`")
@@ -167,13 +270,25 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
             f"{type(params).__name__} given to a stage that takes {params_cls.__name__}",
             param="sampling_params",
         )
-    merged = {**defaults, **params_to_dict(params)}
+    given = params_to_dict(params)
+    merged = {**defaults, **given}
+    images = check_image_params(merged, given) if issubclass(params_cls, DiffusionSamplingParams) else {}
+    merged.update(images)
     try:
         typed = msgspec.convert(merged, params_cls, strict=False)
     except msgspec.ValidationError as e:
         message, field = _field_of(e)
         name = f"`{field}`: " if field else ""
         raise InvalidRequestError(f"invalid sampling param {name}{message}", param=field) from None
+    except UnicodeEncodeError:
+        # msgspec quotes an unknown nested key in its error, and fails to when UTF-8 cannot
+        # encode it (a lone surrogate): name the param that holds it instead.
+        from omni_runtime.serialization import find_unencodable
+
+        field = next((k for k, v in merged.items() if find_unencodable(v, k) is not None), None)
+        raise InvalidRequestError(
+            f"invalid sampling param `{field}`: contains text that cannot be encoded as UTF-8", param=field
+        ) from None
     # ``lora`` travels as a plain dict of its set fields, like the rest of the params.
     fields = {
         k: {f: x for f, x in msgspec.structs.asdict(v).items() if x is not None} if isinstance(v, LoraRequest) else v
@@ -193,11 +308,17 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
     in the model's terms (VAE scale factor, latent packing, patch size).
     ``max_pixels``: height * width may not exceed it (``native_size``, when known, is named).
     ``lora``: whether the stage's model takes LoRA adapters; a stage that does not say so refuses them.
+    ``image_inputs``: which of ``image`` / ``mask_image`` the stage takes (absent: none), with
+    ``image_inputs_note`` saying why one is not; ``requires_image``: a pipeline that only edits
+    images (an img2img model directory without a text-to-image form) needs one. With an input
+    image the size is the image's, and size errors name ``image``.
     """
     if params.get("lora") is not None and not constraints.get("lora"):
         raise InvalidRequestError(
             "invalid sampling param `lora`: this stage's model does not take LoRA adapters", param="lora"
         )
+    has_image = params.get("image") is not None
+    check_image_capability(params, constraints)
     h = params.get("height")
     w = params.get("width")
     multiple = constraints.get("size_multiple")
@@ -205,16 +326,47 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
         for name, value in (("height", h), ("width", w)):
             if value is not None and value % multiple:
                 why = constraints.get("size_multiple_reason") or "the model's VAE scale factor"
+                param, shown = ("image", f"the input image's {name} {value}") if has_image else (name, str(value))
                 raise InvalidRequestError(
-                    f"invalid sampling param `{name}`: {value} is not a multiple of {multiple} ({why})",
-                    param=name,
+                    f"invalid sampling param `{param}`: {shown} is not a multiple of {multiple} ({why})",
+                    param=param,
                 )
     max_pixels = constraints.get("max_pixels")
     if max_pixels and h is not None and w is not None and h * w > max_pixels:
         native = constraints.get("native_size")
         made_for = f"; the model was made for {native[1]}x{native[0]}" if native else ""
+        if has_image:
+            raise InvalidRequestError(
+                f"invalid sampling param `image`: the input image is {w}x{h}, more than this stage's limit of "
+                f"{max_pixels} pixels (engine_args.max_pixels{made_for})",
+                param="image",
+            )
         raise InvalidRequestError(
             f"invalid sampling param `height`/`width`: {w}x{h} exceeds this stage's limit of {max_pixels} "
             f"pixels (engine_args.max_pixels{made_for})",
             param="size",
         )
+
+
+def check_image_capability(params: dict[str, Any], constraints: dict[str, Any]) -> None:
+    """Refuse image inputs a stage cannot use, and text-only requests to a stage that needs an image."""
+    accepted = constraints.get("image_inputs") or []
+    note = constraints.get("image_inputs_note")
+    for name in ("image", "mask_image"):
+        if params.get(name) is not None and name not in accepted:
+            why = f" ({note})" if note else ""
+            raise InvalidRequestError(
+                f"invalid sampling param `{name}`: this stage does not take `{name}`{why}", param=name
+            )
+    if params.get("image") is not None and params.get("num_inference_steps"):
+        form = "inpaint" if params.get("mask_image") is not None else "image"
+        strength = params.get("strength") or (constraints.get("default_strength") or {}).get(form)
+        steps = params["num_inference_steps"]
+        if strength is not None and int(steps * strength) < 1:
+            raise InvalidRequestError(
+                f"invalid sampling param `strength`: {strength} x num_inference_steps {steps} leaves no denoising "
+                "step (an image request runs int(num_inference_steps x strength) steps); raise either",
+                param="strength",
+            )
+    if params.get("image") is None and constraints.get("requires_image"):
+        raise InvalidRequestError(f"invalid sampling param `image`: {constraints['requires_image']}", param="image")

@@ -162,6 +162,66 @@ class ImageGenerationRequest(_Request):
         return None if self.size is None else parse_size(self.size)
 
 
+class _ImageInputForm(_Request):
+    """Fields shared by the multipart image-input routes (edits, variations), parsed from form
+    values (strings, converted as pydantic's lax mode does). The files (``image``, ``mask``) are
+    read separately."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_IMAGES)
+    #: ``WxH``: the input is resized to it; ``auto`` or unset keeps the input's size.
+    size: str | None = None
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_compression: int | None = Field(None, ge=0, le=100)
+    # Extensions (``extra_body`` of the openai client), as on /v1/images/generations.
+    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    num_inference_steps: int | None = Field(None, ge=1, le=1000)
+    guidance_scale: float | None = Field(None, ge=0, le=100)
+    #: How far the input is noised (0 < strength <= 1); unset: the pipeline's default for edits,
+    #: :data:`VARIATION_STRENGTH` for variations.
+    strength: float | None = Field(None, gt=0, le=1)
+    seed: Seed | None = None
+    timeout: Timeout | None = None
+    # Sent by OpenAI callers; no meaning for this runtime.
+    user: str | None = Field(None, max_length=256)
+    safety_identifier: str | None = Field(None, max_length=256)
+
+    @field_validator("size")
+    @classmethod
+    def _check_size(cls, value: str | None) -> str | None:
+        if value is None or value.strip().lower() == "auto":
+            return None
+        parse_size(value)
+        return value
+
+    def dimensions(self) -> tuple[int, int] | None:
+        return None if self.size is None else parse_size(self.size)
+
+
+class ImageEditForm(_ImageInputForm):
+    """``POST /v1/images/edits`` (multipart/form-data, as ``client.images.edit`` sends it)."""
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    # Sent by OpenAI callers; no meaning for this runtime.
+    background: str | None = Field(None, max_length=32)
+    input_fidelity: str | None = Field(None, max_length=32)
+    quality: str | None = Field(None, max_length=32)
+    partial_images: int | None = Field(None, ge=0, le=3)
+    #: Image streaming is not offered: only ``false`` is accepted.
+    stream: Literal[False] | None = None
+
+
+class ImageVariationForm(_ImageInputForm):
+    """``POST /v1/images/variations`` (multipart/form-data, as ``client.images.create_variation``
+    sends it): no prompt; the input is redrawn with :data:`VARIATION_STRENGTH` unless ``strength``
+    is given."""
+
+
+#: How far a variation departs from its input unless the request says (img2img ``strength``).
+VARIATION_STRENGTH = 0.75
+
+
 class ImageData(BaseModel):
     b64_json: str | None = None
     url: str | None = None
@@ -240,14 +300,24 @@ class GenerateRequest(_Request):
 # --------------------------------------------------------------------------- chat
 
 
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    #: A ``data:image/...;base64,...`` URL; remote URLs are refused, never fetched.
+    url: str
+    detail: str | None = Field(None, max_length=16)
+
+
 class ContentPart(BaseModel):
-    """One part of a message's content. Only ``text`` parts feed the prompt; other part types
-    (``image_url``, ``input_audio``...) are accepted and ignored, as their shapes vary."""
+    """One part of a message's content. ``text`` parts feed the prompt and an ``image_url`` part
+    of the last user message is the input image of an image model; other part types
+    (``input_audio``...) are accepted and ignored, as their shapes vary."""
 
     model_config = ConfigDict(extra="allow")
 
     type: str = Field(max_length=64)
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 class ChatMessage(BaseModel):
@@ -317,6 +387,20 @@ class ChatCompletionRequest(_Request):
                     raise ValueError(f"messages[{i}] (the last user message) has no text content")
                 return text, f"messages[{i}].content"
         raise ValueError("messages contains no user message")
+
+    def image_urls(self) -> list[tuple[str, str]]:
+        """(url, field path) of each ``image_url`` part of the last user message."""
+        for i in range(len(self.messages) - 1, -1, -1):
+            message = self.messages[i]
+            if message.role == "user":
+                if not isinstance(message.content, list):
+                    return []
+                return [
+                    (part.image_url.url, f"messages[{i}].content[{j}].image_url.url")
+                    for j, part in enumerate(message.content)
+                    if part.type == "image_url" and part.image_url is not None
+                ]
+        return []
 
 
 class Usage(BaseModel):

@@ -21,7 +21,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,11 +51,13 @@ from omni_runtime.resolve import ResolvedConfig
 from ..async_omni import AsyncOmni, ValidRequest, load_resolved
 from ..jobs.store import JobStore, MemoryJobStore
 from . import protocol as proto
-from .files import MEDIA_TYPES, FileStore, encode_images
+from .files import FileStore, encode_images
+from .images import chat_image, images_engine, run_images, validate_images
 from .job_manager import JobManager, JobSettings
 from .jobs import add_job_routes
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ApiError, ClientDisconnected, error_body
+from .uploads import image_params, read_image_form
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -292,26 +294,32 @@ class ServerState:
                 await asyncio.wait((task,))
 
 
-async def _gather_or_abort(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
-    """All results, or the first error with the other requests aborted (cancelling ``generate``
-    aborts its request)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
 # --------------------------------------------------------------------------- middleware
 
 #: Routes whose body is JSON: another content type is a 415 that says so (form-encoded is what
 #: `curl -d` sends, and FastAPI would read it as a missing body).
 JSON_ROUTES = frozenset({"/v1/chat/completions", "/v1/images/generations", "/v1/omni/collective_rpc", "/v1/generate"})
+#: Routes whose body is multipart/form-data (file uploads), as the openai client sends them.
+MULTIPART_ROUTES = frozenset({"/v1/images/edits", "/v1/images/variations"})
+
+
+def _content_type(scope: Scope) -> bytes:
+    return next((v for k, v in scope["headers"] if k == b"content-type"), b"").split(b";")[0].strip().lower()
+
+
+def _check_multipart_content_type(scope: Scope) -> None:
+    kind = _content_type(scope)
+    if kind != b"multipart/form-data":
+        shown = kind.decode("latin-1") or "none"
+        raise ApiError(
+            415,
+            f"the request body must be multipart/form-data with the image as a file part (got {shown})",
+            code="unsupported_media_type",
+        )
 
 
 def _check_json_content_type(scope: Scope) -> None:
-    kind = next((v for k, v in scope["headers"] if k == b"content-type"), b"").split(b";")[0].strip().lower()
+    kind = _content_type(scope)
     if kind != b"application/json":
         shown = kind.decode("latin-1") or "none"
         raise ApiError(
@@ -374,6 +382,8 @@ class _HttpMiddleware:
                     raise too_large
                 if scope["method"] == "POST" and scope["path"] in JSON_ROUTES:
                     _check_json_content_type(scope)
+                elif scope["method"] == "POST" and scope["path"] in MULTIPART_ROUTES:
+                    _check_multipart_content_type(scope)
             except ApiError as e:
                 await error_response(e)(scope, receive, send_and_record)
                 return
@@ -534,15 +544,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/images/generations")
     async def create_images(body: proto.ImageGenerationRequest, request: Request) -> JSONResponse:
-        omni = state.check_request(body.model)
-        if state.image_stage is None:
-            raise ApiError(400, f"the model `{state.model_name}` has no image output", param="model", code="no_image")
-        max_pending = omni.health().max_pending
-        if body.n > max_pending:
-            # A 429 would invite retries that can never succeed.
-            raise InvalidRequestError(
-                f"n={body.n} images exceed this server's admission limit of {max_pending} requests", param="n"
-            )
+        omni = images_engine(state, body.model, body.n)
         size = body.dimensions()
         image: dict[str, Any] = {
             "negative_prompt": body.negative_prompt,
@@ -555,38 +557,27 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if size is not None:
             image["width"], image["height"] = size
         image = {k: v for k, v in image.items() if v is not None}
+        valid = validate_images(omni, body.prompt, image, body.n, body.seed)
+        return _images_response(await run_images(state, omni, request, valid, body))
 
-        def params(i: int) -> list[dict | None]:
-            seed = {} if body.seed is None else {"seed": body.seed + i}
-            return omni.sampling_params(image=image | seed)
+    @app.post("/v1/images/edits")
+    async def edit_images(request: Request) -> JSONResponse:
+        body, files = await read_image_form(request, proto.ImageEditForm)
+        omni = images_engine(state, body.model, body.n)
+        # Without a mask, the image's own transparent pixels are the region to edit (as OpenAI's
+        # edits take it); an opaque image without a mask is redrawn as a whole (img2img).
+        params = await image_params(body, files, body.strength, alpha_as_mask=True)
+        valid = validate_images(omni, body.prompt, params, body.n, body.seed)
+        return _images_response(await run_images(state, omni, request, valid, body))
 
-        try:  # each of the n requests is validated once, before any of them is admitted
-            valid = [omni.validate(body.prompt, params(i), modalities=["image"]) for i in range(body.n)]
-        except InvalidRequestError as e:
-            if e.param in ("height", "width"):
-                e.param = "size"
-            raise
-        base = f"img-{uuid.uuid4().hex}"
-        ids = [f"{base}-{i}" for i in range(body.n)]
-        outs = await state.until_disconnect(
-            request, ids, _gather_or_abort([state.collect(omni, valid[i], ids[i]) for i in range(body.n)])
-        )
-        images = [(img, out) for out in outs for img in out.images]
-        encoded = await encode_images([img for img, _ in images], body.output_format, body.output_compression)
-        data = []
-        for (_, out), blob in zip(images, encoded, strict=True):
-            seed = out.outputs_by_stage.get(state.image_stage)
-            item = proto.ImageData(seed=seed.metrics.get("seed") if seed else None)
-            if body.response_format == "url":
-                file_id = state.files.put(blob, MEDIA_TYPES[body.output_format])
-                item.url = f"{str(request.base_url).rstrip('/')}/v1/files/{file_id}"
-            else:
-                item.b64_json = base64.b64encode(blob).decode()
-            data.append(item)
-        state.metrics.images.inc(len(data))
-        size_text = f"{images[0][0].width}x{images[0][0].height}" if images else None
-        resp = proto.ImageGenerationResponse(data=data, output_format=body.output_format, size=size_text)
-        return SafeJSONResponse(resp.model_dump(exclude_none=True), headers={"X-Request-Id": base})
+    @app.post("/v1/images/variations")
+    async def image_variations(request: Request) -> JSONResponse:
+        body, files = await read_image_form(request, proto.ImageVariationForm)
+        omni = images_engine(state, body.model, body.n)
+        strength = body.strength if body.strength is not None else proto.VARIATION_STRENGTH
+        params = await image_params(body, files, strength, alpha_as_mask=False)
+        valid = validate_images(omni, "", params, body.n, body.seed)
+        return _images_response(await run_images(state, omni, request, valid, body))
 
     @app.post("/v1/chat/completions")
     async def chat(body: proto.ChatCompletionRequest, request: Request) -> Response:
@@ -609,7 +600,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "priority": body.priority,
         }
         modalities = list(body.modalities) if body.modalities else None
-        valid = omni.validate(prompt, omni.sampling_params(shared=shared), modalities=modalities)
+        image = await chat_image(state, body)
+        try:
+            valid = omni.validate(prompt, omni.sampling_params(image=image, shared=shared), modalities=modalities)
+        except InvalidRequestError as e:
+            if image is not None and e.param == "image":
+                e.param = body.image_urls()[0][1]
+            raise
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -642,6 +639,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             for r in results
         ]
         return SafeJSONResponse(out)
+
+
+def _images_response(result: tuple[dict[str, Any], str]) -> JSONResponse:
+    body, request_id = result
+    return SafeJSONResponse(body, headers={"X-Request-Id": request_id})
 
 
 async def _job_store_status(state: ServerState) -> dict[str, Any]:

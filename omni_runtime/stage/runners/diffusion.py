@@ -32,6 +32,7 @@ from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner, StepResult
 from omni_runtime.stage.runners.diffusion_steps import StepFamily, StepState, step_family
+from omni_runtime.stage.runners.image_inputs import TEXT, PipelineForm, PipelineForms, image_call_kwargs, size_kwargs
 from omni_runtime.stage.runners.lora import LoraAdapters
 from omni_runtime.stage.runners.torch_common import WaveAborted, image_generators, release_memory, request_seeds
 
@@ -183,6 +184,8 @@ class DiffusionRunner(StageRunner):
         self._step_family: StepFamily | None = None
         self._step_reason: str | None = "the model is not loaded"
         self._states: dict[str, StepState] = {}
+        #: The text / image / inpaint forms of the loaded model (image_inputs.py).
+        self._forms: PipelineForms | None = None
         self.loras = LoraAdapters(stage.engine_args.loras, stage.engine_args.max_loras)
 
     # ------------------------------------------------------------------ lifecycle
@@ -194,7 +197,10 @@ class DiffusionRunner(StageRunner):
         pipe = self.pipe
         signature = inspect.signature(type(pipe).__call__)
         self._call_params = dict(signature.parameters)
-        self._batched_inputs = accepts_batched_inputs(signature)
+        forms = self._forms.forms.values() if self._forms is not None else ()
+        self._batched_inputs = accepts_batched_inputs(signature) and all(
+            accepts_batched_inputs(inspect.signature(type(f.pipe).__call__)) for f in forms
+        )
         if not self._batched_inputs:
             self.max_batch_size = 1
             logger.warning(
@@ -212,9 +218,7 @@ class DiffusionRunner(StageRunner):
         #   aspect-ratio table and resizes afterwards: a tiny model's sizes are not in it (Sana
         #   raises), the work done would not be the size the batch key groups by, and the image
         #   would be a resampled one rather than the size that was asked for.
-        self._fixed_kwargs = {
-            name: False for name in ("clean_caption", "use_resolution_binning") if name in self._call_params
-        }
+        self._fixed_kwargs = {name: False for name in ("clean_caption", "use_resolution_binning")}
 
     def _load_pipeline(self) -> None:
         from diffusers import DiffusionPipeline
@@ -233,12 +237,22 @@ class DiffusionRunner(StageRunner):
         applied = apply_engine_options(pipe, self.stage.engine_args)
         if applied:
             logger.info("stage %d: %s", self.stage.stage_id, ", ".join(applied))
-        self.pipe = pipe
+        # The text, img2img and inpainting forms of this model (ConfigError for a pipeline whose
+        # inputs cannot be supplied); ``pipe`` is the text one where there is one. The forms share
+        # the modules the options above were applied to.
+        self._forms = PipelineForms(pipe)
+        text = self._forms.text
+        self.pipe = pipe = text.pipe if text is not None else pipe
         self.loras.bind(pipe)
         self._step_family, self._step_reason = step_family(pipe, self.device)
+        if self._step_family is not None and "image" in self._forms.forms:
+            self._step_family.image_pipe = self._forms.forms["image"].pipe
 
     def sleep(self) -> dict[str, Any]:
         self.pipe = None
+        if self._forms is not None:  # the call facts stay for batch_key; the modules go
+            for form in self._forms.forms.values():
+                form.pipe = None
         self.loras.bind(None)  # the adapters went with the pipeline; the registry stays
         self._step_family = None
         self._states.clear()  # the worker fails those requests at the next step boundary
@@ -269,13 +283,27 @@ class DiffusionRunner(StageRunner):
     # ------------------------------------------------------------------ scheduling
 
     def constraints(self) -> dict[str, Any]:
-        return {
+        out = {
             "size_multiple": self._size_multiple,
             "size_multiple_reason": self._size_reason,
             "max_pixels": self.max_pixels(),
             "native_size": list(self._native_size) if all(self._native_size) else None,
             "lora": self.loras.supported,
         }
+        if self._forms is not None:
+            out.update(self._forms.constraints())
+            if self.stage.engine_args.step_execution and self._step_reason is None and out.get("image_inputs"):
+                # The worker runs every request of this stage in the step loop: what it cannot run
+                # (inpainting; img2img outside the SD family) is refused before it is queued.
+                family = self._step_family
+                takes = family is not None and family.takes_images and family.image_pipe is not None
+                out["image_inputs"] = ["image"] if takes else []
+                out["image_inputs_note"] = (
+                    "this stage runs with engine_args.step_execution, whose step loop runs "
+                    + ("img2img but not inpainting" if takes else "no image inputs for this pipeline")
+                    + "; serve them from a stage without step_execution"
+                )
+        return out
 
     def max_pixels(self) -> int:
         """The configured limit, or 4 x the model's native area: a 64 px model asked for 1024 x 1024
@@ -306,6 +334,7 @@ class DiffusionRunner(StageRunner):
             p.get("num_images_per_prompt") or 1,
             p.get("output_type") or "pil",
             self._scheduler_name,
+            self._forms.key(p) if self._forms is not None else (),
             LoraAdapters.key(p.get("lora")),
         )
 
@@ -347,16 +376,24 @@ class DiffusionRunner(StageRunner):
 
         # 3) Call arguments; absent params are left out so the pipeline's own defaults apply, except
         #    the size (the model's native one, see below).
+        # The pipeline of the wave's form: text-to-image, img2img or inpainting (equal keys: one form).
+        form = self._form(first)
+        call_params = form.call_params
+        batched = self._batched_inputs
+        # Image forms get one row per output image (prompts repeated per image): their pipelines
+        # pair input images with generators row by row. (A pipeline without list inputs takes one
+        # request, its image once, and num_images_per_prompt.)
+        rows = per_prompt if form.kind != TEXT and batched else 1
+        prompts = [r.prompt for r in batch for _ in range(rows)]
         # "" is what pipelines use for a missing negative prompt, so a list may mix both.
-        negatives: list[str] | None = [r.params.get("negative_prompt") or "" for r in batch]
+        negatives: list[str] | None = [r.params.get("negative_prompt") or "" for r in batch for _ in range(rows)]
         if not any(negatives):
             negatives = None
-        batched = self._batched_inputs
         kwargs: dict[str, Any] = {
-            "prompt": [r.prompt for r in batch] if batched else batch[0].prompt,
+            "prompt": prompts if batched else prompts[0],
             "generator": generators if batched else generators[0],
             "negative_prompt": negatives if batched or negatives is None else negatives[0],
-            "num_images_per_prompt": per_prompt,
+            "num_images_per_prompt": per_prompt // rows,
             # The native size is always passed: a signature default can be the real model's size
             # whatever this model is (Sana: 1024; Flux: 128 latent pixels per VAE factor).
             "height": first.get("height") or self._native_size[0],
@@ -366,8 +403,14 @@ class DiffusionRunner(StageRunner):
             # Decode to floats once; uint8 images are made here, identically for every pipeline.
             "output_type": "latent" if output_type == "latent" else "np",
         }
-        kwargs = {k: v for k, v in kwargs.items() if v is not None and k in self._call_params}
-        kwargs.update(self._fixed_kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if v is not None and k in call_params}
+        kwargs.update({k: v for k, v in self._fixed_kwargs.items() if k in call_params})
+        kwargs.update(size_kwargs(call_params, kwargs.get("height"), kwargs.get("width")))
+        if form.kind != TEXT:
+            image_kwargs = image_call_kwargs(batch, form, per_prompt)
+            if not batched:
+                image_kwargs = {k: v[0] if isinstance(v, list) else v for k, v in image_kwargs.items()}
+            kwargs.update(image_kwargs)
 
         # 4) Abort while running: leave the loop only when no one is waiting for this wave; a wave
         #    with a live request finishes (the worker drops the aborted ones' outputs).
@@ -379,8 +422,10 @@ class DiffusionRunner(StageRunner):
             if all(ctx.is_aborted(rid) for rid in ids):
                 raise WaveAborted
 
-        if "callback_on_step_end" in self._call_params:
-            steps = _total_steps(kwargs)
+        if "callback_on_step_end" in call_params:
+            # An image form runs int(steps x strength) steps, its pipeline's default strength
+            # included: then the pipeline's own count is used.
+            steps = _total_steps(kwargs) if form.kind == TEXT else None
 
             def on_step_end(pipe: Any, step: int, timestep: Any, callback_kwargs: dict) -> dict:
                 check_abort()
@@ -388,7 +433,7 @@ class DiffusionRunner(StageRunner):
                 return callback_kwargs
 
             kwargs["callback_on_step_end"] = on_step_end
-        elif "callback" in self._call_params and "callback_steps" in self._call_params:
+        elif "callback" in call_params and "callback_steps" in call_params:
             kwargs["callback"] = lambda step, timestep, latents: check_abort()
             kwargs["callback_steps"] = 1
 
@@ -396,7 +441,7 @@ class DiffusionRunner(StageRunner):
         start = time.perf_counter()
         try:
             with torch.inference_mode():
-                result = self.pipe(**kwargs)
+                result = form.pipe(**kwargs)
         except WaveAborted:
             return aborted_outputs((time.perf_counter() - start) * 1e3)
         elapsed_ms = (time.perf_counter() - start) * 1e3
@@ -421,6 +466,12 @@ class DiffusionRunner(StageRunner):
                     out.images = [(x * 255).round().astype(np.uint8) for x in floats]
             outputs.append(out)
         return outputs
+
+    def _form(self, params: dict[str, Any]) -> PipelineForm:
+        """The pipeline form (text, img2img, inpaint) that serves requests with these params."""
+        if self._forms is None:
+            return PipelineForm(TEXT, self.pipe, self._call_params)
+        return self._forms.form(params)
 
     # ------------------------------------------------------------------ step execution
 
@@ -452,6 +503,9 @@ class DiffusionRunner(StageRunner):
         steps = p.get("num_inference_steps") or self._default("num_inference_steps")
         if not steps:
             raise ValueError("num_inference_steps is not set and the pipeline has no default")
+        if p.get("mask_image") is not None or (p.get("image") is not None and not self._step_family.takes_images):
+            # Refused before the queue (constraints); a direct call still gets a clear error.
+            raise ValueError("this input image request does not run step by step (see the stage's image_inputs)")
         return StepState(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -465,6 +519,8 @@ class DiffusionRunner(StageRunner):
             num_inference_steps=int(steps),
             output_type=p.get("output_type") or "pil",
             generators=image_generators([seed], rows, self.device),
+            image=p.get("image"),
+            strength=p.get("strength"),
             lora=p.get("lora"),
         )
 

@@ -56,6 +56,9 @@ class StepState:
     extra_step_kwargs: dict[str, Any] = field(default_factory=dict)
     #: Steps taken.
     index: int = 0
+    #: img2img: the input image (uint8 HxWx3) and strength (None: the img2img pipeline's default).
+    image: Any = None
+    strength: float | None = None
     #: The request's LoRA adapter (its params' ``lora``), active whenever it is encoded or steps.
     lora: dict[str, Any] | None = None
 
@@ -79,12 +82,16 @@ class StepFamily:
     step_kwargs: ClassVar[bool] = True
     #: Whether the pipeline pins the scheduler's begin index to 0 before its loop.
     begin_index: ClassVar[bool] = False
+    #: Whether this loop runs img2img requests (``StepState.image``) given an ``image_pipe``.
+    takes_images: ClassVar[bool] = False
 
     def __init__(self, pipe: Any, call_defaults: dict[str, Any], device: str) -> None:
         self.pipe = pipe
         self.defaults = call_defaults
         self.device = torch.device(device)
         self.module = importlib.import_module(type(pipe).__module__)
+        #: The img2img form of ``pipe`` (shared components), set by the runner where it has one.
+        self.image_pipe: Any = None
 
     # ------------------------------------------------------------------ what subclasses provide
 
@@ -243,6 +250,37 @@ class StableDiffusionFamily(StepFamily):
 
     def call_denoiser(self, x, t, cond, states):
         return self.pipe.unet(x, t, encoder_hidden_states=cond["embeds"], return_dict=False)[0]
+
+    takes_images = True
+
+    def prepare(self, state: StepState) -> None:
+        if state.image is None:
+            super().prepare(state)
+            return
+        # img2img, as StableDiffusionImg2ImgPipeline's call does it for this request's rows: the
+        # schedule's tail from the strength's timestep, and the encoded image noised to its first
+        # timestep, with this request's generators (one per row: encoding samples, then noise).
+        from PIL import Image
+
+        img2img = self.image_pipe
+        if img2img is None:
+            raise ValueError(f"{type(self.pipe).__name__} has no img2img form to run an image request")
+        strength = state.strength
+        if strength is None:
+            strength = inspect.signature(type(img2img).__call__).parameters["strength"].default
+        image = img2img.image_processor.preprocess([Image.fromarray(state.image)] * state.rows)
+        self.module.retrieve_timesteps(img2img.scheduler, state.num_inference_steps, self.device)
+        timesteps, _ = img2img.get_timesteps(state.num_inference_steps, strength, self.device)
+        if len(timesteps) == 0:
+            raise ValueError(f"strength {strength} x {state.num_inference_steps} steps leaves no denoising step")
+        state.latents = img2img.prepare_latents(
+            image, timesteps[:1].repeat(state.rows), state.rows, 1, self.latent_dtype(state), self.device,
+            state.generators,
+        )  # fmt: skip
+        state.scheduler = copy.deepcopy(img2img.scheduler)
+        state.timesteps = timesteps
+        if hasattr(self.pipe, "prepare_extra_step_kwargs"):
+            state.extra_step_kwargs = self.pipe.prepare_extra_step_kwargs(state.generators, self.defaults.get("eta"))
 
     def postprocess(self, image, states):
         nsfw = None

@@ -64,6 +64,8 @@ def test_load_facts(runner: DiffusionRunner) -> None:
         "size_multiple_reason": "the VAE scale factor 2, and the pipeline takes multiples of 8 only",
         "max_pixels": 4 * 64 * 64,  # 4 x the native 64 x 64
         "native_size": [64, 64],
+        "image_inputs": ["image", "mask_image"],  # img2img and inpainting forms of the same model
+        "default_strength": {"image": 0.8, "inpaint": 1.0},
         "lora": True,
     }
 
