@@ -1,10 +1,13 @@
 """A job's trace: spans built from what the engine reports, and their OTLP/HTTP export.
 
 The engine does not trace itself; each stage's final output says how long the request waited in
-the stage's queue (``queue_wait_ms``), how long its wave ran (``execution_ms``) and which wave it
-was (``batch_id``, ``batch_size``). The gateway turns that into spans when the output arrives: the
-wave ended about when its output reached the gateway, so it began ``execution_ms`` earlier, and
-its queue wait before that. Spans are plain dicts in the job record (``GET /v1/jobs/{id}/trace``);
+the stage's queue (``queue_wait_ms``), how long its wave ran (``execution_ms``), how much of that
+was the VAE decode at its end (``decode_ms``), which wave it was (``batch_id``, ``batch_size``)
+and when the stage finished (``finished_at``, the stage machine's clock). The gateway turns that
+into spans when the output arrives: the wave ended at ``finished_at`` (or, from a clock ahead of
+the gateway's, at arrival), began ``execution_ms`` earlier, and queued before that; from its end
+to the output's arrival is the transfer (the stage's answer to the engine, and on to the gateway
+or the next stage). Spans are plain dicts in the job record (``GET /v1/jobs/{id}/trace``);
 with ``--otlp-endpoint`` they are also exported with opentelemetry-sdk, every stage span a child of
 the job's span, which itself joins the caller's trace when the request carried ``traceparent``.
 """
@@ -34,7 +37,10 @@ def stage_spans(stage_id: int, done_s: float, metrics: dict[str, Any]) -> list[d
     execution = _ms(metrics.get("execution_ms"))
     queue = _ms(metrics.get("queue_wait_ms"))
     admission = _ms(metrics.get("admission_wait_ms"))
-    wave_start = done_s - execution
+    decode = _ms(metrics.get("decode_ms"))
+    finished = metrics.get("finished_at")
+    wave_end = min(float(finished), done_s) if isinstance(finished, int | float) and finished > 0 else done_s
+    wave_start = wave_end - execution
     spans = [
         span(
             f"stage {stage_id} queue",
@@ -46,7 +52,7 @@ def stage_spans(stage_id: int, done_s: float, metrics: dict[str, Any]) -> list[d
         span(
             f"stage {stage_id} wave",
             wave_start,
-            done_s,
+            wave_end,
             stage_id=stage_id,
             batch_id=metrics.get("batch_id"),
             batch_size=metrics.get("batch_size"),
@@ -55,6 +61,10 @@ def stage_spans(stage_id: int, done_s: float, metrics: dict[str, Any]) -> list[d
             time_to_first_step_ms=metrics.get("time_to_first_step_ms"),
         ),
     ]
+    if decode:
+        spans.append(span(f"stage {stage_id} decode", wave_end - decode, wave_end, stage_id=stage_id))
+    if done_s > wave_end:
+        spans.append(span(f"stage {stage_id} transfer", wave_end, done_s, stage_id=stage_id))
     return spans
 
 

@@ -446,7 +446,10 @@ def create_app(
             await state.close()
 
     # The body limit is enforced by _HttpMiddleware, which answers in the OpenAI error shape.
-    app = FastAPI(title="omni_runtime", lifespan=lifespan, default_response_class=SafeJSONResponse)
+    # redirect_slashes off: `/v1/files/x/` is a JSON 404 like any unknown path, not an empty 307.
+    app = FastAPI(
+        title="omni_runtime", lifespan=lifespan, default_response_class=SafeJSONResponse, redirect_slashes=False
+    )
     app.state.omni = state
     app.add_middleware(_HttpMiddleware, state=state, routes=app.router.routes)
     if allowed_origins:

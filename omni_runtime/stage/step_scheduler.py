@@ -333,11 +333,13 @@ class ProgressThrottle:
     and deliver each event, and on a machine whose cores the model's threads already fill, that
     preempts a model thread mid-step. Measured on 2 CPU cores: about 3 ms per event with tiny-sd,
     against 0.1 ms sent. Hence a floor under the interval (``min_interval_s`` = 3 ms / 1 %), and
-    above it the measured send cost x ``amplification`` / ``budget``.
+    above it the measured send cost x ``amplification`` / ``budget``, up to ``max_interval_s``: a
+    progress bar or a job's event stream still moves at least once a second on a slow machine.
     """
 
     budget: float = 0.01
     min_interval_s: float = 0.3
+    max_interval_s: float = 1.0
     amplification: float = 30.0
     _last: float = float("-inf")
     bursts: int = 0
@@ -348,7 +350,7 @@ class ProgressThrottle:
     @property
     def interval_s(self) -> float:
         per_burst = self.cost_s / self.bursts if self.bursts else 0.0
-        return max(self.min_interval_s, per_burst * self.amplification / self.budget)
+        return min(self.max_interval_s, max(self.min_interval_s, per_burst * self.amplification / self.budget))
 
     def add_step(self, seconds: float) -> None:
         self.step_s += seconds

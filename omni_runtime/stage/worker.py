@@ -259,6 +259,9 @@ class StageWorker:
         self._emit_outputs(done)
 
     def _final_output(self, rid: str, out: RunnerOutput, metrics: dict[str, Any]) -> StageOutput:
+        # Wall-clock end of this stage's work on the request: with the durations above, a trace
+        # places the stage's spans, and the time from here to the next stage is the hand-off.
+        metrics["finished_at"] = time.time()
         if out.error is None:
             self._served += 1
         else:

@@ -63,6 +63,12 @@ async def test_a_hanging_forward_times_out_and_the_worker_keeps_answering(one):
     hang = asyncio.create_task(last(one, "hang", {"timeout": 1.5}))
     # Requests that arrive behind the hung wave wait for it, with their own (longer) deadlines.
     await eventually(lambda: status(one)["inflight"] == 1, what="the hang reaching the stage")
+
+    async def hang_running() -> bool:
+        # Past its admission hold: requests sent now queue behind the wave instead of joining it.
+        return (await stats(one))[0]["running"] == 1
+
+    await eventually(hang_running, what="the hang's wave running")
     behind = [asyncio.create_task(last(one, f"behind-{i}", {"timeout": 10})) for i in range(3)]
 
     # The forward thread is blocked; control calls are still answered at once.

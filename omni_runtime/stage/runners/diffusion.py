@@ -415,10 +415,13 @@ class DiffusionRunner(StageRunner):
         # 4) Abort while running: leave the loop only when no one is waiting for this wave; a wave
         #    with a live request finishes (the worker drops the aborted ones' outputs).
         first_step: list[float] = []
+        last_step: list[float] = []  # when the latest step ended: what follows is the decode
 
         def check_abort() -> None:
+            now = time.perf_counter()
             if not first_step:
-                first_step.append(time.perf_counter())
+                first_step.append(now)
+            last_step[:] = [now]
             if all(ctx.is_aborted(rid) for rid in ids):
                 raise WaveAborted
 
@@ -444,7 +447,10 @@ class DiffusionRunner(StageRunner):
                 result = form.pipe(**kwargs)
         except WaveAborted:
             return aborted_outputs((time.perf_counter() - start) * 1e3)
-        elapsed_ms = (time.perf_counter() - start) * 1e3
+        end = time.perf_counter()
+        elapsed_ms = (end - start) * 1e3
+        # After the last denoising step: the VAE decode and post-processing of the whole wave.
+        decode_ms = (end - last_step[0]) * 1e3 if last_step and output_type != "latent" else None
         images = result.images if hasattr(result, "images") else result[0]
 
         # 6) Split back per request, k consecutive outputs each.
@@ -454,6 +460,8 @@ class DiffusionRunner(StageRunner):
             out = RunnerOutput(metrics={**m, "execution_ms": elapsed_ms})
             if first_step:  # since execute() was called: encoding and the first denoising step
                 out.metrics["first_step_ms"] = (first_step[0] - called) * 1e3
+            if decode_ms is not None:
+                out.metrics["decode_ms"] = decode_ms
             if output_type == "latent":
                 # float() first: numpy has no bfloat16.
                 latents = part.detach().float().cpu() if torch.is_tensor(part) else part
@@ -633,10 +641,14 @@ class DiffusionRunner(StageRunner):
             else:
                 to_decode.setdefault((s.height, s.width), []).append(s)
         decoded: dict[str, np.ndarray] = {}
+        decode_ms: dict[str, float] = {}
 
         def decode(group: list[StepState]) -> None:
+            start = time.perf_counter()
             for s, floats in zip(group, self._step_family.decode(group), strict=True):
                 decoded[s.request_id] = np.asarray(floats, dtype=np.float32)
+            for s in group:
+                decode_ms[s.request_id] = (time.perf_counter() - start) * 1e3
 
         for group in to_decode.values():
             self._isolated(group, decode, failed)
@@ -651,6 +663,8 @@ class DiffusionRunner(StageRunner):
                 outputs[s.request_id] = out
         for rid, out in outputs.items():
             out.metrics["seed"] = self._states[rid].seed
+            if rid in decode_ms:
+                out.metrics["decode_ms"] = decode_ms[rid]
         return outputs
 
 

@@ -107,7 +107,7 @@ def test_chat_stream_sends_progress_comments_while_the_image_is_drawn(http):
         "stream": True,
         "priority": 3,  # an extension field, like seed
     }
-    time.sleep(0.5)  # the stage sends a progress burst at most every 0.3 s: this one is due at step 1
+    time.sleep(1.1)  # the stage sends a progress burst at most once a second: this one is due at step 1
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line]

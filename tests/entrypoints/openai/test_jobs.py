@@ -75,6 +75,10 @@ def test_submit_then_events_then_result(server, http):
     assert names[:2] == ["job", "admission"] and {"stage 0 queue", "stage 0 wave", "encode"} <= set(names)
     wave = trace["spans"][names.index("stage 0 wave")]
     assert wave["attributes"]["batch_size"] == 1 and wave["attributes"]["batch_id"] == done["batch_id"]
+    # The VAE decode ends the wave; from there to the gateway is the transfer.
+    decode = trace["spans"][names.index("stage 0 decode")]
+    transfer = trace["spans"][names.index("stage 0 transfer")]
+    assert wave["start"] < decode["start"] <= decode["end"] == wave["end"] == transfer["start"] <= transfer["end"]
     root = trace["spans"][0]
     for s in trace["spans"][1:]:
         assert root["start"] <= s["start"] <= s["end"] <= root["end"] + 1e-3, s
@@ -200,7 +204,7 @@ def test_unknown_jobs_bad_event_ids_and_post_jobs(server, http):
 
 
 def test_a_high_priority_job_overtakes_low_ones_under_load(server, http):
-    hog = submit(http, job_body("hog", steps=12))
+    hog = submit(http, job_body("hog", steps=60))  # over a second: at least one step event
     first_step(http, hog["job_id"])
     low = [submit(http, job_body(f"low {i}", steps=2, priority=0)) for i in range(2)]
     high = submit(http, job_body("high", steps=2, priority=10))

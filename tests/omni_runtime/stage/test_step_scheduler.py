@@ -295,7 +295,7 @@ def test_lowering_max_num_seqs_pauses_the_requests_beyond_it(clock: FakeClock) -
 
 
 def test_progress_goes_out_in_bursts_at_most_once_per_interval() -> None:
-    throttle = ProgressThrottle(budget=0.01, min_interval_s=0.3, amplification=30.0)
+    throttle = ProgressThrottle(budget=0.01, min_interval_s=0.3, amplification=30.0, max_interval_s=60.0)
     assert throttle.due(0.0)  # the first burst goes at once
     throttle.sent(0.0, events=3, cost_s=0.0001)
     assert throttle.interval_s == pytest.approx(0.3)  # 0.1 ms x 30 / 1 % = 0.3 s: the floor
@@ -303,6 +303,12 @@ def test_progress_goes_out_in_bursts_at_most_once_per_interval() -> None:
     throttle.sent(0.3, events=40, cost_s=0.0199)  # a dearer burst: 10 ms on average
     assert throttle.interval_s == pytest.approx(30.0)
     assert throttle.stats()["progress_events"] == 43 and throttle.stats()["progress_bursts"] == 2
+
+
+def test_a_dear_burst_still_leaves_progress_at_least_once_a_second() -> None:
+    throttle = ProgressThrottle()
+    throttle.sent(0.0, events=1, cost_s=0.05)  # 50 ms to send: 150 s by the budget alone
+    assert throttle.interval_s == pytest.approx(1.0) and throttle.due(1.0)
 
 
 def test_bursts_cost_about_the_budget_of_the_stepping_time() -> None:
