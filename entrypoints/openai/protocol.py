@@ -120,7 +120,24 @@ class LoraSpec(_Request):
 # --------------------------------------------------------------------------- images
 
 
-class ImageGenerationRequest(_Request):
+class _SizedRequest(_Request):
+    """A request with an optional ``size`` (``WxH``; ``auto`` or unset: the default)."""
+
+    size: str | None = None
+
+    @field_validator("size")
+    @classmethod
+    def _check_size(cls, value: str | None) -> str | None:
+        if value is None or value.strip().lower() == "auto":
+            return None
+        parse_size(value)
+        return value
+
+    def dimensions(self) -> tuple[int, int] | None:
+        return None if self.size is None else parse_size(self.size)
+
+
+class ImageGenerationRequest(_SizedRequest):
     """``POST /v1/images/generations``."""
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
@@ -150,19 +167,8 @@ class ImageGenerationRequest(_Request):
     #: Image streaming is not offered: only ``false`` is accepted.
     stream: Literal[False] | None = None
 
-    @field_validator("size")
-    @classmethod
-    def _check_size(cls, value: str | None) -> str | None:
-        if value is None or value.strip().lower() == "auto":
-            return None
-        parse_size(value)
-        return value
 
-    def dimensions(self) -> tuple[int, int] | None:
-        return None if self.size is None else parse_size(self.size)
-
-
-class _ImageInputForm(_Request):
+class _ImageInputForm(_SizedRequest):
     """Fields shared by the multipart image-input routes (edits, variations), parsed from form
     values (strings, converted as pydantic's lax mode does). The files (``image``, ``mask``) are
     read separately."""
@@ -186,17 +192,6 @@ class _ImageInputForm(_Request):
     # Sent by OpenAI callers; no meaning for this runtime.
     user: str | None = Field(None, max_length=256)
     safety_identifier: str | None = Field(None, max_length=256)
-
-    @field_validator("size")
-    @classmethod
-    def _check_size(cls, value: str | None) -> str | None:
-        if value is None or value.strip().lower() == "auto":
-            return None
-        parse_size(value)
-        return value
-
-    def dimensions(self) -> tuple[int, int] | None:
-        return None if self.size is None else parse_size(self.size)
 
 
 class ImageEditForm(_ImageInputForm):
@@ -239,7 +234,7 @@ class ImageGenerationResponse(BaseModel):
 # --------------------------------------------------------------------------- jobs
 
 
-class GenerateInputs(_Request):
+class GenerateInputs(_SizedRequest):
     """What to generate: ``inputs`` of ``POST /v1/generate`` (task ``text2image``)."""
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
@@ -251,14 +246,6 @@ class GenerateInputs(_Request):
     num_inference_steps: int | None = Field(None, ge=1, le=1000)
     guidance_scale: float | None = Field(None, ge=0, le=100)
     seed: Seed | None = None
-
-    @field_validator("size")
-    @classmethod
-    def _check_size(cls, value: str | None) -> str | None:
-        if value is None or value.strip().lower() == "auto":
-            return None
-        parse_size(value)
-        return value
 
     @model_validator(mode="after")
     def _one_size(self) -> GenerateInputs:

@@ -32,11 +32,8 @@ DEFAULTS = {"num_inference_steps": 2, "guidance_scale": 7.5, "height": 32, "widt
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_RUNTIME_CACHE", str(path))  # stage processes inherit it
-        yield path
+def cache(model_cache: Path) -> Path:
+    return model_cache
 
 
 @pytest.fixture(scope="module")

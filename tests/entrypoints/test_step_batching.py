@@ -40,11 +40,8 @@ def sd_stage(**engine_args: object) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_RUNTIME_CACHE", str(path))  # stage processes inherit it
-        yield path
+def cache(model_cache: Path) -> Path:
+    return model_cache
 
 
 @pytest.fixture(scope="module")

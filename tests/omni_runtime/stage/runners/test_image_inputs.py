@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,14 +57,8 @@ MASK[16:48, 8:40] = 255
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    path = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_RUNTIME_CACHE", str(path))
-        yield path
-    torch.set_num_threads(threads)
+def cache(model_cache: Path) -> Path:
+    return model_cache
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
