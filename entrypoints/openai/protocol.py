@@ -518,6 +518,10 @@ class ClientDisconnected(Exception):
     """The client closed the connection; its engine requests were aborted."""
 
 
+#: Set in a request's ASGI scope once its client is known to be gone (the access log says so).
+DISCONNECTED = "omni.client_disconnected"
+
+
 def _validation_param(loc: Sequence[Any]) -> str | None:
     parts = [p for p in loc if p != "body"]
     if not parts or not isinstance(parts[0], str):

@@ -14,13 +14,11 @@ streaming response is cancelled by Starlette when the peer goes away.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hmac
 import json
 import logging
 import socket
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -30,7 +28,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -39,24 +37,23 @@ from omni_runtime.config import DeployConfig
 from omni_runtime.exceptions import (
     EngineDeadError,
     EngineError,
-    InvalidRequestError,
     OmniError,
     QueueFullError,
     RequestAbortedError,
 )
 from omni_runtime.outputs import OmniRequestOutput
-from omni_runtime.params import MAX_PROMPT_CHARS
 from omni_runtime.resolve import ResolvedConfig
 
 from ..async_omni import AsyncOmni, ValidRequest, load_resolved
 from ..jobs.store import JobStore, MemoryJobStore
 from . import protocol as proto
-from .files import FileStore, encode_images
-from .images import chat_image, images_engine, run_images, validate_images
+from .chat import chat_completion
+from .files import FileStore
+from .images import images_engine, run_images, validate_images
 from .job_manager import JobManager, JobSettings
 from .jobs import add_job_routes
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import ApiError, ClientDisconnected, error_body
+from .protocol import DISCONNECTED, ApiError, ClientDisconnected, error_body
 from .uploads import image_params, read_image_form
 
 logger = logging.getLogger(__name__)
@@ -66,7 +63,6 @@ T = TypeVar("T")
 MAX_BODY_BYTES = 8 * 1024 * 1024
 _HOSTNAME = socket.gethostname()  # the node name of this machine's own replicas
 #: Scope key set when the client went away, so the request is counted as status 499.
-_DISCONNECTED = "omni.client_disconnected"
 
 
 class SafeJSONResponse(JSONResponse):
@@ -281,7 +277,7 @@ class ServerState:
             await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
             if task.done():
                 return task.result()
-            request.scope[_DISCONNECTED] = True
+            request.scope[DISCONNECTED] = True
             live = [rid for rid in ids if rid in self.inflight]
             self.metrics.aborted.labels("client_disconnect").inc(len(live))
             self.omni.abort(live)
@@ -397,7 +393,7 @@ class _HttpMiddleware:
         finally:
             route = scope.get("route") or self._match(scope)  # requests refused here never reached routing
             label = getattr(route, "path", None) or "unmatched"
-            if scope.get(_DISCONNECTED):
+            if scope.get(DISCONNECTED):
                 status = 499
             m = self.state.metrics
             m.http_requests.labels(label, scope["method"], str(status)).inc()
@@ -561,7 +557,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             image["width"], image["height"] = size
         image = {k: v for k, v in image.items() if v is not None}
         valid = validate_images(omni, body.prompt, image, body.n, body.seed)
-        return _images_response(await run_images(state, omni, request, valid, body))
+        return _json_with_id(await run_images(state, omni, request, valid, body))
 
     @app.post("/v1/images/edits")
     async def edit_images(request: Request) -> JSONResponse:
@@ -571,7 +567,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         # edits take it); an opaque image without a mask is redrawn as a whole (img2img).
         params = await image_params(body, files, body.strength, alpha_as_mask=True)
         valid = validate_images(omni, body.prompt, params, body.n, body.seed)
-        return _images_response(await run_images(state, omni, request, valid, body))
+        return _json_with_id(await run_images(state, omni, request, valid, body))
 
     @app.post("/v1/images/variations")
     async def image_variations(request: Request) -> JSONResponse:
@@ -580,50 +576,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         strength = body.strength if body.strength is not None else proto.VARIATION_STRENGTH
         params = await image_params(body, files, strength, alpha_as_mask=False)
         valid = validate_images(omni, "", params, body.n, body.seed)
-        return _images_response(await run_images(state, omni, request, valid, body))
+        return _json_with_id(await run_images(state, omni, request, valid, body))
 
     @app.post("/v1/chat/completions")
     async def chat(body: proto.ChatCompletionRequest, request: Request) -> Response:
-        omni = state.check_request(body.model)
-        try:
-            prompt, where = body.prompt()
-        except ValueError as e:
-            raise InvalidRequestError(str(e), param="messages") from None
-        if len(prompt) > MAX_PROMPT_CHARS:
-            message = f"the prompt is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}"
-            raise InvalidRequestError(message, param=where)
-        shared = {
-            "max_tokens": body.max_completion_tokens or body.max_tokens,
-            "temperature": body.temperature,
-            "top_p": body.top_p,
-            "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
-            "seed": body.seed,
-            "timeout": body.timeout,
-            "lora": body.lora.params() if body.lora else None,
-            "priority": body.priority,
-        }
-        modalities = list(body.modalities) if body.modalities else None
-        image = await chat_image(state, body)
-        try:
-            valid = omni.validate(prompt, omni.sampling_params(image=image, shared=shared), modalities=modalities)
-        except InvalidRequestError as e:
-            if image is not None and e.param == "image":
-                e.param = body.image_urls()[0][1]
-            raise
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await _stream_chat(state, omni, request, rid, valid, include_usage)
-        out = await state.until_disconnect(request, [rid], state.collect(omni, valid, rid))
-        texts = [r.text for _, r in sorted(out.outputs_by_stage.items()) if r.text is not None]
-        message = proto.ResponseMessage(
-            content="\n".join(texts) if texts else None,
-            images=await _image_parts(out.images) if out.images else None,
-        )
-        usage, finish = proto.usage_of(out, valid.params)
-        choice = proto.ChatChoice(message=message, finish_reason=finish)
-        resp = proto.ChatCompletionResponse(id=rid, model=state.model_name, choices=[choice], usage=usage)
-        return SafeJSONResponse(resp.model_dump(exclude_none=True), headers={"X-Request-Id": rid})
+        answer = await chat_completion(state, body, request)
+        return answer if isinstance(answer, Response) else _json_with_id(answer)
 
     @app.post("/v1/omni/collective_rpc")
     async def collective_rpc(body: proto.CollectiveRpcRequest) -> JSONResponse:
@@ -644,7 +602,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return SafeJSONResponse(out)
 
 
-def _images_response(result: tuple[dict[str, Any], str]) -> JSONResponse:
+def _json_with_id(result: tuple[dict[str, Any], str]) -> JSONResponse:
+    """A route's JSON body and its request id (the ``X-Request-Id`` header)."""
     body, request_id = result
     return SafeJSONResponse(body, headers={"X-Request-Id": request_id})
 
@@ -654,104 +613,3 @@ async def _job_store_status(state: ServerState) -> dict[str, Any]:
         return {"backend": None, "ok": False}
     store = state.jobs.store
     return {"backend": store.backend, "ok": await store.ping(), "jobs": store.count(), "gateway": state.jobs.gateway_id}
-
-
-async def _image_parts(images: Sequence[Any]) -> list[dict[str, Any]]:
-    blobs = await encode_images(images, "png", None)
-    return [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b).decode()}}
-        for b in blobs
-    ]
-
-
-async def _stream_chat(
-    state: ServerState,
-    omni: AsyncOmni,
-    request: Request,
-    rid: str,
-    valid: ValidRequest,
-    include_usage: bool,
-) -> StreamingResponse:
-    agen = omni.generate(valid, request_id=rid)
-    state.inflight.add(rid)
-    try:
-        # Wait for the first output before sending headers, so that admission errors (429, 400,
-        # 503) keep their status code instead of arriving inside a 200 stream.
-        first = await state.until_disconnect(request, [rid], agen.__anext__())
-    except BaseException:
-        state.inflight.discard(rid)
-        await agen.aclose()
-        raise
-    created = int(time.time())
-
-    def chunk(delta: proto.DeltaMessage | None, finish: str | None = None, usage: proto.Usage | None = None) -> str:
-        choices = [] if delta is None else [proto.ChunkChoice(delta=delta, finish_reason=finish)]
-        c = proto.ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=choices, usage=usage)
-        return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
-
-    async def events() -> AsyncIterator[str]:
-        sent: dict[int, int] = {}  # characters of each stage's text already streamed
-        imaged: set[int] = set()
-        finished = False
-        try:
-            yield chunk(proto.DeltaMessage(role="assistant", content=""))
-            out = first
-            while True:
-                if out.progress is not None:
-                    # An SSE comment: clients (the openai one included) skip it, but it shows that
-                    # the image is being drawn and keeps proxies from timing the stream out.
-                    yield _progress_comment(out.progress)
-                for delta in await _deltas(out, sent, imaged):
-                    yield chunk(delta)
-                if out.finished:
-                    break
-                out = await agen.__anext__()
-            finished = True
-            state.metrics.observe_output(out)
-            usage, finish = proto.usage_of(out, valid.params)
-            yield chunk(proto.DeltaMessage(), finish)
-            if include_usage:
-                yield chunk(None, usage=usage)
-        except OmniError as e:
-            finished = True
-            yield f"data: {json.dumps(error_body(e)[1])}\n\n"
-        except asyncio.CancelledError:
-            # Starlette cancels the stream when the client disconnects.
-            request.scope[_DISCONNECTED] = True
-            state.metrics.aborted.labels("client_disconnect").inc()
-            raise
-        finally:
-            state.inflight.discard(rid)
-            if not finished:
-                omni.abort(rid)
-            await agen.aclose()
-        yield "data: [DONE]\n\n"
-
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": rid}
-    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
-
-
-def _progress_comment(progress: dict[str, Any]) -> str:
-    if "step" in progress:
-        return f": progress stage={progress['stage_id']} step={progress['step']}/{progress['steps']}\n\n"
-    return f": progress stage={progress['stage_id']} done\n\n"
-
-
-async def _deltas(out: OmniRequestOutput, sent: dict[int, int], imaged: set[int]) -> list[proto.DeltaMessage]:
-    """What ``out`` adds to the stream: a streamed text piece, or the rest of a finished stage's
-    text (a stage that does not stream), then its images as content parts."""
-    sid = out.stage_id
-    if out.text_delta is not None:
-        sent[sid] = sent.get(sid, 0) + len(out.text_delta)
-        return [proto.DeltaMessage(content=out.text_delta)] if out.text_delta else []
-    result = out.outputs_by_stage.get(sid)
-    if result is None:
-        return []
-    deltas = []
-    if result.text and len(result.text) > sent.get(sid, 0):
-        deltas.append(proto.DeltaMessage(content=result.text[sent.get(sid, 0) :]))
-        sent[sid] = len(result.text)
-    if result.images and sid not in imaged:
-        imaged.add(sid)
-        deltas.append(proto.DeltaMessage(images=await _image_parts(result.images)))
-    return deltas

@@ -1,0 +1,175 @@
+"""``POST /v1/chat/completions``: the last user message (and an input image) to the pipeline, the
+answer as one message or as Server-Sent Events (text deltas, image parts, progress comments)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from omni_runtime.exceptions import InvalidRequestError, OmniError
+from omni_runtime.outputs import OmniRequestOutput
+from omni_runtime.params import MAX_PROMPT_CHARS
+
+from ..async_omni import AsyncOmni, ValidRequest
+from . import protocol as proto
+from .files import encode_images
+from .images import chat_image
+from .protocol import DISCONNECTED, error_body
+
+if TYPE_CHECKING:
+    from .server import ServerState
+
+
+async def chat_completion(
+    state: ServerState, body: proto.ChatCompletionRequest, request: Request
+) -> StreamingResponse | tuple[dict[str, Any], str]:
+    """The streamed answer, or the whole one with its request id."""
+    omni = state.check_request(body.model)
+    try:
+        prompt, where = body.prompt()
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="messages") from None
+    if len(prompt) > MAX_PROMPT_CHARS:
+        message = f"the prompt is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}"
+        raise InvalidRequestError(message, param=where)
+    shared = {
+        "max_tokens": body.max_completion_tokens or body.max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
+        "seed": body.seed,
+        "timeout": body.timeout,
+        "lora": body.lora.params() if body.lora else None,
+        "priority": body.priority,
+    }
+    modalities = list(body.modalities) if body.modalities else None
+    image = await chat_image(state, body)
+    try:
+        valid = omni.validate(prompt, omni.sampling_params(image=image, shared=shared), modalities=modalities)
+    except InvalidRequestError as e:
+        if image is not None and e.param == "image":
+            e.param = body.image_urls()[0][1]
+        raise
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await _stream_chat(state, omni, request, rid, valid, include_usage)
+    out = await state.until_disconnect(request, [rid], state.collect(omni, valid, rid))
+    texts = [r.text for _, r in sorted(out.outputs_by_stage.items()) if r.text is not None]
+    message = proto.ResponseMessage(
+        content="\n".join(texts) if texts else None,
+        images=await _image_parts(out.images) if out.images else None,
+    )
+    usage, finish = proto.usage_of(out, valid.params)
+    choice = proto.ChatChoice(message=message, finish_reason=finish)
+    resp = proto.ChatCompletionResponse(id=rid, model=state.model_name, choices=[choice], usage=usage)
+    return resp.model_dump(exclude_none=True), rid
+
+
+async def _image_parts(images: Sequence[Any]) -> list[dict[str, Any]]:
+    blobs = await encode_images(images, "png", None)
+    return [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b).decode()}}
+        for b in blobs
+    ]
+
+
+async def _stream_chat(
+    state: ServerState,
+    omni: AsyncOmni,
+    request: Request,
+    rid: str,
+    valid: ValidRequest,
+    include_usage: bool,
+) -> StreamingResponse:
+    agen = omni.generate(valid, request_id=rid)
+    state.inflight.add(rid)
+    try:
+        # Wait for the first output before sending headers, so that admission errors (429, 400,
+        # 503) keep their status code instead of arriving inside a 200 stream.
+        first = await state.until_disconnect(request, [rid], agen.__anext__())
+    except BaseException:
+        state.inflight.discard(rid)
+        await agen.aclose()
+        raise
+    created = int(time.time())
+
+    def chunk(delta: proto.DeltaMessage | None, finish: str | None = None, usage: proto.Usage | None = None) -> str:
+        choices = [] if delta is None else [proto.ChunkChoice(delta=delta, finish_reason=finish)]
+        c = proto.ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=choices, usage=usage)
+        return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
+
+    async def events() -> AsyncIterator[str]:
+        sent: dict[int, int] = {}  # characters of each stage's text already streamed
+        imaged: set[int] = set()
+        finished = False
+        try:
+            yield chunk(proto.DeltaMessage(role="assistant", content=""))
+            out = first
+            while True:
+                if out.progress is not None:
+                    # An SSE comment: clients (the openai one included) skip it, but it shows that
+                    # the image is being drawn and keeps proxies from timing the stream out.
+                    yield _progress_comment(out.progress)
+                for delta in await _deltas(out, sent, imaged):
+                    yield chunk(delta)
+                if out.finished:
+                    break
+                out = await agen.__anext__()
+            finished = True
+            state.metrics.observe_output(out)
+            usage, finish = proto.usage_of(out, valid.params)
+            yield chunk(proto.DeltaMessage(), finish)
+            if include_usage:
+                yield chunk(None, usage=usage)
+        except OmniError as e:
+            finished = True
+            yield f"data: {json.dumps(error_body(e)[1])}\n\n"
+        except asyncio.CancelledError:
+            # Starlette cancels the stream when the client disconnects.
+            request.scope[DISCONNECTED] = True
+            state.metrics.aborted.labels("client_disconnect").inc()
+            raise
+        finally:
+            state.inflight.discard(rid)
+            if not finished:
+                omni.abort(rid)
+            await agen.aclose()
+        yield "data: [DONE]\n\n"
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": rid}
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+def _progress_comment(progress: dict[str, Any]) -> str:
+    if "step" in progress:
+        return f": progress stage={progress['stage_id']} step={progress['step']}/{progress['steps']}\n\n"
+    return f": progress stage={progress['stage_id']} done\n\n"
+
+
+async def _deltas(out: OmniRequestOutput, sent: dict[int, int], imaged: set[int]) -> list[proto.DeltaMessage]:
+    """What ``out`` adds to the stream: a streamed text piece, or the rest of a finished stage's
+    text (a stage that does not stream), then its images as content parts."""
+    sid = out.stage_id
+    if out.text_delta is not None:
+        sent[sid] = sent.get(sid, 0) + len(out.text_delta)
+        return [proto.DeltaMessage(content=out.text_delta)] if out.text_delta else []
+    result = out.outputs_by_stage.get(sid)
+    if result is None:
+        return []
+    deltas = []
+    if result.text and len(result.text) > sent.get(sid, 0):
+        deltas.append(proto.DeltaMessage(content=result.text[sent.get(sid, 0) :]))
+        sent[sid] = len(result.text)
+    if result.images and sid not in imaged:
+        imaged.add(sid)
+        deltas.append(proto.DeltaMessage(images=await _image_parts(result.images)))
+    return deltas
