@@ -29,55 +29,16 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "benchm
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-import httpx  # noqa: E402
 from omni_runtime.entrypoints.async_omni import AsyncOmni  # noqa: E402
 from omni_runtime.entrypoints.loadgen import percentile, run_http_load  # noqa: E402
 
+from benchmarks._common import Server  # noqa: E402
+
 THROUGHPUT_TARGET = 0.9
 OVERHEAD_TARGET_MS = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``omni-runtime serve MODEL`` in a subprocess, for the duration of a ``with`` block."""
-
-    def __init__(self, model: str) -> None:
-        self.model = model
-        self.url = f"http://127.0.0.1:{_free_port()}"
-
-    def __enter__(self) -> Server:
-        port = self.url.rsplit(":", 1)[1]
-        cmd = [sys.executable, "-m", "omni_runtime.entrypoints.cli", "serve", self.model, "--port", port]
-        self.log = tempfile.TemporaryFile()  # a file, not a pipe: a full pipe would block the server
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ})
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"server exited: {self.log.read()[-2000:].decode(errors='replace')}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise TimeoutError("server did not become healthy")
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
-        self.log.close()
 
 
 async def inprocess_load(

@@ -23,12 +23,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,16 +36,9 @@ import httpx
 from omni_runtime.entrypoints.jobs.redis_store import RedisJobStore
 from omni_runtime.entrypoints.jobs.store import JobStore, MemoryJobStore
 
-from benchmarks._common import pct, write_json
+from benchmarks._common import Server, free_port, pct, write_json
 
-REPO = Path(__file__).resolve().parent.parent
 IMAGE = {"num_inference_steps": 2, "size": "32x32"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Redis:
@@ -55,7 +46,7 @@ class Redis:
 
     def __enter__(self) -> Redis:
         self.dir = tempfile.mkdtemp(prefix="omni-bench-redis-")
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         binary = shutil.which("redis-server")
         if binary is None:
@@ -76,36 +67,6 @@ class Redis:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(10)
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class Server:
-    """``omni-runtime serve tiny-sd [--redis-url URL]`` in a subprocess."""
-
-    def __init__(self, redis_url: str | None) -> None:
-        self.url = f"http://127.0.0.1:{_free_port()}"
-        self.args = ["--redis-url", redis_url] if redis_url else []
-
-    def __enter__(self) -> Server:
-        port = self.url.rsplit(":", 1)[1]
-        cmd = [sys.executable, "-m", "omni_runtime.entrypoints.cli", "serve", "tiny-sd", "--port", port, *self.args]
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ})
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"server exited: {self.log.read()[-2000:].decode(errors='replace')}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise TimeoutError("server did not become healthy")
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
-        self.log.close()
 
 
 async def follow_sse(http: httpx.AsyncClient, job_id: str) -> list[tuple[float, dict[str, Any]]]:
@@ -230,7 +191,7 @@ async def store_rate(store: JobStore, events: int) -> dict[str, Any]:
 
 async def measure(args: argparse.Namespace, redis_url: str | None) -> dict[str, Any]:
     results: dict[str, Any] = {"store": "redis" if args.redis else "memory"}
-    with Server(redis_url if args.redis else None) as server:
+    with Server("tiny-sd", *(["--redis-url", redis_url] if args.redis else [])) as server:
         results["overhead"] = await overhead(server.url, args.total)
         results["delivery"] = await delivery(server.url, args.jobs, args.concurrency)
     results["store_memory"] = await store_rate(MemoryJobStore(), args.store_events)

@@ -137,24 +137,30 @@ class _SizedRequest(_Request):
         return None if self.size is None else parse_size(self.size)
 
 
-class ImageGenerationRequest(_SizedRequest):
-    """``POST /v1/images/generations``."""
+class _ImagesRequest(_SizedRequest):
+    """What every images route takes: how many, what size, how returned, and the image params."""
 
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_IMAGES)
-    #: ``WxH``; ``auto`` or unset uses the stage's default size.
-    size: str | None = None
     response_format: Literal["b64_json", "url"] = "b64_json"
     output_format: Literal["png", "jpeg", "webp"] = "png"
     #: JPEG / WebP quality (0-100).
     output_compression: int | None = Field(None, ge=0, le=100)
+    # Extensions (``extra_body`` of the openai client) beyond here.
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     num_inference_steps: int | None = Field(None, ge=1, le=1000)
     guidance_scale: float | None = Field(None, ge=0, le=100)
     #: Seed of the first image; image i gets ``seed + i``.
     seed: Seed | None = None
     timeout: Timeout | None = None
+
+
+class ImageGenerationRequest(_ImagesRequest):
+    """``POST /v1/images/generations``."""
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    #: ``WxH``; ``auto`` or unset uses the stage's default size.
+    size: str | None = None
     #: A registered LoRA adapter and its scale (an extension).
     lora: LoraSpec | None = None
     priority: Priority | None = None
@@ -168,27 +174,16 @@ class ImageGenerationRequest(_SizedRequest):
     stream: Literal[False] | None = None
 
 
-class _ImageInputForm(_SizedRequest):
+class _ImageInputForm(_ImagesRequest):
     """Fields shared by the multipart image-input routes (edits, variations), parsed from form
     values (strings, converted as pydantic's lax mode does). The files (``image``, ``mask``) are
     read separately."""
 
-    model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_IMAGES)
     #: ``WxH``: the input is resized to it; ``auto`` or unset keeps the input's size.
     size: str | None = None
-    response_format: Literal["b64_json", "url"] = "b64_json"
-    output_format: Literal["png", "jpeg", "webp"] = "png"
-    output_compression: int | None = Field(None, ge=0, le=100)
-    # Extensions (``extra_body`` of the openai client), as on /v1/images/generations.
-    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
-    num_inference_steps: int | None = Field(None, ge=1, le=1000)
-    guidance_scale: float | None = Field(None, ge=0, le=100)
     #: How far the input is noised (0 < strength <= 1); unset: the pipeline's default for edits,
     #: :data:`VARIATION_STRENGTH` for variations.
     strength: float | None = Field(None, gt=0, le=1)
-    seed: Seed | None = None
-    timeout: Timeout | None = None
     # Sent by OpenAI callers; no meaning for this runtime.
     user: str | None = Field(None, max_length=256)
     safety_identifier: str | None = Field(None, max_length=256)

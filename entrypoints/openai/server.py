@@ -303,26 +303,16 @@ def _content_type(scope: Scope) -> bytes:
     return next((v for k, v in scope["headers"] if k == b"content-type"), b"").split(b";")[0].strip().lower()
 
 
-def _check_multipart_content_type(scope: Scope) -> None:
-    kind = _content_type(scope)
-    if kind != b"multipart/form-data":
-        shown = kind.decode("latin-1") or "none"
-        raise ApiError(
-            415,
-            f"the request body must be multipart/form-data with the image as a file part (got {shown})",
-            code="unsupported_media_type",
-        )
+#: What a POST route's body must be sent as, and how the 415 says it.
+_JSON = (b"application/json", "JSON sent with 'Content-Type: application/json'")
+_MULTIPART = (b"multipart/form-data", "multipart/form-data with the image as a file part")
 
 
-def _check_json_content_type(scope: Scope) -> None:
+def _check_content_type(scope: Scope, expected: tuple[bytes, str]) -> None:
     kind = _content_type(scope)
-    if kind != b"application/json":
+    if kind != expected[0]:
         shown = kind.decode("latin-1") or "none"
-        raise ApiError(
-            415,
-            f"the request body must be JSON sent with 'Content-Type: application/json' (got {shown})",
-            code="unsupported_media_type",
-        )
+        raise ApiError(415, f"the request body must be {expected[1]} (got {shown})", code="unsupported_media_type")
 
 
 class _HttpMiddleware:
@@ -377,9 +367,9 @@ class _HttpMiddleware:
                 if length.isdigit() and int(length) > MAX_BODY_BYTES:
                     raise too_large
                 if scope["method"] == "POST" and scope["path"] in JSON_ROUTES:
-                    _check_json_content_type(scope)
+                    _check_content_type(scope, _JSON)
                 elif scope["method"] == "POST" and scope["path"] in MULTIPART_ROUTES:
-                    _check_multipart_content_type(scope)
+                    _check_content_type(scope, _MULTIPART)
             except ApiError as e:
                 await error_response(e)(scope, receive, send_and_record)
                 return

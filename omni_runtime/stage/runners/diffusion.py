@@ -71,20 +71,15 @@ def size_multiple(pipe: Any) -> int:
     pipelines reject sizes that are not multiples of 8 whatever their VAE, so never less than that;
     Sana's rejects non-multiples of 32, which is the scale factor of its DC-AE autoencoders.
     """
-    processor = getattr(getattr(pipe, "image_processor", None), "config", None)
-    scale = getattr(processor, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor", None) or 8
-    patch = getattr(getattr(_denoiser(pipe), "config", None), "patch_size", None) or 1
-    return math.lcm(8, int(scale) * int(patch))
+    _, scale, patch = _size_factors(pipe)
+    return math.lcm(8, scale * patch)
 
 
 def size_multiple_reason(pipe: Any) -> str:
     """Why sizes must be multiples of :func:`size_multiple`, in the model's own terms (for the 400
     a user gets): the VAE scale factor, the latent packing, the denoiser's patch size, or the
     pipeline's own floor of 8."""
-    vae = int(getattr(pipe, "vae_scale_factor", None) or 8)
-    processor = getattr(getattr(pipe, "image_processor", None), "config", None)
-    scale = int(getattr(processor, "vae_scale_factor", None) or vae)
-    patch = int(getattr(getattr(_denoiser(pipe), "config", None), "patch_size", None) or 1)
+    vae, scale, patch = _size_factors(pipe)
     parts = [f"the VAE scale factor {vae}"]
     if scale != vae:
         parts.append(f"latent packing x{scale // vae}")
@@ -94,6 +89,16 @@ def size_multiple_reason(pipe: Any) -> str:
     if math.lcm(8, scale * patch) != scale * patch:
         reason += ", and the pipeline takes multiples of 8 only"
     return reason
+
+
+def _size_factors(pipe: Any) -> tuple[int, int, int]:
+    """The VAE scale factor, the image processor's scale (the VAE's, x 2 with Flux's latent
+    packing) and the denoiser's patch size."""
+    vae = int(getattr(pipe, "vae_scale_factor", None) or 8)
+    processor = getattr(getattr(pipe, "image_processor", None), "config", None)
+    scale = int(getattr(processor, "vae_scale_factor", None) or vae)
+    patch = int(getattr(getattr(_denoiser(pipe), "config", None), "patch_size", None) or 1)
+    return vae, scale, patch
 
 
 def native_size(pipe: Any) -> tuple[int | None, int | None]:

@@ -127,7 +127,11 @@ class StepFamily:
         self.module.retrieve_timesteps(self.pipe.scheduler, state.num_inference_steps, self.device)
 
     def make_latents(self, state: StepState) -> None:
-        state.latents = self.pipe.prepare_latents(
+        state.latents = self.noise(state)
+
+    def noise(self, state: StepState) -> Any:
+        """What the pipeline's own ``prepare_latents`` makes for this request (its generators)."""
+        return self.pipe.prepare_latents(
             state.rows,
             self.latent_channels(),
             state.height,
@@ -449,15 +453,7 @@ class FluxFamily(StepFamily):
 
     def prepare(self, state: StepState) -> None:
         # Flux makes the (packed) noise first: the shift of its sigmas depends on the token count.
-        state.latents, state.shared["img_ids"] = self.pipe.prepare_latents(
-            state.rows,
-            self.latent_channels(),
-            state.height,
-            state.width,
-            self.latent_dtype(state),
-            self.device,
-            state.generators,
-        )
+        state.latents, state.shared["img_ids"] = self.noise(state)
         scheduler = self.pipe.scheduler
         n = state.num_inference_steps
         sigmas = None if scheduler.config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / n, n)
