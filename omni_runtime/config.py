@@ -143,6 +143,9 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: Most LoRA adapters kept loaded in each replica; past it the least recently used is unloaded
     #: (and loaded again from disk when a request asks for it).
     max_loras: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
+    #: Largest LoRA adapter file a stage opens, in MiB: a bigger one is refused from its size
+    #: alone, before a byte is read (adapters are megabytes; a file of gigabytes is a mistake).
+    max_lora_file_mb: Annotated[int, msgspec.Meta(ge=1, le=64 * 1024)] = 2048
 
     def __post_init__(self) -> None:
         for name, path in self.loras.items():

@@ -109,6 +109,12 @@ class LoraLoadError(RequestError):
     another architecture, a registered path that is gone). The request fails; the stage serves on."""
 
 
+class LoraFormatError(InvalidRequestError):
+    """A LoRA adapter file that is refused before any loader reads it: not safetensors (a pickle,
+    a ``.bin``), a malformed header, over ``engine_args.max_lora_file_mb``, or NaN / infinite
+    weights. ``param`` names the field that gave the path; the message names the file."""
+
+
 # --------------------------------------------------------------------------- engine
 
 
@@ -151,6 +157,7 @@ ERROR_TYPES: dict[str, type[OmniError]] = {
         StageDeadError,
         StageAsleepError,
         LoraLoadError,
+        LoraFormatError,
         EngineError,
         EngineClosedError,
         EngineDeadError,

@@ -5,12 +5,14 @@ on, a failing adapter fails only its request, the control calls, and step execut
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
+import psutil
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -18,12 +20,14 @@ from hypothesis import strategies as st
 
 from omni_runtime import AsyncOmni, DiffusionSamplingParams
 from omni_runtime.config import StageConfig
-from omni_runtime.exceptions import InvalidRequestError, LoraLoadError
+from omni_runtime.exceptions import InvalidRequestError, LoraFormatError
+from omni_runtime.models.builtin import resolve_model
 from omni_runtime.models.tiny_lora import build_tiny_sd_lora
 from omni_runtime.params import LoraRequest
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 from tests.conftest import make_config
+from tests.hostile_loras import bin_adapter, nan_adapter
 from tests.strategies import ANY_FLOAT, ANY_TEXT, JSON_VALUES
 
 pytestmark = pytest.mark.integration
@@ -169,8 +173,9 @@ async def test_bad_adapters_fail_their_request_and_the_engine_serves_on(
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "pytorch_lora_weights.safetensors").write_bytes(b"\x00" * 64)
-    with pytest.raises(LoraLoadError):
+    with pytest.raises(LoraFormatError) as info:  # refused from its header: no loader reads it
         await final(engine, "a cat", lora={"path": str(junk)})
+    assert info.value.param == "lora.path"
     out = await final(engine, "a cat", seed=1)
     assert out.finished and len(out.images) == 1
     assert (await final(engine, "a cat", lora={"name": "ink"})).finished
@@ -201,6 +206,57 @@ async def test_control_calls_add_list_and_remove(engine: AsyncOmni, adapters: di
     ):
         [res] = await engine.collective_rpc(method, kwargs=kwargs)
         assert not res.ok and res.error
+    assert (await final(engine, "a cat")).finished
+
+
+async def anext_all(stream) -> list:
+    return [out async for out in stream]
+
+
+async def stage_rss(engine: AsyncOmni) -> int:
+    [res] = await engine.collective_rpc("get_stats")
+    return psutil.Process(res.result["pid"]).memory_info().rss
+
+
+async def test_a_failed_add_lora_changes_nothing(engine: AsyncOmni, adapters: dict[str, str], tmp_path: Path) -> None:
+    before = await final(engine, "a cat", seed=6, output_type="np", lora={"name": "ink"})
+    # LoRA-shaped bytes that are not LoRA weights: the model's own VAE passes the file checks and
+    # fails in the loader, after which the old adapter must still be serving.
+    vae = str(Path(resolve_model("builtin:tiny-sd")) / "vae" / "diffusion_pytorch_model.safetensors")
+    for name in ("ink", "fresh"):
+        [res] = await engine.collective_rpc("add_lora", kwargs={"name": name, "path": vae, "load": True})
+        assert not res.ok and "LoraLoadError" in res.error
+    [res] = await engine.collective_rpc("list_loras")
+    assert res.result["registered"] == {"ink": adapters["ink"], "oil": adapters["oil"]}
+    after = await final(engine, "a cat", seed=6, output_type="np", lora={"name": "ink"})
+    assert np.array_equal(before.tensors["images"], after.tensors["images"])
+
+
+async def test_hostile_adapter_files_are_400s_in_milliseconds_and_the_stage_serves_on(
+    engine: AsyncOmni, adapters: dict[str, str], tmp_path: Path
+) -> None:
+    pickled = bin_adapter(Path(adapters["ink"]), tmp_path / "pickled")
+    nan = nan_adapter(Path(adapters["ink"]), tmp_path / "nan")
+    huge = tmp_path / "huge.safetensors"
+    with huge.open("wb") as f:
+        f.truncate(3 * 2**30)  # sparse: the stage used to read all of it (6.6 GB RSS, ~40 s)
+    rss = await stage_rss(engine)
+    for path, why in (
+        (pickled, "safetensors only"),
+        (pickled / "pytorch_lora_weights.bin", "safetensors only"),
+        (huge, "max_lora_file_mb"),
+        (nan, "NaN or infinite"),
+    ):
+        start = time.monotonic()
+        with pytest.raises(LoraFormatError, match=why) as info:
+            await final(engine, "a cat", lora={"path": str(path)})
+        assert info.value.param == "lora.path" and time.monotonic() - start < 5, path
+        [res] = await engine.collective_rpc("add_lora", kwargs={"name": "hostile", "path": str(path), "load": True})
+        assert not res.ok and "LoraFormatError" in res.error
+    assert await stage_rss(engine) - rss < 200 * 2**20
+    [res] = await engine.collective_rpc("list_loras")
+    assert "hostile" not in res.result["registered"]
+    assert (await final(engine, "a cat", lora={"name": "ink"})).finished
     assert (await final(engine, "a cat")).finished
 
 
@@ -250,3 +306,31 @@ async def test_step_execution_runs_each_adapter_in_its_own_step_batches(
     assert [o.metrics["batch_size"] for o in outs] == [2, 1, 1, 2]
     [res] = await stepping.collective_rpc("list_loras")
     assert res.ok and res.result["loads"] == 2
+
+
+async def test_re_pointing_a_name_mid_denoise_keeps_the_running_requests_adapter(
+    stepping: AsyncOmni, reference: DiffusionRunner, adapters: dict[str, str]
+) -> None:
+    """A request pinned to the file its name pointed at when it was admitted: ``add_lora`` moving
+    the name to another file between two of its steps does not switch its adapter half way (its
+    image used to match neither adapter). Later requests get the new file."""
+    steps = 120
+    params = {"seed": 9, "num_inference_steps": steps, "output_type": "np", "lora": {"name": "ink"}}
+    stream = stepping.generate("a fox", params, "pinned")
+    first = await stream.__anext__()  # its first step is done
+    assert first.metrics["progress"]["step"] >= 1 and not first.finished
+    running = asyncio.create_task(anext_all(stream))
+    try:
+        [res] = await stepping.collective_rpc("add_lora", kwargs={"name": "ink", "path": adapters["oil"]})
+        assert res.ok
+        assert not running.done()  # the re-point landed while the request was still stepping
+        out = (await running)[-1]
+        assert out.metrics["steps_run"] == steps
+        ink = solo(reference, "a fox", seed=9, num_inference_steps=steps, lora={"name": "ink"})
+        np.testing.assert_allclose(out.tensors["images"], ink, rtol=0, atol=1e-3)
+        later = await final(stepping, "a fox", seed=9, output_type="np", lora={"name": "ink"})
+        oil = solo(reference, "a fox", seed=9, lora={"name": "oil"})
+        np.testing.assert_allclose(later.tensors["images"], oil, rtol=0, atol=1e-3)
+    finally:
+        [res] = await stepping.collective_rpc("add_lora", kwargs={"name": "ink", "path": adapters["ink"]})
+        assert res.ok

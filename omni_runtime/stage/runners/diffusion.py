@@ -191,7 +191,9 @@ class DiffusionRunner(StageRunner):
         self._states: dict[str, StepState] = {}
         #: The text / image / inpaint forms of the loaded model (image_inputs.py).
         self._forms: PipelineForms | None = None
-        self.loras = LoraAdapters(stage.engine_args.loras, stage.engine_args.max_loras)
+        self.loras = LoraAdapters(
+            stage.engine_args.loras, stage.engine_args.max_loras, stage.engine_args.max_lora_file_mb * 2**20
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -534,7 +536,9 @@ class DiffusionRunner(StageRunner):
             generators=image_generators([seed], rows, self.device),
             image=p.get("image"),
             strength=p.get("strength"),
-            lora=p.get("lora"),
+            # Pinned to the file its name points at now: re-pointing the name mid-denoise must
+            # not switch this request's adapter between two of its steps.
+            lora=self.loras.pin(p.get("lora")),
         )
 
     def step_admit(self, requests: list[RunnerRequest], ctx: ExecuteContext) -> dict[str, RunnerOutput]:

@@ -5,13 +5,22 @@ adapter and the scale (:meth:`LoraAdapters.key`), so a wave or a step batch uses
 scale, and before each it calls :meth:`LoraAdapters.activate`:
 
 1) the adapter's file is found: a ``name`` through the registry (``engine_args.loras`` and
-   ``add_lora``), a ``path`` as given (only the Python API passes paths);
-2) it is loaded once with the pipeline's own ``load_lora_weights`` (diffusers + peft, safetensors
-   only, local files only) and kept, at most ``engine_args.max_loras`` of them: past that the least
-   recently used is deleted from the pipeline (``delete_adapters``) and loaded again when asked for
-   (for a moment, while one loads, there is one more);
+   ``add_lora``), a ``path`` as given (only the Python API passes paths), and resolved to one
+   ``.safetensors`` file whose size and header are checked before anything reads it
+   (:mod:`omni_runtime.stage.runners.lora_files`);
+2) it is loaded once, its weights checked for NaN / inf, then with the pipeline's own
+   ``load_lora_weights`` given that exact file (diffusers + peft, local files only, no fallback to
+   a pickle), and kept, at most ``engine_args.max_loras`` of them: past that the least recently
+   used is deleted from the pipeline (``delete_adapters``) and loaded again when asked for (for a
+   moment, while one loads, there is one more);
 3) it is made the only active adapter at the request's scale (``set_adapters``). A batch without
    an adapter runs with the LoRA layers disabled, which computes exactly what the base model does.
+
+``add_lora`` is a transaction: the new file is checked (and with ``load=True`` loaded, under an
+adapter name of its own) before the registry changes, so a failure leaves every name and every
+loaded adapter as it was. A step-execution request is pinned at admission to the file its name
+pointed at (:meth:`LoraAdapters.pin`): re-pointing the name later does not change the adapter of a
+request that is half denoised.
 
 Lives in the stage worker process. Every method runs in the worker's forward thread (waves, steps
 and the ``rpc_*`` control calls share that one executor thread), so nothing here needs a lock.
@@ -32,8 +41,9 @@ from typing import Any
 
 import torch
 
-from omni_runtime.exceptions import ConfigError, InvalidRequestError, LoraLoadError
+from omni_runtime.exceptions import ConfigError, InvalidRequestError, LoraFormatError, LoraLoadError
 from omni_runtime.params import LORA_NAME_PATTERN, check_lora_path
+from omni_runtime.stage.runners.lora_files import adapter_file, check_finite
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +56,7 @@ _UNKNOWN = ("?",)
 class _Loaded:
     #: The adapter's name inside the pipeline (peft's), never a client's string.
     adapter: str
-    #: The real path it was loaded from: the cache key.
+    #: The real path of the ``.safetensors`` file it was loaded from: the cache key.
     source: str
     #: Waves (or steps) that ran with it.
     batches: int = 0
@@ -64,10 +74,14 @@ def supports_lora(pipe: Any) -> bool:
 class LoraAdapters:
     """The registry, the LRU cache of loaded adapters and the active set of one replica's pipeline."""
 
-    def __init__(self, registry: dict[str, str], max_loaded: int) -> None:
+    def __init__(self, registry: dict[str, str], max_loaded: int, max_file_bytes: int) -> None:
         #: name -> path as registered (YAML, then add_lora/remove_lora); kept across sleep.
         self._registry = dict(registry)
         self._max_loaded = max_loaded
+        self._max_file_bytes = max_file_bytes
+        #: name -> the adapter file its path resolved to when registered (None: it did not), so
+        #: re-pointing or removing a name unloads the right adapter even if the old path is gone.
+        self._files = {name: self._file_of(path) for name, path in registry.items()}
         #: By real path, least recently used first.
         self._loaded: OrderedDict[str, _Loaded] = OrderedDict()
         self._active: tuple[Any, ...] | None = None
@@ -99,6 +113,10 @@ class LoraAdapters:
         for name, path in self._registry.items():
             if not os.path.exists(path):
                 raise ConfigError(f"{path} does not exist", path=f"engine_args.loras.{name}")
+            try:
+                adapter_file(path, self._max_file_bytes, f"engine_args.loras.{name}")
+            except LoraFormatError as e:
+                raise ConfigError(str(e), path=f"engine_args.loras.{name}") from None
 
     # ------------------------------------------------------------------ per batch
 
@@ -107,9 +125,21 @@ class LoraAdapters:
         """What the batch key holds of a request's ``lora``: the adapter as asked for, and the scale."""
         if not spec:
             return None
+        if spec.get("pinned") is not None:
+            return ("path", spec["pinned"], float(spec.get("scale", 1.0)))
         if spec.get("name") is not None:
             return ("name", spec["name"], float(spec.get("scale", 1.0)))
         return ("path", os.path.normpath(str(spec.get("path"))), float(spec.get("scale", 1.0)))
+
+    def pin(self, spec: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``spec`` with the file its name points at now (``pinned``), for a request that will
+        run over many steps: a later ``add_lora`` re-pointing the name does not switch its adapter
+        half way (its image would match neither). A ``remove_lora`` still fails it at its next step.
+        Raises as :meth:`activate` does for a name that is not registered."""
+        if not spec or spec.get("name") is None or not self.supported:
+            return spec
+        source, _ = self._source(spec)
+        return {**spec, "pinned": source}
 
     def activate(self, spec: dict[str, Any] | None) -> None:
         """Make ``spec``'s adapter the only active one, at its scale (loading it if need be), or
@@ -132,7 +162,7 @@ class LoraAdapters:
         if not self.supported:
             raise InvalidRequestError(f"{type(pipe).__name__} does not take LoRA adapters", param="lora")
         source, label = self._source(spec)
-        entry = self._ensure_loaded(source, label)
+        entry = self._ensure_loaded(source, label, "lora.name" if spec.get("name") is not None else "lora.path")
         entry.batches += 1
         scale = float(spec.get("scale", 1.0))
         if self._active != (entry.adapter, scale):
@@ -141,7 +171,8 @@ class LoraAdapters:
             self._active = (entry.adapter, scale)
 
     def _source(self, spec: dict[str, Any]) -> tuple[str, str]:
-        """(real path, how to name it in an error) of a request's adapter."""
+        """(real path of the checked ``.safetensors`` file, how to name it in an error) of a
+        request's adapter; a pinned one (:meth:`pin`) keeps its file while its name is registered."""
         name = spec.get("name")
         if name is not None:
             path = self._registry.get(name)
@@ -152,34 +183,39 @@ class LoraAdapters:
                     "(engine_args.loras, or collective_rpc('add_lora'))",
                     param="lora.name",
                 )
+            pinned = spec.get("pinned")
+            if pinned in self._loaded:
+                return pinned, repr(name)
+            if pinned is not None:
+                if not os.path.exists(pinned):
+                    raise LoraLoadError(f"LoRA adapter {name!r} was loaded from {pinned}, which no longer exists")
+                return adapter_file(pinned, self._max_file_bytes, "lora.name"), repr(name)
             if not os.path.exists(path):
                 raise LoraLoadError(f"LoRA adapter {name!r} is registered at {path}, which no longer exists")
-            return os.path.realpath(path), repr(name)
+            return adapter_file(path, self._max_file_bytes, "lora.name"), repr(name)
         path = str(spec.get("path"))
         check_lora_path(path)
         if not os.path.exists(path):
             raise InvalidRequestError(
                 f"LoRA adapter path {path!r} does not exist on the stage's machine", param="lora.path"
             )
-        return os.path.realpath(path), repr(path)
+        return adapter_file(path, self._max_file_bytes, "lora.path"), repr(path)
 
-    def _ensure_loaded(self, source: str, label: str) -> _Loaded:
+    def _ensure_loaded(self, source: str, label: str, field: str) -> _Loaded:
         entry = self._loaded.get(source)
         if entry is not None:
             self._loaded.move_to_end(source)
             return entry
-        # 1) Load: safetensors only (never a pickle) and never a download, whatever the path says.
+        # 1) Load: the one checked safetensors file, named to the loader (which could otherwise
+        #    choose a file itself, or fall back to a pickle), never a download; finite weights only.
+        check_finite(source, field)
         adapter = f"lora{next(self._ids)}"
-        if os.path.isfile(source):
-            directory, weight_name = os.path.dirname(source), os.path.basename(source)
-        else:
-            directory, weight_name = source, None
         self._active = _UNKNOWN  # loading may change what is active
         try:
             with _quiet_loading():
                 self._pipe.load_lora_weights(
-                    directory,
-                    weight_name=weight_name,
+                    os.path.dirname(source),
+                    weight_name=os.path.basename(source),
                     adapter_name=adapter,
                     use_safetensors=True,
                     local_files_only=True,
@@ -210,7 +246,9 @@ class LoraAdapters:
 
     def add(self, name: Any, path: Any, load: Any = False) -> dict[str, Any]:
         """Register (or re-point) ``name``; with ``load=True`` load it now, so its first request
-        does not pay for it."""
+        does not pay for it. All or nothing: every check and the load come before the registry
+        changes, so a failure leaves the old name, path and loaded adapter serving."""
+        # 1) Check everything, changing nothing.
         _check_name(name)
         if not isinstance(path, str) or not path:
             raise InvalidRequestError("add_lora: `path` must be a non-empty string", param="path")
@@ -219,41 +257,52 @@ class LoraAdapters:
             raise InvalidRequestError("add_lora: `load` must be true or false", param="load")
         if not os.path.exists(path):
             raise InvalidRequestError(f"add_lora: {path!r} does not exist on the stage's machine", param="path")
-        previous = self._registry.get(name)
-        self._registry[name] = path
-        if previous is not None and os.path.realpath(previous) != os.path.realpath(path):
-            self._unload_unreferenced(previous)
-        loaded = False
+        if load and (not self.supported or self._pipe is None):
+            raise InvalidRequestError("add_lora: this stage's model is not loaded or takes no LoRA", param="load")
+        source = adapter_file(path, self._max_file_bytes, "path")
+        # 2) Load it (as an adapter of its own: the one the name points at now stays loaded);
+        #    the LRU may unload another adapter for room, which only costs a reload later.
         if load:
-            if not self.supported or self._pipe is None:
-                raise InvalidRequestError("add_lora: this stage's model is not loaded or takes no LoRA", param="load")
-            self._ensure_loaded(os.path.realpath(path), repr(name))
-            loaded = True
-        return {"name": name, "path": path, "loaded": loaded or os.path.realpath(path) in self._loaded}
+            self._ensure_loaded(source, repr(name), "path")
+        # 3) Commit: the name points at the new file; the old file's adapter goes unless another
+        #    name (or the new path) still points at it.
+        previous = self._files.get(name)
+        self._registry[name] = path
+        self._files[name] = source
+        if previous is not None:
+            self._unload_unreferenced(previous)
+        return {"name": name, "path": path, "loaded": source in self._loaded}
 
     def remove(self, name: Any) -> dict[str, Any]:
         """Unregister ``name`` and unload its adapter (unless another name points at it). Requests
         that name it afterwards fail; in step execution, so do running ones at their next step."""
         _check_name(name)
-        path = self._registry.pop(name, None)
-        if path is None:
+        if self._registry.pop(name, None) is None:
             raise InvalidRequestError(f"remove_lora: no adapter named {name!r}", param="name")
-        return {"name": name, "removed": True, "unloaded": self._unload_unreferenced(path)}
+        source = self._files.pop(name, None)
+        return {"name": name, "removed": True, "unloaded": source is not None and self._unload_unreferenced(source)}
 
-    def _unload_unreferenced(self, path: str) -> bool:
-        source = os.path.realpath(path)
-        still_named = any(os.path.realpath(p) == source for p in self._registry.values())
+    def _unload_unreferenced(self, source: str) -> bool:
+        """Unload the adapter of file ``source`` unless a registered name still points at it."""
+        still_named = source in self._files.values()
         entry = None if still_named else self._loaded.pop(source, None)
         if entry is None:
             return False
         self._delete(entry.adapter)
         return True
 
+    def _file_of(self, path: str) -> str | None:
+        """The adapter file a registered path resolves to (None: it no longer resolves to one)."""
+        try:
+            return adapter_file(path, self._max_file_bytes, "path")
+        except (OSError, LoraFormatError):
+            return None
+
     def describe(self) -> dict[str, Any]:
         """What ``list_loras`` answers."""
         names: dict[str, list[str]] = {}
-        for name, path in self._registry.items():
-            names.setdefault(os.path.realpath(path), []).append(name)
+        for name, source in self._files.items():
+            names.setdefault(source, []).append(name)
         active = None
         if self._active not in (None, _UNKNOWN):
             adapter, scale = self._active
@@ -292,7 +341,7 @@ def _quiet_loading() -> Iterator[None]:
 
 
 def _check_name(name: Any) -> None:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise InvalidRequestError(
             f"`name` must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit; got {name!r:.80}",
             param="name",

@@ -5,23 +5,30 @@ failures fail only their requests, the control calls, and adapters in step execu
 
 from __future__ import annotations
 
+import json
 import shutil
+import struct
+import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
+import pydantic
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from omni_runtime.config import StageConfig
-from omni_runtime.exceptions import InvalidRequestError, LoraLoadError
+from omni_runtime.config import EngineArgs, StageConfig
+from omni_runtime.exceptions import ConfigError, InvalidRequestError, LoraFormatError, LoraLoadError
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.models.tiny_lora import build_tiny_sd_lora
+from omni_runtime.params import LoraRequest
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 from omni_runtime.stage.runners.lora import LoraAdapters, supports_lora
+from tests.hostile_loras import bin_adapter, nan_adapter
 from tests.strategies import JSON_VALUES
 
 CTX = ExecuteContext(lambda rid: False)
@@ -224,7 +231,7 @@ def test_a_bad_adapter_fails_its_requests_and_the_runner_serves_on(
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "weights.safetensors").write_bytes(b"not safetensors")
     (out,) = run(runner, req("j", lora={"path": str(tmp_path / "junk")}))
-    assert isinstance(out.error, LoraLoadError) and "cannot load LoRA adapter" in str(out.error)
+    assert isinstance(out.error, LoraFormatError) and out.error.param == "lora.path"
     # Weights that are not LoRA weights (the model's own VAE) are refused, not half-loaded.
     vae = Path(resolve_model("builtin:tiny-sd")) / "vae"
     (out,) = run(runner, req("v", lora={"path": str(vae / "diffusion_pytorch_model.safetensors")}))
@@ -346,3 +353,158 @@ def test_step_execution_fails_only_the_requests_of_a_bad_adapter(runner: Diffusi
     failed = runner.step_admit([good, bad], CTX)
     assert set(failed) == {"x"} and isinstance(failed["x"].error, InvalidRequestError)
     runner.step_drop(["g"])
+
+
+# ---------------------------------------------------------------------------- hostile adapter files
+
+
+def header_file(path: Path, header: bytes, data: bytes = b"", length: int | None = None) -> str:
+    path.write_bytes(struct.pack("<Q", len(header) if length is None else length) + header + data)
+    return str(path)
+
+
+F32_2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+BAD_HEADERS = {
+    "empty": (b"", b"", 0),
+    "length past the end": (b"{}", b"", 2**40),
+    "not json": (b"\xff\xfe not json", b"", None),
+    "a list": (b"[1, 2]", b"", None),
+    "no tensors": (json.dumps({"__metadata__": {"a": "b"}}).encode(), b"", None),
+    "metadata not strings": (json.dumps({"__metadata__": {"a": 1}, "w": F32_2}).encode(), b"\0" * 8, None),
+    "offsets past the data": (json.dumps({"w": {**F32_2, "data_offsets": [0, 80]}}).encode(), b"\0" * 8, None),
+    "bytes not the shape": (json.dumps({"w": {**F32_2, "shape": [3]}}).encode(), b"\0" * 8, None),
+    "unknown dtype": (json.dumps({"w": {**F32_2, "dtype": "PICKLE"}}).encode(), b"\0" * 8, None),
+    "negative shape": (json.dumps({"w": {**F32_2, "shape": [-2]}}).encode(), b"\0" * 8, None),
+}
+
+
+@pytest.mark.parametrize("why", sorted(BAD_HEADERS))
+def test_malformed_safetensors_headers_are_refused_before_a_loader_reads_them(
+    runner: DiffusionRunner, tmp_path: Path, why: str
+) -> None:
+    header, data, length = BAD_HEADERS[why]
+    path = header_file(tmp_path / "bad.safetensors", header, data, length)
+    (out,) = run(runner, req("h", lora={"path": path}))
+    assert isinstance(out.error, LoraFormatError) and out.error.param == "lora.path", out.error
+    assert path in str(out.error)
+    with pytest.raises(LoraFormatError):
+        runner.rpc_add_lora("hostile", path)
+    assert "hostile" not in runner.rpc_list_loras()["registered"]
+
+
+def test_only_safetensors_load_never_a_pickle(
+    runner: DiffusionRunner, adapters: dict[str, Path], base: np.ndarray, tmp_path: Path
+) -> None:
+    folder = bin_adapter(adapters["a"], tmp_path / "bin")
+    loads = runner.rpc_list_loras()["loads"]
+    for path in (folder, folder / "pytorch_lora_weights.bin"):
+        (out,) = run(runner, req("bin", lora={"path": str(path)}))
+        assert isinstance(out.error, LoraFormatError) and out.error.param == "lora.path", out.error
+        assert "safetensors only" in str(out.error)
+        with pytest.raises(LoraFormatError):
+            runner.rpc_add_lora("pickled", str(path), load=True)
+    # A real safetensors adapter under another name is refused too: the loader would torch.load it.
+    renamed = tmp_path / "adapter.bin"
+    shutil.copy(adapters["a"] / "pytorch_lora_weights.safetensors", renamed)
+    (out,) = run(runner, req("renamed", lora={"path": str(renamed)}))
+    assert isinstance(out.error, LoraFormatError)
+    assert runner.rpc_list_loras()["loads"] == loads  # nothing reached the loader
+    assert np.array_equal(images(run(runner, req("after-bin"))[0]), base)
+
+
+def test_a_file_over_the_size_limit_is_refused_from_its_size_alone(
+    runner: DiffusionRunner, base: np.ndarray, tmp_path: Path
+) -> None:
+    huge = tmp_path / "huge.safetensors"
+    with huge.open("wb") as f:
+        f.truncate(3 * 2**30)  # sparse: no disk, and reading it would take seconds and gigabytes
+    start = time.monotonic()
+    (out,) = run(runner, req("huge", lora={"path": str(huge)}))
+    assert isinstance(out.error, LoraFormatError) and "max_lora_file_mb" in str(out.error)
+    with pytest.raises(LoraFormatError, match="over the 2048 MiB limit"):
+        runner.rpc_add_lora("huge", str(huge), load=True)
+    # Under a lower limit, a sparse file of zeros is refused by its header (8 bytes read).
+    with huge.open("r+b") as f:
+        f.truncate(2**30)
+    (out,) = run(runner, req("zeros", lora={"path": str(huge)}))
+    assert isinstance(out.error, LoraFormatError) and "header length of 0" in str(out.error)
+    assert time.monotonic() - start < 5  # a forward of tiny-sd dominates; reading the file would not fit
+    assert np.array_equal(images(run(runner, req("after-huge"))[0]), base)
+
+
+def test_the_size_limit_is_configurable_and_checked_at_start_up(cache: Path, tmp_path: Path) -> None:
+    big = tmp_path / "big.safetensors"
+    with big.open("wb") as f:
+        f.truncate(3 * 2**20)
+    with pytest.raises(ConfigError, match=r"engine_args\.loras\.big.*over the 1 MiB limit"):
+        make_runner({"big": big}, max_lora_file_mb=1)
+
+
+def test_non_finite_weights_are_refused_at_load(
+    runner: DiffusionRunner, adapters: dict[str, Path], base: np.ndarray, tmp_path: Path
+) -> None:
+    nan = nan_adapter(adapters["a"], tmp_path / "nan")
+    (out,) = run(runner, req("nan", lora={"path": str(nan)}))
+    assert isinstance(out.error, LoraFormatError) and "NaN or infinite" in str(out.error)
+    with pytest.raises(LoraFormatError, match="NaN or infinite"):
+        runner.rpc_add_lora("nan", str(nan), load=True)
+    assert "nan" not in runner.rpc_list_loras()["registered"]
+    assert np.array_equal(images(run(runner, req("after-nan"))[0]), base)
+
+
+# ---------------------------------------------------------------------------- add_lora is all or nothing
+
+
+def test_a_failed_add_or_re_point_changes_nothing(cache: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
+    r = make_runner({"a": adapters["a"]})
+    with_a = images(run(r, req("a", lora={"name": "a"}))[0])
+    before = r.rpc_list_loras()
+    # Safetensors that are not LoRA weights (the model's own VAE): they pass the file checks and
+    # fail in the loader, after which nothing may have changed.
+    vae = str(Path(resolve_model("builtin:tiny-sd")) / "vae" / "diffusion_pytorch_model.safetensors")
+    nan = str(nan_adapter(adapters["b"], tmp_path / "nan"))
+    for bad, error in ((vae, LoraLoadError), (nan, LoraFormatError), (str(tmp_path / "gone"), InvalidRequestError)):
+        with pytest.raises(error):
+            r.rpc_add_lora("a", bad, load=True)  # re-point a working name
+        with pytest.raises(error):
+            r.rpc_add_lora("fresh", bad, load=True)  # a new one
+        after = r.rpc_list_loras()
+        assert after["registered"] == before["registered"] == {"a": str(adapters["a"])}
+        assert [e["source"] for e in after["loaded"]] == [e["source"] for e in before["loaded"]]
+        assert np.array_equal(images(run(r, req("a", lora={"name": "a"}))[0]), with_a)
+    # A good re-point then takes effect, and the old file's adapter is unloaded.
+    assert r.rpc_add_lora("a", str(adapters["b"]), load=True)["loaded"]
+    assert [e["names"] for e in r.rpc_list_loras()["loaded"]] == [["a"]]
+    assert not np.array_equal(images(run(r, req("a", lora={"name": "a"}))[0]), with_a)
+
+
+# ---------------------------------------------------------------------------- names
+
+
+CONTROL = st.characters(categories=["Cc", "Cf", "Zl", "Zp", "Zs"])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    name=st.sampled_from(["ink", "a", "film-grain.v2"]),
+    bad=st.text(CONTROL, min_size=1, max_size=3),
+    where=st.integers(0, 3),
+)
+def test_names_with_control_or_space_characters_are_refused_everywhere(
+    runner: DiffusionRunner, adapters: dict[str, Path], name: str, bad: str, where: int
+) -> None:
+    """``$`` matches before a final newline: ``"ink\\n"`` passed. Every place that takes a name —
+    a request's params, the YAML, add_lora, the HTTP field — refuses it wherever the character is."""
+    from entrypoints.openai.protocol import LoraSpec
+
+    hostile = name + bad if where == 0 else name[:1] + bad + name[1:] if where < 3 else bad + name
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"name": hostile}, LoraRequest)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"loras": {hostile: str(adapters["a"])}}, EngineArgs)
+    with pytest.raises(InvalidRequestError) as info:
+        runner.rpc_add_lora(hostile, str(adapters["a"]))
+    assert info.value.param == "name"
+    with pytest.raises(pydantic.ValidationError):
+        LoraSpec(name=hostile)
+    assert msgspec.convert({"name": name}, LoraRequest).name == name == LoraSpec(name=name).name
