@@ -28,7 +28,8 @@ FALLBACK_MAX_PIXELS = 2048 * 2048
 #: Longest prompt accepted, in characters.
 MAX_PROMPT_CHARS = 100_000
 #: What a LoRA adapter's registered name may look like (``engine_args.loras``, ``add_lora``).
-LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+#: ``\Z``, not ``$``: Python's ``$`` also matches before a final newline, so ``"ink\n"`` would pass.
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z"
 #: Largest magnitude of a LoRA scale: past a few units an adapter only produces noise.
 MAX_LORA_SCALE = 10.0
 #: Longest adapter path accepted, in characters (Linux's PATH_MAX).

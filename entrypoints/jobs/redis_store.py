@@ -155,7 +155,7 @@ class RedisJobStore(JobStore):
         return self._decode(got[0][1]) if got else []
 
     def check_event_id(self, event_id: str) -> str:
-        if not _EVENT_ID.match(event_id):
+        if not _EVENT_ID.fullmatch(event_id):
             raise InvalidRequestError(
                 f"Last-Event-ID must be an event id this server sent (like 1700000000000-0), got {event_id[:40]!r}",
                 param="Last-Event-ID",

@@ -210,7 +210,7 @@ class MemoryJobStore(JobStore):
         return self._after(job, after)
 
     def check_event_id(self, event_id: str) -> str:
-        if not _EVENT_ID.match(event_id):
+        if not _EVENT_ID.fullmatch(event_id):
             raise InvalidRequestError(
                 f"Last-Event-ID must be an event id this server sent (digits), got {event_id[:40]!r}",
                 param="Last-Event-ID",

@@ -81,7 +81,7 @@ class _Request(BaseModel):
 
 def parse_size(value: str) -> tuple[int, int]:
     """``"WxH"`` -> (width, height), each within [MIN_SIDE, MAX_SIDE]; ValueError otherwise."""
-    m = _SIZE_RE.match(value.strip().lower())
+    m = _SIZE_RE.fullmatch(value.strip().lower())
     if not m:
         raise ValueError(f"size must look like '512x512' (WIDTHxHEIGHT), got {value[:40]!r}")
     width, height = int(m.group(1)), int(m.group(2))
@@ -97,6 +97,9 @@ class LoraSpec(_Request):
     Paths are refused: a client must not choose files on the server. The operator offers adapters
     with ``engine_args.loras`` or ``collective_rpc("add_lora")``; the Python API may pass paths.
     """
+
+    # Python's regex engine: the name pattern is shared with msgspec and ends in ``\Z``.
+    model_config = ConfigDict(extra="forbid", regex_engine="python-re")
 
     name: str = Field(pattern=LORA_NAME_PATTERN)
     scale: float = Field(1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)
