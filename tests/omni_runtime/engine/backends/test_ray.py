@@ -199,6 +199,27 @@ async def test_a_node_that_stops_answering_is_replaced_by_heartbeat_and_its_acto
     ray_cluster.cluster.remove_node(lost, allow_graceful=False)
 
 
+def test_a_replica_waiting_to_be_placed_leaves_its_ready_sibling_alive_and_is_named_at_the_timeout(ray_cluster):
+    """Two replicas that each need node a's only ``node_a``: one starts, the other can only wait
+    for it. The ready one is heartbeaten meanwhile (unpinged, it would exit by itself after 10 s
+    and free its place for the other), and the pool fails at ``startup_timeout_s`` naming what
+    the waiting replica waits for."""
+    stage = echo_stage(
+        runtime={
+            **RAY,
+            "num_replicas": 2,
+            "resources": {"CPU": 0.5, "node_a": 1},
+            "heartbeat_timeout_s": 1.0,  # the replica's own silence limit: max(10 s, 3 x 1 s)
+            "startup_timeout_s": 20,
+        }
+    )
+    start = time.monotonic()
+    waits = r"replica [01] of stage 0 waits for resources \{'CPU': 0.5, 'node_a': 1"
+    with pytest.raises(StageStartupError, match=waits):
+        AsyncOmni(make_config([stage]))
+    assert 20 <= time.monotonic() - start < 40
+
+
 def test_omni_runtime_worker_joins_the_cluster_with_the_resources_a_config_asks_for(ray_cluster, tmp_path):
     import subprocess
     import sys
