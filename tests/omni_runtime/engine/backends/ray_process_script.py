@@ -37,11 +37,16 @@ def running(pids) -> list[int]:
 
 
 def with_path(path: str) -> list[int]:
-    found = []
+    """Processes with ``path`` on their command line, and their descendants (the raylet's agents
+    and workers, which Ray leaves orphaned after a shutdown)."""
+    found = set()
     for p in psutil.process_iter(["cmdline"]):
-        if any(path in arg for arg in p.info["cmdline"] or ()):
-            found.append(p.pid)
-    return found
+        try:
+            if any(path in arg for arg in p.info["cmdline"] or ()):
+                found |= {p.pid, *(c.pid for c in p.children(recursive=True))}
+        except psutil.NoSuchProcess:
+            pass
+    return sorted(found)
 
 
 before = cluster_dirs()
@@ -67,7 +72,7 @@ first = Omni(config(), ray_address="local")
 second = Omni(config(), ray_address="local")
 [ours] = cluster_dirs() - before
 cluster = with_path(ours)
-print(f"cluster processes: {len(cluster)}")
+print(f"cluster processes: {len(cluster)}: {sorted(psutil.Process(p).name() for p in cluster)}")
 first.close()
 print(f"second after first closed: {second.generate('still served', use_tqdm=False)[0].text}")
 second.close()
