@@ -66,6 +66,11 @@ class RuntimeConfig(msgspec.Struct, **_Struct):
     #: stage of a config must name the same; ``Omni(..., ray_address=...)`` and ``serve
     #: --ray-address`` set it for all of them.
     ray_address: str = "auto"
+    #: ``ray`` backend with ``ray_address: local``: the directory the local cluster keeps its
+    #: sessions in (logs, sockets), kept when the cluster stops. Unset: a fresh ``omr-ray-*``
+    #: directory under the system temp dir, removed when the last engine of the process closes.
+    #: Keep it short: Ray's socket paths in it must fit 107 bytes.
+    ray_temp_dir: str | None = None
     #: ``ray`` backend: arrays at least this large travel through Ray's object store (handed
     #: from actor to actor); smaller ones ride in the message, as each stored object costs a few ms.
     object_store_min_bytes: Annotated[int, msgspec.Meta(ge=0)] = 1 << 20

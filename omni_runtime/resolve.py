@@ -93,14 +93,14 @@ def resolve_config(config: DeployConfig, source: str = "<config>") -> ResolvedCo
         errors.extend(found)
         if resolved is not None:
             stages.append(resolved)
-    addresses = {s.runtime.ray_address for s in config.stage_args if s.runtime.backend == "ray"}
-    if len(addresses) > 1:
-        # One process joins one Ray cluster.
-        errors.append(
-            ConfigError(
-                f"the ray stages name different clusters: {sorted(addresses)}", path="stage_args", source=source
+    ray_stages = [s.runtime for s in config.stage_args if s.runtime.backend == "ray"]
+    for field, what in (("ray_address", "clusters"), ("ray_temp_dir", "temp dirs")):
+        values = {str(getattr(r, field)) for r in ray_stages}
+        if len(values) > 1:
+            # One process joins one Ray cluster.
+            errors.append(
+                ConfigError(f"the ray stages name different {what}: {sorted(values)}", path="stage_args", source=source)
             )
-        )
     if errors:
         raise ConfigError.of(errors, source=source)
     return ResolvedConfig(config, tuple(stages))

@@ -54,6 +54,10 @@ from omni_runtime.tasks import BackgroundTasks
 
 logger = logging.getLogger(__name__)
 
+#: Seconds a failed start waits for the orchestrator thread to release what it made (each
+#: release is bounded on its own; this only keeps a wedged one from hanging the caller).
+_RELEASE_WAIT_S = 90.0
+
 
 class _Request:
     """Routing state of one request inside the orchestrator."""
@@ -115,7 +119,15 @@ class Orchestrator:
         """Start the thread and block until every stage said READY (or raise why not)."""
         self._thread = threading.Thread(target=self._thread_main, name="omni-orchestrator", daemon=True)
         self._thread.start()
-        self._ready.result(timeout)
+        try:
+            self._ready.result(timeout)
+        except BaseException:
+            if self._ready.done():
+                # A failed start: the thread ends as soon as it released what it made. Wait for
+                # that, so the caller's next start finds nothing of this one (a Ray connection
+                # given back, a cluster stopped).
+                self._thread.join(_RELEASE_WAIT_S)
+            raise
 
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:

@@ -92,10 +92,25 @@ class StagePool:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Start every replica concurrently; if one fails, all of them are closed again."""
+        """Start every replica concurrently; if one fails, all of them are closed again.
+
+        Each replica is heartbeaten from the moment it is READY, not once the whole pool is: its
+        siblings may wait a long time to be placed (on Ray, for resources another replica holds),
+        and a replica that hears nothing for a while exits by itself."""
         clients = [self._new_client(i, 0) for i in range(len(self.replicas))]
-        results = await asyncio.gather(*(c.start() for c in clients), return_exceptions=True)
-        self.replicas = list(clients)  # all of them, so close() reaches every started process
+
+        async def start_one(client: StageClient) -> Any:
+            ready = await client.start()
+            self.replicas[client.replica_id] = client
+            self._pong_at[client.replica_id] = time.monotonic()
+            if self._heartbeat is None:
+                self._schedule_heartbeat()
+            return ready
+
+        results = await asyncio.gather(*(start_one(c) for c in clients), return_exceptions=True)
+        for c in clients:  # close() must reach every replica (one restarted meanwhile is newer)
+            if self.replicas[c.replica_id] is None:
+                self.replicas[c.replica_id] = c
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             await self.close()
@@ -104,8 +119,6 @@ class StagePool:
                 raise first
             raise StageStartupError(f"stage {self.stage_id} failed to start: {type(first).__name__}: {first}")
         self.constraints = dict(results[0].constraints)
-        self._pong_at = [time.monotonic()] * len(self.replicas)
-        self._schedule_heartbeat()
 
     def _new_client(self, replica_id: int, generation: int) -> StageClient:
         return self._backend.client(self.stage, replica_id, generation, self._on_message, self._on_dead)

@@ -34,23 +34,15 @@ from typing import Any
 import msgspec
 
 from omni_runtime.config import DeployConfig, StageConfig
-from omni_runtime.exceptions import ConfigError, StageDeadError, StageExecutionError, StageStartupError
+from omni_runtime.exceptions import StageDeadError, StageExecutionError, StageStartupError
 from omni_runtime.messages import StageOutput, StageReady, StageStartupFailed
 from omni_runtime.serialization import Encoder, outbound_decoder, remote_arrays, replace_remote
 
+from . import ray_connection
 from .base import EngineResources, OnDead, OnMessage, StageBackend, StageClient
+from .ray_connection import ray_module
 
 logger = logging.getLogger(__name__)
-
-
-def _ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError(
-            "a stage has `runtime.backend: ray` but Ray is not installed: pip install 'omni_runtime[ray]'"
-        ) from None
-    return ray
 
 
 class RayBackend(StageBackend):
@@ -60,19 +52,22 @@ class RayBackend(StageBackend):
         super().__init__(config, resources)
         stages = [s for s in config.stage_args if s.runtime.backend == self.name]
         self.address = stages[0].runtime.ray_address if stages else "auto"
+        self.temp_dir = stages[0].runtime.ray_temp_dir if stages else None
+        #: Connecting is part of starting: bounded like the slowest stage's start.
+        self.connect_timeout_s = max((s.runtime.startup_timeout_s for s in stages), default=300.0)
         self._actor_class: Any = None
         #: Bytes of arrays this process fetched from the object store (hand-offs move none).
         self.fetched_bytes = 0
 
     async def open(self) -> None:
-        ray = _ray()
-        if not ray.is_initialized():
-            kwargs: dict[str, Any] = {"log_to_driver": True}
-            if self.address != "local":
-                kwargs["address"] = self.address
-            # ray.init talks to the cluster synchronously: off this loop.
-            await asyncio.get_running_loop().run_in_executor(None, lambda: ray.init(**kwargs))
-            self.resources.add("ray connection", ray.shutdown)
+        ray = ray_module()
+        # The connection is the process's, shared with its other engines: this engine holds one
+        # use of it and gives that back on close (only the last user disconnects). Blocking: off
+        # this loop.
+        await asyncio.get_running_loop().run_in_executor(
+            None, ray_connection.acquire, self.address, self.connect_timeout_s, self.temp_dir
+        )
+        self.resources.add("ray connection (one use)", ray_connection.release)
         from omni_runtime.stage.ray_actor import StageActor
 
         self._actor_class = ray.remote(StageActor)
@@ -124,12 +119,16 @@ class RayBackend(StageBackend):
             options["scheduling_strategy"] = "SPREAD"
         return options
 
-    def infeasible(self, stage: StageConfig) -> str | None:
-        """Why no node of the cluster can ever host a replica of ``stage`` (None: one can)."""
-        ray = _ray()
+    def wanted(self, stage: StageConfig) -> dict[str, float]:
+        """The Ray resources one replica of ``stage`` holds while it lives."""
         options = self.actor_options(stage)
         wanted = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], **options["resources"]}
-        wanted = {k: v for k, v in wanted.items() if v}
+        return {k: v for k, v in wanted.items() if v}
+
+    def infeasible(self, stage: StageConfig) -> str | None:
+        """Why no node of the cluster can ever host a replica of ``stage`` (None: one can)."""
+        ray = ray_module()
+        wanted = self.wanted(stage)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         for node in nodes:
             have = node.get("Resources", {})
@@ -174,7 +173,7 @@ class RayStageClient(StageClient):
         return self._pid
 
     async def start(self) -> StageReady:
-        ray = _ray()
+        ray = ray_module()
         loop = asyncio.get_running_loop()
         stage = self.stage
         why = await loop.run_in_executor(None, self._backend.infeasible, stage)
@@ -191,8 +190,26 @@ class RayStageClient(StageClient):
         token = self._backend.resources.add(
             f"stage {self.stage_id} replica {self.replica_id} (ray actor)", lambda actor=self._actor: ray.kill(actor)
         )
+        timeout = stage.runtime.startup_timeout_s
+        deadline = loop.time() + timeout
         try:
-            frames, refs = await asyncio.wait_for(self._actor.start.remote(), stage.runtime.startup_timeout_s)
+            # 1) placed: the actor answers its first call once a node had its resources free (Ray
+            #    itself would wait silently forever)  2) loaded: READY, within the same bound.
+            try:
+                self.node = await asyncio.wait_for(self._actor.node.remote(), timeout)
+            except TimeoutError:
+                raise StageStartupError(
+                    f"replica {self.replica_id} of stage {self.stage_id} waits for resources "
+                    f"{self._backend.wanted(stage)}: no node of the Ray cluster had them free within {timeout:g} s "
+                    "(runtime.startup_timeout_s; other replicas or programs hold them)"
+                ) from None
+            try:
+                frames, refs = await asyncio.wait_for(self._actor.start.remote(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise StageStartupError(
+                    f"stage {self.stage_id} replica {self.replica_id} (placed on Ray node {self.node}) did not "
+                    f"load its model within {timeout:g} s (runtime.startup_timeout_s)"
+                ) from None
             msg = self._decoder.decode(frames, refs)
             if isinstance(msg, StageStartupFailed):
                 raise StageStartupError(
@@ -200,16 +217,9 @@ class RayStageClient(StageClient):
                 )
             self.ready = msg
             self._pid = msg.pid
-            self.node = await self._actor_node()
         except BaseException as e:
             self._backend.resources.discard(token)
             await self._kill_actor()
-            if isinstance(e, TimeoutError):
-                raise StageStartupError(
-                    f"stage {self.stage_id} replica {self.replica_id} did not start within "
-                    f"{stage.runtime.startup_timeout_s:g} s (not placed yet: it needs {options['resources'] or {}} "
-                    f"with {options['num_cpus']} CPU and {options['num_gpus']} GPU, or its model is slow to load)"
-                ) from None
             if isinstance(e, Exception) and not isinstance(e, StageStartupError):
                 raise StageStartupError(
                     f"stage {self.stage_id} replica {self.replica_id} could not start: {type(e).__name__}: {e}"
@@ -220,13 +230,6 @@ class RayStageClient(StageClient):
         gen = self._actor.outputs.options(num_returns="streaming").remote()
         self._reader = loop.create_task(self._read(gen), name=f"ray-stage{self.stage_id}r{self.replica_id}")
         return self.ready
-
-    async def _actor_node(self) -> str | None:
-        # One cheap call; /readyz and /metrics show the node of each replica.
-        try:
-            return await self._actor.node.remote()
-        except Exception:
-            return None
 
     async def _read(self, gen: Any) -> None:
         """Everything the actor says, in order, until it dies (which is reported once)."""
@@ -269,7 +272,7 @@ class RayStageClient(StageClient):
 
     async def _kill_actor(self) -> None:
         if self._actor is not None:
-            ray = _ray()
+            ray = ray_module()
             # ray.kill is a blocking call to the cluster: off the loop.
             await asyncio.get_running_loop().run_in_executor(None, lambda: ray.kill(self._actor, no_restart=True))
 

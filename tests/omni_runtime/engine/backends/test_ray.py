@@ -199,6 +199,27 @@ async def test_a_node_that_stops_answering_is_replaced_by_heartbeat_and_its_acto
     ray_cluster.cluster.remove_node(lost, allow_graceful=False)
 
 
+def test_a_replica_waiting_to_be_placed_leaves_its_ready_sibling_alive_and_is_named_at_the_timeout(ray_cluster):
+    """Two replicas that each need node a's only ``node_a``: one starts, the other can only wait
+    for it. The ready one is heartbeaten meanwhile (unpinged, it would exit by itself after 10 s
+    and free its place for the other), and the pool fails at ``startup_timeout_s`` naming what
+    the waiting replica waits for."""
+    stage = echo_stage(
+        runtime={
+            **RAY,
+            "num_replicas": 2,
+            "resources": {"CPU": 0.5, "node_a": 1},
+            "heartbeat_timeout_s": 1.0,  # the replica's own silence limit: max(10 s, 3 x 1 s)
+            "startup_timeout_s": 20,
+        }
+    )
+    start = time.monotonic()
+    waits = r"replica [01] of stage 0 waits for resources \{'CPU': 0.5, 'node_a': 1"
+    with pytest.raises(StageStartupError, match=waits):
+        AsyncOmni(make_config([stage]))
+    assert 20 <= time.monotonic() - start < 40
+
+
 def test_omni_runtime_worker_joins_the_cluster_with_the_resources_a_config_asks_for(ray_cluster, tmp_path):
     import subprocess
     import sys
@@ -235,37 +256,41 @@ def test_omni_runtime_worker_joins_the_cluster_with_the_resources_a_config_asks_
         time.sleep(0.5)
 
 
-def test_ray_address_local_starts_a_cluster_of_its_own_and_stops_it():
-    """In a fresh process (this one already joined the test cluster): the engine starts a local
-    Ray cluster, serves from it, and leaves no Ray process behind when it closes."""
+def test_engines_of_one_process_share_its_ray_connection_and_the_last_close_stops_the_local_cluster():
+    """In a fresh process (this one already joined the test cluster; Ray's connection is per
+    process), with ``RAY_ADDRESS`` pointing nowhere (``local`` must not follow it): a cluster that
+    does not answer fails within the bound; a start refused for impossible resources gives its
+    connection back whole; of two engines on one local cluster, closing the first leaves the
+    second serving; the last close stops every process of the cluster and removes its temp dir
+    (``ray_process_script.py`` prints what it found)."""
     import subprocess
     import sys
-
-    code = """
-import os, sys, psutil
-from omni_runtime import Omni
-from tests.conftest import echo_stage, make_config
-config = make_config([echo_stage(runtime={"backend": "ray", "resources": {"CPU": 0}})])
-with Omni(config, ray_address="local") as omni:
-    print(omni.generate("from a local cluster", use_tqdm=False)[0].text)
-left = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
-print("left", len(left))
-"""
-    import shutil
-    import tempfile
     from pathlib import Path
 
+    root = Path(__file__).resolve().parents[4]
     token = Path.home() / ".ray" / "auth_token"
     had_token = token.exists()
-    ray_tmp = tempfile.mkdtemp(prefix="omr-")  # short: Ray's unix socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:9", "PYTHONPATH": str(root)}
+    start = time.monotonic()
     try:
-        env = {**os.environ, "RAY_TMPDIR": ray_tmp}
         out = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env, cwd=os.getcwd()
+            [sys.executable, str(Path(__file__).with_name("ray_process_script.py"))],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+            cwd=root,
         )
     finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
         if not had_token:
             token.unlink(missing_ok=True)  # a new local cluster writes one
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "from a local cluster" in out.stdout and "left 0" in out.stdout, out.stdout
+    took = time.monotonic() - start
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    found = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
+    unreachable_s = float(found["unreachable"].split(" s: ")[0])
+    assert unreachable_s < 5 and "no Ray cluster answers at '127.0.0.1:1'" in found["unreachable"]
+    assert "cannot be placed" in found["refused"] and found["dirs after refused"] == "[]"
+    assert int(found["cluster processes"].split(":")[0]) >= 3 and "raylet" in found["cluster processes"]
+    assert found["second after first closed"] == "still served"
+    assert found["left running"] == "[]" and found["children"] == "[]" and found["dirs left"] == "[]"
+    assert "done" in out.stdout and took < 150
