@@ -555,7 +555,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         omni = images_engine(state, body.model, body.n)
         # Without a mask, the image's own transparent pixels are the region to edit (as OpenAI's
         # edits take it); an opaque image without a mask is redrawn as a whole (img2img).
-        params = await image_params(body, files, body.strength, alpha_as_mask=True)
+        params = await image_params(body, files, body.strength, alpha_as_mask=True, limit=omni.max_input_pixels())
         valid = validate_images(omni, body.prompt, params, body.n, body.seed)
         return _json_with_id(await run_images(state, omni, request, valid, body))
 
@@ -564,7 +564,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body, files = await read_image_form(request, proto.ImageVariationForm)
         omni = images_engine(state, body.model, body.n)
         strength = body.strength if body.strength is not None else proto.VARIATION_STRENGTH
-        params = await image_params(body, files, strength, alpha_as_mask=False)
+        params = await image_params(body, files, strength, alpha_as_mask=False, limit=omni.max_input_pixels())
         valid = validate_images(omni, "", params, body.n, body.seed)
         return _json_with_id(await run_images(state, omni, request, valid, body))
 
