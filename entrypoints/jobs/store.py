@@ -118,7 +118,7 @@ class _MemoryJob:
         self.expires: float | None = None  # set once the job is finished
 
 
-_EVENT_ID = re.compile(r"^[0-9]{1,18}$")
+_EVENT_ID = re.compile(r"[0-9]{1,18}")
 
 
 class MemoryJobStore(JobStore):
@@ -210,7 +210,7 @@ class MemoryJobStore(JobStore):
         return self._after(job, after)
 
     def check_event_id(self, event_id: str) -> str:
-        if not _EVENT_ID.match(event_id):
+        if not _EVENT_ID.fullmatch(event_id):
             raise InvalidRequestError(
                 f"Last-Event-ID must be an event id this server sent (digits), got {event_id[:40]!r}",
                 param="Last-Event-ID",

@@ -20,6 +20,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -44,6 +45,8 @@ MAX_REQUEUES = 1
 #: How long ``DELETE`` waits for the job to end before answering with it as it is.
 CANCEL_WAIT_S = 10.0
 
+#: A job id: ``job-`` and the 24 characters of ``secrets.token_urlsafe(18)`` (see ``submit``).
+_JOB_ID = re.compile(r"job-[A-Za-z0-9_-]{24}")
 _IMAGE_PARAMS = ("negative_prompt", "num_inference_steps", "guidance_scale", "seed")
 
 
@@ -413,7 +416,9 @@ class JobManager:
     # ------------------------------------------------------------------ reading
 
     async def get_record(self, job_id: str) -> dict[str, Any]:
-        if not job_id or len(job_id) > 64:
+        # Only the form ``submit`` makes reaches the store: another key of the store (the job's
+        # ``...:events`` stream, say) is not a job.
+        if not _JOB_ID.fullmatch(job_id):
             raise _not_found(job_id)
         record = await self.store.get(job_id)
         if record is None:
