@@ -90,8 +90,8 @@ async def run_images(
         seed = out.outputs_by_stage.get(state.image_stage)
         item = proto.ImageData(seed=seed.metrics.get("seed") if seed else None)
         if body.response_format == "url":
-            file_id = state.files.put(blob, MEDIA_TYPES[body.output_format])
-            item.url = f"{str(request.base_url).rstrip('/')}/v1/files/{file_id}"
+            file_id = await state.files.put(blob, MEDIA_TYPES[body.output_format])
+            item.url = f"{state.public_url or str(request.base_url).rstrip('/')}/v1/files/{file_id}"
         else:
             item.b64_json = base64.b64encode(blob).decode()
         data.append(item)

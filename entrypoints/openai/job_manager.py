@@ -324,11 +324,17 @@ class JobManager:
         blobs = await encode_images(out.images, fmt, request.config.output_compression)
         seeds = [r.metrics.get("seed") for sid, r in sorted(out.outputs_by_stage.items()) for _ in r.images if r.images]
         images = []
+        # The URL of the gateway that stores the file: the configured public URL, else the one
+        # the job was submitted through, unless another gateway took the job over (then its own).
+        base = self.state.public_url
+        if base is None:
+            taken_over = record.get("attempts", 1) > 1 and self.state.local_url is not None
+            base = self.state.local_url if taken_over else record["base_url"].rstrip("/")
         for blob, seed in zip(blobs, seeds, strict=False):
             item: dict[str, Any] = {"seed": seed}
             if request.response_format == "url":
-                file_id = self.state.files.put(blob, MEDIA_TYPES[fmt])
-                item["url"] = f"{record['base_url'].rstrip('/')}/v1/files/{file_id}"
+                file_id = await self.state.files.put(blob, MEDIA_TYPES[fmt])
+                item["url"] = f"{base}/v1/files/{file_id}"
             else:
                 item["b64_json"] = base64.b64encode(blob).decode()
             images.append(item)
