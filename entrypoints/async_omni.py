@@ -128,6 +128,11 @@ class AsyncOmni:
         and its limit, and each stage's replicas and queues."""
         return self.engine.health()
 
+    def max_input_pixels(self) -> int:
+        """The most pixels an input image may have for this model (its stages' ``max_pixels``):
+        what a server checks an upload's declared size against before decoding it."""
+        return self.engine.max_input_pixels()
+
     def sampling_params(
         self, *, image: dict[str, Any] | None = None, shared: dict[str, Any] | None = None
     ) -> list[dict[str, Any] | None]:

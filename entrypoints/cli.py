@@ -103,6 +103,13 @@ def _url(text: str) -> str:
 # --------------------------------------------------------------------------- serve
 
 
+def _local_url(host: str, port: int) -> str:
+    """This server's own address as others reach it: the machine's name for a wildcard bind."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _placement_args(args: argparse.Namespace) -> dict[str, Any]:
     """--device, --dtype and --replicas as engine overrides of the model's (diffusion) stages."""
     return {"devices": args.device, "dtype": args.dtype, "num_replicas": args.replicas}
@@ -216,6 +223,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             lease_s=args.job_lease,
             otlp_endpoint=args.otlp_endpoint,
         ),
+        public_url=args.public_url,
+        local_url=_local_url(args.host, args.port),
     )
     # Bind before the engine starts: a busy port is a clear error, not a model load and a crash.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
@@ -627,6 +636,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--header-timeout", type=_float(0, strict=True), default=10.0, help="time (s) to send headers")
     s.add_argument("--body-timeout", type=_float(0, strict=True), default=60.0, help="time (s) to send a body")
     s.add_argument("--file-ttl", type=_float(0, strict=True), default=600.0, help="life (s) of response_format=url")
+    s.add_argument(
+        "--public-url", type=_url, help="base of result URLs, e.g. https://api.example (default: the request's Host)"
+    )
     s.add_argument("--file-store-mb", type=_float(0, strict=True), default=256.0, help="memory for url images")
     s.add_argument("--redis-url", type=_redis_url, help="share /v1/generate jobs through Redis (redis://HOST:PORT/DB)")
     s.add_argument("--job-ttl", type=_float(0, strict=True), default=3600.0, help="life (s) of a finished job")

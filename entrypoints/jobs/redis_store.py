@@ -34,7 +34,9 @@ from .store import TERMINAL, Event, JobStore
 
 logger = logging.getLogger(__name__)
 
-_EVENT_ID = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}$")
+_EVENT_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
+#: A Redis Stream id is two unsigned 64-bit integers: a larger part makes Redis fail the read.
+_MAX_ID_PART = 2**64 - 1
 #: Events kept per job at most (approximate trimming: XADD MAXLEN ~).
 MAX_EVENTS = 10_000
 
@@ -155,7 +157,9 @@ class RedisJobStore(JobStore):
         return self._decode(got[0][1]) if got else []
 
     def check_event_id(self, event_id: str) -> str:
-        if not _EVENT_ID.fullmatch(event_id):
+        m = _EVENT_ID.fullmatch(event_id)
+        # Both parts fit in 64 bits, and some id can follow it (an exclusive XRANGE start).
+        if m is None or int(m[1]) > _MAX_ID_PART or int(m[2]) > _MAX_ID_PART or m[1] == m[2] == str(_MAX_ID_PART):
             raise InvalidRequestError(
                 f"Last-Event-ID must be an event id this server sent (like 1700000000000-0), got {event_id[:40]!r}",
                 param="Last-Event-ID",

@@ -118,7 +118,7 @@ class _MemoryJob:
         self.expires: float | None = None  # set once the job is finished
 
 
-_EVENT_ID = re.compile(r"^[0-9]{1,18}$")
+_EVENT_ID = re.compile(r"[0-9]{1,18}")
 
 
 class MemoryJobStore(JobStore):

@@ -1,9 +1,12 @@
-"""Generated images: encoding (PNG, JPEG, WebP) and the in-memory store behind ``/v1/files/{id}``."""
+"""Generated images: encoding (PNG, JPEG, WebP) and the stores behind ``/v1/files/{id}``: in this
+process (:class:`FileStore`), or in Redis with ``--redis-url`` (:class:`RedisFileStore`), where
+every gateway on the same Redis serves every gateway's files. Runs on the server's event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import io
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -15,6 +18,21 @@ from .protocol import ApiError
 #: Images larger than this are encoded in a worker thread, off the event loop.
 _INLINE_ENCODE_PIXELS = 512 * 512
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+#: A file id: ``file-`` and the 24 characters of ``secrets.token_urlsafe(18)``.
+FILE_ID = re.compile(r"file-[A-Za-z0-9_-]{24}")
+#: Largest file kept in Redis (a value of one key; larger images are refused, not truncated).
+MAX_REDIS_FILE_BYTES = 16 * 1024 * 1024
+
+
+def _new_file_id() -> str:
+    return "file-" + secrets.token_urlsafe(18)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(
+        413, f"the image is larger than the file store takes ({limit} bytes); use response_format=b64_json",
+        param="response_format", code="file_too_large",
+    )  # fmt: skip
 
 
 def encode_image(image: Any, fmt: str, quality: int | None) -> bytes:
@@ -45,22 +63,20 @@ class FileStore:
         _, (_, _, data) = self._files.popitem(last=False)
         self._bytes -= len(data)
 
-    def put(self, data: bytes, media_type: str) -> str:
+    async def put(self, data: bytes, media_type: str) -> str:
         if len(data) > self.max_bytes:
-            raise ApiError(
-                413, "the image is larger than the file store; use response_format=b64_json",
-                param="response_format", code="file_too_large",
-            )  # fmt: skip
+            raise _too_large(self.max_bytes)
         now = time.monotonic()
         # Every file lives ttl_s, so insertion order is expiry order.
         while self._files and (next(iter(self._files.values()))[0] <= now or self._bytes + len(data) > self.max_bytes):
             self._drop_oldest()
-        file_id = "file-" + secrets.token_urlsafe(18)
+        file_id = _new_file_id()
         self._files[file_id] = (now + self.ttl_s, media_type, data)
         self._bytes += len(data)
         return file_id
 
-    def get(self, file_id: str) -> tuple[str, bytes, float] | None:
+    async def get(self, file_id: str) -> tuple[str, bytes, float] | None:
+        """(media type, bytes, seconds left), or None when missing or expired."""
         entry = self._files.get(file_id)
         if entry is None:
             return None
@@ -73,3 +89,50 @@ class FileStore:
 
     def __len__(self) -> int:
         return len(self._files)
+
+    async def close(self) -> None:
+        self._files.clear()
+
+
+class RedisFileStore:
+    """Generated files in Redis (``{prefix}file:{id}``, a hash of the media type and the bytes),
+    each expiring ``ttl_s`` seconds after it was stored, at most ``max_file_bytes`` each: any
+    gateway on the same Redis serves any gateway's files, also after that gateway is gone. Its
+    own small connection pool (``max_connections``), apart from the job store's."""
+
+    def __init__(
+        self, url: str, ttl_s: float, max_file_bytes: int, *, prefix: str = "omni:", max_connections: int = 8
+    ) -> None:
+        import redis.asyncio as aioredis
+
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.max_file_bytes, self.prefix = max_file_bytes, prefix
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=10, socket_timeout=10, socket_connect_timeout=5
+        )
+        self.redis = aioredis.Redis(connection_pool=pool)
+
+    def _key(self, file_id: str) -> str:
+        return f"{self.prefix}file:{file_id}"
+
+    async def put(self, data: bytes, media_type: str) -> str:
+        if len(data) > self.max_file_bytes:
+            raise _too_large(self.max_file_bytes)
+        file_id = _new_file_id()
+        async with self.redis.pipeline(transaction=True) as p:
+            p.hset(self._key(file_id), mapping={"t": media_type, "d": data})
+            p.pexpire(self._key(file_id), self.ttl_ms)
+            await p.execute()
+        return file_id
+
+    async def get(self, file_id: str) -> tuple[str, bytes, float] | None:
+        async with self.redis.pipeline(transaction=True) as p:
+            p.hmget(self._key(file_id), ["t", "d"])
+            p.pttl(self._key(file_id))
+            (media_type, data), left_ms = await p.execute()
+        if media_type is None or data is None or left_ms <= 0:
+            return None
+        return media_type.decode(), data, left_ms / 1000.0
+
+    async def close(self) -> None:
+        await self.redis.aclose()

@@ -18,7 +18,7 @@ from ..async_omni import AsyncOmni, ValidRequest
 from . import protocol as proto
 from .files import MEDIA_TYPES, encode_images
 from .protocol import ApiError
-from .uploads import HTTP_FIELDS, decode_async, decode_data_url, decode_image
+from .uploads import HTTP_FIELDS, Upload, decode_async, decode_data_url, decode_image
 
 if TYPE_CHECKING:
     from .server import ServerState
@@ -90,8 +90,8 @@ async def run_images(
         seed = out.outputs_by_stage.get(state.image_stage)
         item = proto.ImageData(seed=seed.metrics.get("seed") if seed else None)
         if body.response_format == "url":
-            file_id = state.files.put(blob, MEDIA_TYPES[body.output_format])
-            item.url = f"{str(request.base_url).rstrip('/')}/v1/files/{file_id}"
+            file_id = await state.files.put(blob, MEDIA_TYPES[body.output_format])
+            item.url = f"{state.public_url or str(request.base_url).rstrip('/')}/v1/files/{file_id}"
         else:
             item.b64_json = base64.b64encode(blob).decode()
         data.append(item)
@@ -112,5 +112,6 @@ async def chat_image(state: ServerState, body: proto.ChatCompletionRequest) -> d
     url, where = urls[0]
     if not any(stage.takes_image_params for stage in state.resolved.stages):
         raise InvalidRequestError(f"the model `{state.model_name}` takes no input image", param=where)
-    decoded = await decode_async(decode_image, decode_data_url(url, where), where)
+    limit = state.started.max_input_pixels()
+    decoded = await decode_async(decode_image, Upload(decode_data_url(url, where), where, limit))
     return {"image": decoded.rgb}

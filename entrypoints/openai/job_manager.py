@@ -20,6 +20,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -44,6 +45,8 @@ MAX_REQUEUES = 1
 #: How long ``DELETE`` waits for the job to end before answering with it as it is.
 CANCEL_WAIT_S = 10.0
 
+#: A job id: ``job-`` and the 24 characters of ``secrets.token_urlsafe(18)`` (see ``submit``).
+_JOB_ID = re.compile(r"job-[A-Za-z0-9_-]{24}")
 _IMAGE_PARAMS = ("negative_prompt", "num_inference_steps", "guidance_scale", "seed")
 
 
@@ -321,11 +324,17 @@ class JobManager:
         blobs = await encode_images(out.images, fmt, request.config.output_compression)
         seeds = [r.metrics.get("seed") for sid, r in sorted(out.outputs_by_stage.items()) for _ in r.images if r.images]
         images = []
+        # The URL of the gateway that stores the file: the configured public URL, else the one
+        # the job was submitted through, unless another gateway took the job over (then its own).
+        base = self.state.public_url
+        if base is None:
+            taken_over = record.get("attempts", 1) > 1 and self.state.local_url is not None
+            base = self.state.local_url if taken_over else record["base_url"].rstrip("/")
         for blob, seed in zip(blobs, seeds, strict=False):
             item: dict[str, Any] = {"seed": seed}
             if request.response_format == "url":
-                file_id = self.state.files.put(blob, MEDIA_TYPES[fmt])
-                item["url"] = f"{record['base_url'].rstrip('/')}/v1/files/{file_id}"
+                file_id = await self.state.files.put(blob, MEDIA_TYPES[fmt])
+                item["url"] = f"{base}/v1/files/{file_id}"
             else:
                 item["b64_json"] = base64.b64encode(blob).decode()
             images.append(item)
@@ -413,7 +422,9 @@ class JobManager:
     # ------------------------------------------------------------------ reading
 
     async def get_record(self, job_id: str) -> dict[str, Any]:
-        if not job_id or len(job_id) > 64:
+        # Only the form ``submit`` makes reaches the store: another key of the store (the job's
+        # ``...:events`` stream, say) is not a job.
+        if not _JOB_ID.fullmatch(job_id):
             raise _not_found(job_id)
         record = await self.store.get(job_id)
         if record is None:

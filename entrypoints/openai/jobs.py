@@ -45,7 +45,7 @@ def add_job_routes(app: FastAPI, state: ServerState, response_class: type[JSONRe
     @app.post("/v1/generate")
     async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
         manager = jobs()
-        base_url = str(request.base_url).rstrip("/")
+        base_url = state.public_url or str(request.base_url).rstrip("/")
         traceparent = request.headers.get("traceparent")
         if traceparent is not None and len(traceparent) > 128:
             traceparent = None

@@ -48,7 +48,7 @@ from ..async_omni import AsyncOmni, ValidRequest, load_resolved
 from ..jobs.store import JobStore, MemoryJobStore
 from . import protocol as proto
 from .chat import chat_completion
-from .files import FileStore
+from .files import FILE_ID, MAX_REDIS_FILE_BYTES, FileStore, RedisFileStore
 from .images import images_engine, run_images, validate_images
 from .job_manager import JobManager, JobSettings
 from .jobs import add_job_routes
@@ -112,8 +112,15 @@ class ServerState:
         file_ttl_s: float,
         file_store_bytes: int,
         jobs: JobSettings | None = None,
+        public_url: str | None = None,
+        local_url: str | None = None,
     ) -> None:
         self.resolved = resolved
+        #: The base of result URLs when configured (``--public-url``); else the request's Host.
+        self.public_url = public_url.rstrip("/") if public_url else None
+        #: This gateway's own address (its listening socket), for the results of jobs it took
+        #: over from a lost gateway when no public URL is configured.
+        self.local_url = local_url.rstrip("/") if local_url else None
         self.job_settings = jobs or JobSettings()
         #: The job manager (/v1/generate, /v1/jobs), once the app has started.
         self.jobs: JobManager | None = None
@@ -131,7 +138,13 @@ class ServerState:
         self.failed: BaseException | None = None
         self._starting: asyncio.Task | None = None
         self.metrics = ServerMetrics(lambda: self.omni.health() if self.omni is not None else None)
-        self.files = FileStore(file_ttl_s, file_store_bytes)
+        self.files: FileStore | RedisFileStore
+        if self.job_settings.redis_url:
+            # Every gateway on the same Redis serves every file (a job's result outlives its gateway).
+            limit = min(file_store_bytes, MAX_REDIS_FILE_BYTES)
+            self.files = RedisFileStore(self.job_settings.redis_url, file_ttl_s, limit)
+        else:
+            self.files = FileStore(file_ttl_s, file_store_bytes)
         self.inflight: set[str] = set()
         self.draining = False
         self.created = int(time.time())
@@ -210,6 +223,7 @@ class ServerState:
             await asyncio.gather(self._starting, return_exceptions=True)
         if self.omni is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.omni.close)
+        await self.files.close()
 
     def abort_all(self, reason: str) -> None:
         """Abort every in-flight engine request; their handlers answer 503 with ``reason``.
@@ -240,15 +254,19 @@ class ServerState:
             )  # fmt: skip
         return self.started
 
-    def check_auth(self, scope: Scope) -> None:
+    def authorized(self, scope: Scope) -> bool:
+        """Whether the request carries the API key (always, when none is set)."""
         if self.api_key is None:
-            return
+            return True
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
-                    return
-                break
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        return False
+
+    def check_auth(self, scope: Scope) -> None:
+        if self.authorized(scope):
+            return
         raise ApiError(
             401, "a valid API key is required: send 'Authorization: Bearer <key>'",
             type="authentication_error", code="invalid_api_key",
@@ -405,11 +423,15 @@ def create_app(
     file_ttl_s: float = 600.0,
     file_store_bytes: int = 256 * 1024 * 1024,
     jobs: JobSettings | None = None,
+    public_url: str | None = None,
+    local_url: str | None = None,
 ) -> FastAPI:
     """The FastAPI app for ``model`` (a config name, YAML path, model dir or DeployConfig).
 
     The config is validated here (ConfigError at once); the engine starts with the app's lifespan.
-    ``app.state.omni`` is the :class:`ServerState`.
+    ``app.state.omni`` is the :class:`ServerState`. ``public_url``: the base of result URLs
+    (else each request's Host); ``local_url``: this server's own address (see ServerState).
+    With ``api_key``, the interactive docs and the OpenAPI schema are not served.
     """
     resolved = load_resolved(model, dict(engine_args or {}), ray_address)
     state = ServerState(
@@ -420,6 +442,8 @@ def create_app(
         file_ttl_s=file_ttl_s,
         file_store_bytes=file_store_bytes,
         jobs=jobs,
+        public_url=public_url,
+        local_url=local_url,
     )
 
     @asynccontextmanager
@@ -433,8 +457,15 @@ def create_app(
 
     # The body limit is enforced by _HttpMiddleware, which answers in the OpenAI error shape.
     # redirect_slashes off: `/v1/files/x/` is a JSON 404 like any unknown path, not an empty 307.
+    # With a key, the schema and docs pages are off: they list every route and field, and a
+    # browser opening /docs sends no Authorization header to check.
+    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(
-        title="omni_runtime", lifespan=lifespan, default_response_class=SafeJSONResponse, redirect_slashes=False
+        title="omni_runtime",
+        lifespan=lifespan,
+        default_response_class=SafeJSONResponse,
+        redirect_slashes=False,
+        **docs,
     )
     app.state.omni = state
     app.add_middleware(_HttpMiddleware, state=state, routes=app.router.routes)
@@ -482,8 +513,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return SafeJSONResponse({"status": "unhealthy", "dead_stages": h.dead_stages}, status_code=503)
 
     @app.get("/readyz")
-    async def readyz() -> JSONResponse:
+    async def readyz(request: Request) -> JSONResponse:
         h = state.started.health()
+        if not state.authorized(request.scope):
+            # Open to orchestrators without the key, but only the verdict: the stages, hosts,
+            # queues and gateway id are for whoever holds it.
+            ready = h.ok and not state.draining
+            body = {"ready": ready, "draining": state.draining}
+            return SafeJSONResponse(body, status_code=200 if ready else 503)
         stages = [
             {k: s.get(k) for k in _READYZ_FIELDS}
             | {"queue_depth": s.get("inflight", 0), "per_replica_inflight": s.get("per_replica_inflight", [])}
@@ -525,9 +562,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/files/{file_id}")
     async def get_file(file_id: str) -> Response:
-        found = state.files.get(file_id)
+        found = await state.files.get(file_id) if FILE_ID.fullmatch(file_id) else None
         if found is None:
-            raise ApiError(404, f"file `{file_id}` does not exist or has expired", param="file_id", code="not_found")
+            shown = file_id if len(file_id) <= 64 else f"{file_id[:64]}... ({len(file_id)} characters)"
+            raise ApiError(404, f"file `{shown}` does not exist or has expired", param="file_id", code="not_found")
         media_type, data, left = found
         return Response(data, media_type=media_type, headers={"Cache-Control": f"private, max-age={int(left)}"})
 
@@ -555,7 +593,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         omni = images_engine(state, body.model, body.n)
         # Without a mask, the image's own transparent pixels are the region to edit (as OpenAI's
         # edits take it); an opaque image without a mask is redrawn as a whole (img2img).
-        params = await image_params(body, files, body.strength, alpha_as_mask=True)
+        params = await image_params(body, files, body.strength, alpha_as_mask=True, limit=omni.max_input_pixels())
         valid = validate_images(omni, body.prompt, params, body.n, body.seed)
         return _json_with_id(await run_images(state, omni, request, valid, body))
 
@@ -564,7 +602,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body, files = await read_image_form(request, proto.ImageVariationForm)
         omni = images_engine(state, body.model, body.n)
         strength = body.strength if body.strength is not None else proto.VARIATION_STRENGTH
-        params = await image_params(body, files, strength, alpha_as_mask=False)
+        params = await image_params(body, files, strength, alpha_as_mask=False, limit=omni.max_input_pixels())
         valid = validate_images(omni, "", params, body.n, body.seed)
         return _json_with_id(await run_images(state, omni, request, valid, body))
 

@@ -2,11 +2,18 @@
 gateway (never on a stage: the engine gets raw uint8 arrays).
 
 Bounded before any pixel is decoded: the body limit of the server (413), then the image's
-declared size against :data:`MAX_UPLOAD_PIXELS`, read from its header (a decompression bomb
-never gets decoded), and Pillow's own bomb check. Anything Pillow cannot decode (not an image,
-a truncated PNG...) is a 400 naming the field. Remote URLs are never fetched.
+header: its format must be one of :data:`INPUT_FORMATS` (Pillow's other decoders never see an
+upload), and the size it declares must fit the model (the smallest ``max_pixels`` of the stages
+that take images, from their READY message) or, when the request resizes the input, the upload
+limit :data:`MAX_UPLOAD_PIXELS`. Anything Pillow raises while reading or converting an upload (not
+an image, a truncated PNG, an odd mode) is the client's: a 400 naming the field. Remote URLs are
+never fetched.
 
-Runs on the server's event loop; decoding itself runs in a worker thread (:func:`decode_async`).
+Decoding runs in a small pool of its own (:data:`DECODE_THREADS` threads), so at most that many
+images are in memory being decoded at once, whatever the number of requests; after a large
+decode the freed memory is handed back to the system.
+
+Runs on the server's event loop; decoding itself runs in the pool (:func:`decode_async`).
 """
 
 from __future__ import annotations
@@ -14,10 +21,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
+import ctypes
+import ctypes.util
 import io
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,10 +37,29 @@ import numpy as np
 from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.params import MAX_IMAGE_PIXELS
 
-#: Most pixels an uploaded image may declare (as the engine's own limit on input images).
+#: Most pixels an uploaded image may declare when the request resizes it (``size``); without a
+#: resize the model's own limit applies, which is never more.
 MAX_UPLOAD_PIXELS = MAX_IMAGE_PIXELS
+#: Formats taken as input images, recognised from their header: the ones clients send photos and
+#: drawings in. TIFF, DDS, PSD and the rest are refused (400) without running their decoders.
+INPUT_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+#: Images decoded at once by this server (each may briefly need a few times its RGBA size).
+DECODE_THREADS = 2
 T = TypeVar("T")
 _DATA_URL = re.compile(r"^data:(image/[a-z0-9.+-]+)?(;[a-z0-9=._-]+)*;base64,", re.IGNORECASE)
+_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+_executor: ThreadPoolExecutor | None = None
+
+
+def _load_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_malloc_trim = _load_trim()
 
 
 @dataclass
@@ -43,81 +73,150 @@ class InputImage:
     alpha_mask: np.ndarray | None
 
 
-def decode_image(data: bytes, param: str, size: tuple[int, int] | None = None) -> InputImage:
-    """Decode an uploaded image (any format Pillow reads); ``size`` (width, height) resizes it.
+@dataclass(frozen=True)
+class Upload:
+    """An upload to decode, and what bounds it: ``limit`` is the model's pixel limit
+    (:meth:`AsyncOmni.max_input_pixels`); ``size`` (width, height) the resize the request asks."""
 
-    Raises InvalidRequestError naming ``param`` for what is not a whole, bounded image.
+    data: bytes
+    param: str
+    limit: int = MAX_UPLOAD_PIXELS
+    size: tuple[int, int] | None = None
+
+
+def decode_image(upload: Upload) -> InputImage:
+    """Decode an uploaded image (one of :data:`INPUT_FORMATS`), resized to ``upload.size`` if given.
+
+    Raises InvalidRequestError naming ``upload.param`` for what is not a whole, bounded image.
     """
-    image = _open(data, param)
-    uploaded = image.size
-    alpha = None
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        a = np.asarray(image.convert("RGBA"))[:, :, 3]
-        if (a == 0).any():
-            alpha = np.where(a == 0, 255, 0).astype(np.uint8)
-    rgb = image.convert("RGB")
-    if size is not None and rgb.size != size:
-        from PIL import Image
-
-        rgb = rgb.resize(size, Image.Resampling.LANCZOS)
-        if alpha is not None:
-            alpha = np.asarray(Image.fromarray(alpha).resize(size, Image.Resampling.NEAREST))
-    return InputImage(np.asarray(rgb, dtype=np.uint8), uploaded, alpha)
+    with _decoding(upload.param):
+        image = _open(upload)
+        return _to_input(_load(image), upload.size)
 
 
-def decode_mask(
-    data: bytes, param: str, image_size: tuple[int, int], size: tuple[int, int] | None = None
-) -> np.ndarray:
-    """A mask upload as uint8 HxW, 255 = edit: its transparent pixels if it has an alpha channel
-    (OpenAI's convention), else its luminance (white = edit, diffusers' convention). It must have
-    the size of the image it masks (``image_size``, before any resize to ``size``)."""
+def decode_image_and_mask(image: Upload, mask: Upload) -> tuple[InputImage, np.ndarray]:
+    """An edit's image and mask: both headers are checked before either is decoded."""
+    with _decoding(image.param):
+        opened = _open(image)
+    with _decoding(mask.param):
+        opened_mask = _open(mask)
+        if opened_mask.size != opened.size:
+            w, h = opened_mask.size
+            raise InvalidRequestError(
+                f"`{mask.param}` is {w}x{h}, but the image is {opened.size[0]}x{opened.size[1]}: "
+                "a mask has the size of its image",
+                param=mask.param,
+            )
+    with _decoding(image.param):
+        decoded = _to_input(_load(opened), image.size)
+    with _decoding(mask.param):
+        return decoded, _to_mask(_load(opened_mask), image.size)
+
+
+@contextlib.contextmanager
+def _decoding(param: str) -> Iterator[None]:
+    """Whatever Pillow raises on an upload (each decoder has its own exception classes, some as
+    odd as NotImplementedError) is the client's: a 400 naming ``param``."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            # Pillow warns (and decodes anyway) between its limit and twice it: refuse instead.
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            yield
+    except InvalidRequestError:
+        raise
+    except UnidentifiedImageError:
+        raise InvalidRequestError(
+            f"`{param}` is not an image this server can decode (formats taken: {', '.join(INPUT_FORMATS)})",
+            param=param,
+        ) from None
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as e:
+        message = f"`{param}` is over the pixel limit (a decompression bomb): {e}"
+        raise InvalidRequestError(message, param=param) from None
+    except Exception as e:  # a decoder's failure on client data, whatever its class
+        raise InvalidRequestError(f"`{param}` could not be decoded ({type(e).__name__}: {e})", param=param) from None
+
+
+def _open(upload: Upload) -> Any:
+    """The image as its header describes it, nothing decoded yet, after the checks on its format
+    and on the size it declares."""
     from PIL import Image
 
-    image = _open(data, param)
-    if image.size != image_size:
+    param = upload.param
+    if not upload.data:
+        raise InvalidRequestError(f"`{param}` is empty: upload an image file (PNG, JPEG, WebP...)", param=param)
+    image = Image.open(io.BytesIO(upload.data), formats=INPUT_FORMATS)
+    width, height = image.size
+    if upload.size is None:
+        limit, whose = upload.limit, "this model's limit"
+    else:
+        # Resized before use: the target is bounded by the model's limit, the upload by the upload limit.
+        tw, th = upload.size
+        if tw * th > upload.limit:
+            message = f"`size` {tw}x{th} is over this model's limit of {upload.limit} pixels"
+            raise InvalidRequestError(message, param="size")
+        limit, whose = MAX_UPLOAD_PIXELS, "the upload limit"
+    if width < 1 or height < 1 or width * height > limit:
         raise InvalidRequestError(
-            f"`{param}` is {image.size[0]}x{image.size[1]}, but the image is {image_size[0]}x{image_size[1]}: "
-            "a mask has the size of its image",
+            f"`{param}` declares {width}x{height} pixels; {whose} is {limit} pixels per input image "
+            "(refused before decoding)",
             param=param,
         )
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        a = np.asarray(image.convert("RGBA"))[:, :, 3]
-        mask = np.where(a == 0, 255, 0).astype(np.uint8)
+    return image
+
+
+def _load(image: Any) -> Any:
+    if getattr(image, "n_frames", 1) > 1:
+        image.seek(0)  # an animation: its first frame
+    image.load()
+    return image
+
+
+def _normalised(image: Any) -> Any:
+    """``image`` as RGB or RGBA (RGBA when it has transparency), whatever its mode."""
+    from PIL import Image
+
+    if image.mode.startswith("I;16") or image.mode in ("I", "F"):
+        # 16-bit (or wider) samples: scaled to 8 bits, not clipped to white.
+        wide = np.asarray(image, dtype=np.float64)
+        scale = 1.0 if image.mode == "F" else 257.0
+        image = Image.fromarray(np.clip(wide / scale, 0, 255).astype(np.uint8), "L")
+    transparent = image.mode in _ALPHA_MODES or (image.mode == "P" and "transparency" in image.info)
+    return image.convert("RGBA" if transparent else "RGB")
+
+
+def _to_input(image: Any, size: tuple[int, int] | None) -> InputImage:
+    from PIL import Image
+
+    uploaded = image.size
+    image = _normalised(image)
+    alpha = None
+    if image.mode == "RGBA":
+        a = np.asarray(image.getchannel("A"))
+        if (a == 0).any():
+            alpha = np.where(a == 0, 255, 0).astype(np.uint8)
+        image = image.convert("RGB")
+    if size is not None and image.size != size:
+        image = image.resize(size, Image.Resampling.LANCZOS)
+        if alpha is not None:
+            alpha = np.asarray(Image.fromarray(alpha).resize(size, Image.Resampling.NEAREST))
+    return InputImage(np.asarray(image, dtype=np.uint8), uploaded, alpha)
+
+
+def _to_mask(image: Any, size: tuple[int, int] | None) -> np.ndarray:
+    """A mask as uint8 HxW, 255 = edit: its transparent pixels if it has an alpha channel
+    (OpenAI's convention), else its luminance (white = edit, diffusers' convention)."""
+    from PIL import Image
+
+    image = _normalised(image)
+    if image.mode == "RGBA":
+        mask = np.where(np.asarray(image.getchannel("A")) == 0, 255, 0).astype(np.uint8)
     else:
         mask = np.asarray(image.convert("L"), dtype=np.uint8)
     if size is not None and image.size != size:
         mask = np.asarray(Image.fromarray(mask).resize(size, Image.Resampling.NEAREST))
     return mask
-
-
-def _open(data: bytes, param: str) -> Any:
-    """The opened, fully loaded PIL image (PIL is imported lazily: only servers that decode need it)."""
-    from PIL import Image, UnidentifiedImageError
-
-    if not data:
-        raise InvalidRequestError(f"`{param}` is empty: upload an image file (PNG, JPEG, WebP...)", param=param)
-    try:
-        with warnings.catch_warnings():
-            # Pillow warns (and decodes anyway) between its limit and twice it: refuse instead.
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            width, height = image.size  # from the header: nothing decoded yet
-            if width * height > MAX_UPLOAD_PIXELS or width < 1 or height < 1:
-                raise InvalidRequestError(
-                    f"`{param}` declares {width}x{height} pixels; the limit is {MAX_UPLOAD_PIXELS} pixels",
-                    param=param,
-                )
-            if getattr(image, "n_frames", 1) > 1:
-                image.seek(0)  # an animation: its first frame
-            image.load()
-    except InvalidRequestError:
-        raise
-    except (UnidentifiedImageError, Image.DecompressionBombWarning, Image.DecompressionBombError) as e:
-        raise InvalidRequestError(f"`{param}` is not an image this server can decode: {e}", param=param) from None
-    except (OSError, SyntaxError, ValueError, EOFError, MemoryError, TypeError) as e:
-        # Truncated or corrupt data (Pillow raises OSError, SyntaxError or ValueError by format).
-        raise InvalidRequestError(f"`{param}` could not be decoded ({type(e).__name__}: {e})", param=param) from None
-    return image
 
 
 def decode_data_url(url: str, param: str) -> bytes:
@@ -138,9 +237,22 @@ def decode_data_url(url: str, param: str) -> bytes:
         raise InvalidRequestError(f"`{param}`: the data URL is not valid base64 ({e})", param=param) from None
 
 
+def _trimmed(fn: Callable[..., T], *args: Any) -> T:
+    try:
+        return fn(*args)
+    finally:
+        if _malloc_trim is not None:
+            # The decode's planes are freed by now; without this glibc keeps them for the process.
+            _malloc_trim(0)
+
+
 async def decode_async(fn: Callable[..., T], *args: Any) -> T:
-    """Run a decoder off the event loop (decoding a large PNG takes tens of milliseconds)."""
-    return await asyncio.to_thread(fn, *args)
+    """Run a decoder in the decode pool, off the event loop: at most :data:`DECODE_THREADS`
+    decodes hold memory at once, the rest wait their turn."""
+    global _executor
+    if _executor is None:
+        _executor = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="image-decode")
+    return await asyncio.get_running_loop().run_in_executor(_executor, _trimmed, fn, *args)
 
 
 # --------------------------------------------------------------------------- multipart forms
@@ -202,18 +314,18 @@ async def read_image_form(request: Any, form_cls: type[T]) -> tuple[T, dict[str,
 
 
 async def image_params(
-    form: Any, files: dict[str, bytes], strength: float | None, *, alpha_as_mask: bool
+    form: Any, files: dict[str, bytes], strength: float | None, *, alpha_as_mask: bool, limit: int
 ) -> dict[str, Any]:
     """Diffusion params of an edit / variation: the decoded image (resized to ``form.size`` if
     given), its mask (the ``mask`` file, or the image's own transparency when ``alpha_as_mask``),
-    and the form's extension fields."""
+    and the form's extension fields. ``limit``: the model's pixel limit on input images."""
     size = form.dimensions()
-    decoded = await decode_async(decode_image, files["image"], "image", size)
-    mask = None
+    image = Upload(files["image"], "image", limit, size)
     if "mask" in files:
-        mask = await decode_async(decode_mask, files["mask"], "mask", decoded.size, size)
-    elif alpha_as_mask:
-        mask = decoded.alpha_mask
+        decoded, mask = await decode_async(decode_image_and_mask, image, Upload(files["mask"], "mask", limit, size))
+    else:
+        decoded = await decode_async(decode_image, image)
+        mask = decoded.alpha_mask if alpha_as_mask else None
     params = {
         "image": decoded.rgb,
         "mask_image": mask,

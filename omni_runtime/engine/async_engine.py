@@ -56,7 +56,7 @@ from omni_runtime.messages import (
     ErrorInfo,
     RpcReplicaResult,
 )
-from omni_runtime.params import MAX_PROMPT_CHARS, check_constraints, resolve_params
+from omni_runtime.params import MAX_IMAGE_PIXELS, MAX_PROMPT_CHARS, check_constraints, resolve_params
 from omni_runtime.resolve import ResolvedConfig
 from omni_runtime.serialization import check_encodable
 
@@ -187,6 +187,18 @@ class AsyncOmniEngine:
 
     def stage_status(self) -> dict[int, dict[str, Any]]:
         return self._orchestrator.status()
+
+    def max_input_pixels(self) -> int:
+        """The most pixels an input image may have: the smallest ``max_pixels`` that a stage taking
+        image params reported in its READY message (the process-wide limit when none did). The
+        HTTP server checks an upload's header against it before decoding a pixel."""
+        limits = [
+            limit
+            for stage in self.resolved.stages
+            if stage.takes_image_params
+            and isinstance(limit := self._orchestrator.constraints.get(stage.stage_id, {}).get("max_pixels"), int)
+        ]
+        return min([MAX_IMAGE_PIXELS, *limits])
 
     @property
     def is_running(self) -> bool:

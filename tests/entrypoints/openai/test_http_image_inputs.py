@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import base64
 import io
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import openai
+import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -214,14 +218,57 @@ def test_wrong_content_types_are_415(http):
     assert r.status_code == 400
 
 
+def saved(array: np.ndarray, fmt: str, mode: str | None = None) -> bytes:
+    buf = io.BytesIO()
+    image = Image.fromarray(array)
+    (image.convert(mode) if mode else image).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def corrupt_dds() -> bytes:
+    """A DDS header naming a pixel format Pillow's DDS decoder does not implement."""
+    header = struct.pack("<7I", 124, 0x1007, 16, 16, 0, 0, 0) + bytes(44) + struct.pack("<2I", 32, 0x4) + b"ZZZZ"
+    return b"DDS " + header + bytes(40) + bytes(100)
+
+
+#: Valid (or nearly valid) files of many formats and modes, as material for mutation.
+SEEDS = [
+    saved(picture(1, 16, 16), "PNG"),
+    saved(picture(1, 16, 16), "PNG", "LA"),
+    saved(picture(1, 16, 16), "PNG", "P"),
+    saved(picture(1, 16, 16), "JPEG", "CMYK"),
+    saved(picture(1, 16, 16), "WEBP"),
+    saved(picture(1, 16, 16), "GIF"),
+    saved(picture(1, 16, 16), "BMP"),
+    saved(picture(1, 16, 16), "TIFF", "LAB"),
+    corrupt_dds(),
+]
+
+
+def mutated(seed: bytes, flips: list[tuple[int, int]], cut: int) -> bytes:
+    data = bytearray(seed[: max(cut, 8)])
+    for at, value in flips:
+        data[at % len(data)] = value
+    return bytes(data)
+
+
+BLOBS = st.one_of(
+    st.binary(max_size=300),
+    st.builds(lambda n, tail: png(picture(1, 16, 16))[:n] + tail, st.integers(0, 400), st.binary(max_size=20)),
+    st.builds(
+        mutated,
+        st.sampled_from(SEEDS),
+        st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=6),
+        st.integers(0, 4000),
+    ),
+)
+
+
 @settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
 @given(
-    blob=st.one_of(
-        st.binary(max_size=300),
-        st.builds(lambda n, tail: png(picture(1, 16, 16))[:n] + tail, st.integers(0, 400), st.binary(max_size=20)),
-    ),
+    blob=BLOBS,
     route=st.sampled_from(["/v1/images/edits", "/v1/images/variations"]),
     field=st.sampled_from(["image", "mask"]),
 )
@@ -234,6 +281,105 @@ def test_hostile_uploads_never_fail_the_server(http, blob, route, field):
     assert r.status_code in (200, 400), r.text
     if r.status_code == 400:
         assert r.json()["error"]["param"] in ("image", "mask"), r.text
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(blob=BLOBS)
+def test_hostile_data_urls_never_fail_the_server(http, blob):
+    r = http.post("/v1/chat/completions", json=chat_body(blob, steps=2))
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 400:
+        assert r.json()["error"]["param"] == "messages[0].content[1].image_url.url", r.text
+
+
+def chat_body(image: bytes, steps: int | None = None) -> dict:
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    content = [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": url}}]
+    return {"model": "tiny-sd", "messages": [{"role": "user", "content": content}]}
+
+
+def test_decoder_errors_and_other_formats_are_400_naming_the_field(http):
+    dds, lab_tiff = corrupt_dds(), saved(picture(2), "TIFF", "LAB")
+    for route, files, param in (
+        ("/v1/images/edits", {"image": ("a.dds", dds)}, "image"),
+        ("/v1/images/variations", {"image": ("a.dds", dds)}, "image"),
+        ("/v1/images/edits", {"image": ("a.png", png(picture(2))), "mask": ("m.tif", lab_tiff)}, "mask"),
+    ):
+        r = http.post(route, files=files, data={"prompt": "x"} if route.endswith("edits") else {})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "not an image this server can decode" in err["message"], err
+    r = http.post("/v1/chat/completions", json=chat_body(dds))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[1].image_url.url", r.text
+
+
+def test_every_mode_of_the_taken_formats_decodes(http):
+    # Palette, grey with alpha, 16-bit grey, CMYK JPEG, WebP, GIF and BMP images; a CMYK mask.
+    wide = Image.fromarray(picture(3, 16, 16)[:, :, 0].astype(np.uint16) * 257)
+    sixteen = io.BytesIO()
+    wide.save(sixteen, format="PNG")
+    images = [
+        saved(picture(3, 16, 16), "PNG", "P"),
+        saved(picture(3, 16, 16), "PNG", "LA"),
+        sixteen.getvalue(),
+        saved(picture(3, 16, 16), "JPEG", "CMYK"),
+        saved(picture(3, 16, 16), "WEBP"),
+        saved(picture(3, 16, 16), "GIF"),
+        saved(picture(3, 16, 16), "BMP"),
+    ]
+    for image in images:
+        r = http.post(
+            "/v1/images/variations", files={"image": ("x", image)}, data={"num_inference_steps": "1", "strength": "1"}
+        )
+        assert r.status_code == 200, r.text
+    mask = saved(np.where(picture(3, 16, 16) > 128, 255, 0).astype(np.uint8), "JPEG", "CMYK")
+    r = http.post(
+        "/v1/images/edits",
+        files={"image": ("a.png", png(picture(3, 16, 16))), "mask": ("m.jpg", mask)},
+        data={"prompt": "x", "num_inference_steps": "1", "strength": "1"},
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_an_image_over_the_models_limit_is_refused_before_decoding(client, http, server):
+    # 4096 x 4096 pixels of black in a 49 KB PNG; tiny-sd takes at most 16 384 pixels per image.
+    huge = saved(np.zeros((4096, 4096, 3), np.uint8), "PNG")
+    assert len(huge) < 100_000
+    proc = psutil.Process(server.pid)
+    baseline = proc.memory_info().rss
+    peak = [baseline]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.005):
+            peak[0] = max(peak[0], proc.memory_info().rss)
+
+    def edit(_: int) -> httpx.Response:
+        return http.post("/v1/images/edits", files={"image": ("big.png", huge)}, data={"prompt": "x"})
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(edit, range(16)))
+        answers.append(http.post("/v1/images/variations", files={"image": ("big.png", huge)}))
+        answers.append(http.post("/v1/chat/completions", json=chat_body(huge)))
+    finally:
+        done.set()
+        sampler.join()
+    growth = (peak[0] - baseline) / 2**20
+    assert growth < 150, f"the server grew by {growth:.0f} MiB refusing 4096x4096 uploads"
+    for r in answers:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] in ("image", "messages[0].content[1].image_url.url"), err
+        assert "declares 4096x4096 pixels" in err["message"] and "16384" in err["message"], err
+    # With a resize, the upload limit bounds the upload and the model's limit the target size.
+    r = http.post("/v1/images/edits", files={"image": ("big.png", huge)}, data={"prompt": "x", "size": "512x512"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "size", r.text
+    serves(client)
 
 
 def test_still_serves_after_the_hostile_uploads(client):

@@ -134,6 +134,14 @@ def test_every_v1_route_needs_the_key(server):
             assert r.status_code == 401, (path, headers)
             assert r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{server.url}/health").status_code == 200  # probes stay open
+    # /readyz stays open for orchestrators, but says only whether the server is ready without the key.
+    assert httpx.get(f"{server.url}/readyz").json() == {"ready": True, "draining": False}
+    full = httpx.get(f"{server.url}/readyz", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert full["ready"] is True and full["stages"] and full["model"] == "tiny-sd"
+    # The schema and the docs pages are not served with a key, with or without it.
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        for headers in ({}, {"Authorization": f"Bearer {KEY}"}):
+            assert httpx.get(f"{server.url}{path}", headers=headers).status_code == 404, path
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
 

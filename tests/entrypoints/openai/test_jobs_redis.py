@@ -6,18 +6,27 @@ job's trace over OTLP/HTTP to a real local receiver that decodes the protobuf.""
 from __future__ import annotations
 
 import http.server
+import io
+import json
 import signal
 import threading
 import time
+from urllib.parse import quote
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from PIL import Image
+from websockets.sync.client import connect
 
 from .jobs_client import first_step, job_body, read_sse, submit, wait_status
 from .server_process import ServerProcess, assert_gone, free_port, start_server, stop_server, wait_for
 
 LONG_STEPS = 400
+#: Gateway B's --public-url (nothing listens there: its files are fetched by path).
+PUBLIC_URL = "https://images.example:8443/api"
 
 
 class _Receiver(http.server.ThreadingHTTPServer):
@@ -73,7 +82,7 @@ def gateways(tmp_path_factory, redis_server, receiver):
     common = ("tiny-sd", "--step-execution", "--max-num-seqs", "1", "--redis-url", redis_server.url)
     a = start_server(*common, "--otlp-endpoint", receiver.url, log=tmp / "a.log")
     try:
-        b = start_server(*common, log=tmp / "b.log")
+        b = start_server(*common, "--public-url", PUBLIC_URL, log=tmp / "b.log")
     except BaseException:
         stop_server(a)
         raise
@@ -144,6 +153,141 @@ def test_gateway_a_exports_the_job_trace_over_otlp(clients, receiver):
     assert attributes["batch_size"].int_value == 1
 
 
+# --------------------------------------------------------------------------- url results
+
+
+def _file_path(url: str) -> str:
+    return "/v1/files/" + url.rsplit("/", 1)[1]
+
+
+def _png(r: httpx.Response) -> tuple[int, int]:
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png", r.text[:300]
+    return Image.open(io.BytesIO(r.content)).size
+
+
+def test_url_results_are_served_by_every_gateway(gateways, clients):
+    a, b = clients
+    job = wait_status(b, submit(a, job_body("a url result", steps=1))["job_id"], {"completed"}, timeout=60)
+    url = job["result"]["images"][0]["url"]
+    assert url.startswith(f"{gateways[0].url}/v1/files/file-"), url
+    assert _png(b.get(_file_path(url))) == _png(a.get(_file_path(url)))  # stored in Redis, not in a
+    small = {"prompt": "x", "response_format": "url", "num_inference_steps": 1, "size": "32x32"}
+    made = a.post("/v1/images/generations", json=small).json()["data"][0]["url"]
+    assert _png(b.get(_file_path(made))) == (32, 32)
+    # Result URLs: B's --public-url whatever the Host header says; A (none set) follows the Host.
+    host = {"Host": "elsewhere.example"}
+    assert (
+        b.post("/v1/images/generations", json=small, headers=host)
+        .json()["data"][0]["url"]
+        .startswith(f"{PUBLIC_URL}/v1/files/file-")
+    )
+    job = submit(b, job_body("a public url", steps=1))
+    job = wait_status(a, job["job_id"], {"completed"}, timeout=60)
+    assert job["result"]["images"][0]["url"].startswith(f"{PUBLIC_URL}/v1/files/file-")
+    assert (
+        a.post("/v1/images/generations", json=small, headers=host)
+        .json()["data"][0]["url"]
+        .startswith("http://elsewhere.example/v1/files/file-")
+    )
+
+
+def test_a_file_404_does_not_echo_a_long_id(clients):
+    _, b = clients
+    for file_id in ("x" * 12_000, "file-" + "a" * 24 + ":x", "file-short"):
+        r = b.get(f"/v1/files/{file_id}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text[:300]
+        assert len(r.content) < 500
+
+
+# --------------------------------------------------------------------------- hostile ids
+
+PROPERTY = settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+@pytest.fixture(scope="module")
+def finished_job(clients):
+    a, _ = clients
+    job = submit(a, job_body("finished", steps=1))
+    return wait_status(a, job["job_id"], {"completed"}, timeout=60)
+
+
+def _job_routes(http: httpx.Client, job_id: str) -> list[httpx.Response]:
+    path = "/v1/jobs/" + quote(job_id, safe="")
+    return [http.get(path), http.delete(path), http.get(f"{path}/events"), http.get(f"{path}/trace")]
+
+
+def test_other_keys_of_a_job_are_not_jobs(gateways, clients, finished_job):
+    a, b = clients
+    job_id = finished_job["job_id"]
+    for other in (f"{job_id}:events", f"{job_id}:x", job_id[:-1], f"{job_id}A"):
+        for r in _job_routes(b, other):
+            assert r.status_code == 404, (other, r.request.method, r.request.url, r.text[:300])
+            assert r.json()["error"]["code"] == "not_found"
+        url = gateways[1].url.replace("http://", "ws://") + f"/v1/jobs/{quote(other, safe='')}/stream"
+        with connect(url, open_timeout=10) as ws:
+            assert json.loads(ws.recv(timeout=10))["error"]["code"] == "not_found"
+        assert ws.close_code == 4404
+    assert a.get(f"/v1/jobs/{job_id}").json()["status"] == "completed"  # still served
+
+
+id_chars = st.text(st.sampled_from("abcXYZ019_-:.~"), max_size=30)
+
+
+@PROPERTY
+@given(prefix=st.sampled_from(["", "job-", "{id}", "{id}:", "{id}:events"]), tail=id_chars)
+def test_any_id_but_a_jobs_own_is_a_404(clients, finished_job, prefix, tail):
+    _, b = clients
+    job_id = finished_job["job_id"]
+    candidate = prefix.replace("{id}", job_id) + tail
+    for r in _job_routes(b, candidate):
+        if candidate == job_id:
+            assert r.status_code == 200, r.text[:300]
+        else:
+            assert r.status_code == 404, (candidate, r.request.method, r.text[:300])
+
+
+def test_a_last_event_id_past_64_bits_is_a_400(clients, finished_job):
+    a, b = clients
+    job_id = finished_job["job_id"]
+    for bad in ("99999999999999999999-0", "0-18446744073709551616", "1-0-0", "+1-0"):
+        r = b.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "Last-Event-ID", (bad, r.text[:300])
+    # The largest ids Redis takes: nothing after them (the very last one has nothing after it at all).
+    assert read_sse(a, job_id, last_event_id="18446744073709551615-18446744073709551614") == []
+    r = b.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "18446744073709551615-18446744073709551615"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "Last-Event-ID"
+
+
+@PROPERTY
+@given(
+    event_id=st.one_of(
+        st.builds("{}-{}".format, st.integers(0, 2**70), st.integers(0, 2**70)),
+        st.builds("{}-{}".format, st.integers(2**64 - 2, 2**64), st.integers(2**64 - 2, 2**64)),
+        st.builds(str, st.integers(-(2**70), 2**70)),
+        st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=45),
+    )
+)
+def test_any_last_event_id_is_a_400_or_a_whole_stream(clients, finished_job, event_id):
+    _, b = clients
+    job_id = finished_job["job_id"]
+    event_id = event_id.strip()  # HTTP cannot carry a header value's outer spaces
+    with b.stream("GET", f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": event_id}) as r:
+        body = r.read()  # the whole body: a stream cut by the server raises here
+    if r.status_code == 400:
+        assert json.loads(body)["error"]["param"] == "Last-Event-ID"
+        return
+    assert r.status_code == 200, body[:300]
+    if not event_id:
+        return  # an empty header is no Last-Event-ID: the whole stream
+    a_part, _, b_part = event_id.partition("-")
+    assert int(a_part) < 2**64 and int(b_part) < 2**64  # only a real stream id is taken
+
+
 # --------------------------------------------------------------------------- durability
 
 
@@ -177,6 +321,10 @@ def test_a_killed_gateways_jobs_are_requeued_once_then_lost(tmp_path, redis_serv
         with httpx.Client(base_url=d.url, timeout=60) as http:
             done = wait_status(http, queued["job_id"], {"completed", "failed"}, timeout=90)
             assert done["status"] == "completed" and done["attempts"] == 2
+            # Its url result points at d, which took it over and serves it (c is gone).
+            result_url = done["result"]["images"][0]["url"]
+            assert result_url.startswith(f"{d.url}/v1/files/file-"), result_url
+            assert _png(http.get(result_url)) == (64, 64)
             types = [e["type"] for e in read_sse(http, queued["job_id"])]
             assert types[0] == "queued" and "requeued" in types and types[-1] == "completed"
             assert types.index("requeued") < len(types) - 1 - types[::-1].index("queued")
@@ -195,6 +343,7 @@ def test_a_killed_gateways_jobs_are_requeued_once_then_lost(tmp_path, redis_serv
             lost = wait_status(http, running["job_id"], {"completed", "failed", "cancelled"}, timeout=90)
             assert lost["status"] == "failed" and lost["error"]["code"] == "gateway_lost"
             assert [ev["type"] for ev in read_sse(http, running["job_id"])][-1] == "failed"
+            assert _png(http.get(_file_path(result_url))) == (64, 64)  # d's file outlives d
             assert time.time() - lost["finished_at"] < 120
     finally:
         stop_server(e)
