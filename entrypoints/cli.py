@@ -197,10 +197,13 @@ def _make_server(config: Any, state: Any, shutdown_timeout: float) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from omni_runtime.logs import bound_log_messages
+
     from .openai.job_manager import JobSettings
     from .openai.server import create_app
     from .openai.timeouts import timed_protocol
 
+    bound_log_messages()  # a prompt quoted by a library is not logged whole
     app = create_app(
         args.model,
         api_key=args.api_key,

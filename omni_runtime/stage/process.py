@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 
+from omni_runtime.logs import bound_log_messages
+
 logger = logging.getLogger("omni_runtime.stage")
 
 
@@ -61,6 +63,7 @@ def run_stage_process(args_bytes: bytes) -> None:
         level=args.log_level,
         format=f"%(asctime)s %(levelname)s stage{args.stage['stage_id']}.{args.replica_id} %(name)s: %(message)s",
     )
+    bound_log_messages()  # a prompt quoted by a library is not logged whole
     # torch reads OMP_NUM_THREADS when a runner first imports it; a stage that never needs torch
     # (echo, custom runners) does not pay for importing it.
     import uvloop

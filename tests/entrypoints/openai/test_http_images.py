@@ -259,3 +259,14 @@ def test_metrics_count_requests_and_engine_histograms(http, server):
     assert value(after["omni_stage_live_replicas"], "omni_stage_live_replicas", stage="0") == 1
     assert value(after["omni_stage_restarts"], "omni_stage_restarts_total", stage="0") == 0
     assert value(after["omni_engine_max_pending"], "omni_engine_max_pending") == 1024
+
+
+def test_a_long_prompt_is_not_logged_whole(client, server):
+    # The text encoder keeps 77 tokens and its pipeline logs the cut part of the prompt: the log
+    # line is bounded (omni_runtime/logs.py), in the server's and the stages' processes alike.
+    words = " ".join(f"w{i:05d}" for i in range(3000))
+    client.images.generate(prompt=words, size="64x64", extra_body={"num_inference_steps": 1})
+    log = server.log()
+    assert "characters, cut]" in log
+    assert "w02999" not in log
+    assert max(len(line) for line in log.splitlines()) < 1000
