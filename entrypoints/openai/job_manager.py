@@ -90,7 +90,7 @@ class _LocalJob:
     """A job this gateway runs: its engine request, the fence of its writes (this gateway, its
     attempt), whether a cancel was asked for, and whether it was dropped (claimed elsewhere)."""
 
-    __slots__ = ("cancelled", "dropped", "fence", "job_id", "request_id", "started", "task")
+    __slots__ = ("cancelled", "dropped", "fence", "job_id", "request_id", "started", "task", "unwritten")
 
     def __init__(self, job_id: str, fence: Fence) -> None:
         self.job_id, self.fence = job_id, fence
@@ -99,6 +99,9 @@ class _LocalJob:
         self.dropped = False
         self.started = False
         self.task: asyncio.Task | None = None
+        #: Record fields of progress events the store did not take (it was unreachable): the
+        #: next write carries them, so a dropped ``started`` does not leave the job ``queued``.
+        self.unwritten: dict[str, Any] = {}
 
 
 class _StreamSlot:
@@ -147,9 +150,14 @@ class JobManager:
     async def _keep_lease(self) -> None:
         """1) renew the lease, and drop jobs claimed elsewhere if it had run out (this process
         was paused, or the store was unreachable, past the lease)  2) renew the TTL of running
-        jobs  3) recover dead gateways' jobs."""
+        jobs  3) recover dead gateways' jobs, once the store has answered for a whole lease.
+
+        After an outage longer than the lease every gateway's lease has run out, the live ones'
+        too: a gateway claims nothing until the store has answered its heartbeats for one lease
+        since, so each live gateway has renewed its own lease by then and keeps its jobs."""
         beats = 0
         last = time.monotonic()
+        reachable_since: float | None = last - self.lease_s  # at start: recover at once
         while True:
             try:
                 now = time.monotonic()
@@ -157,16 +165,20 @@ class JobManager:
                 last = now
                 if not await self.store.heartbeat() or paused:
                     await self._drop_claimed_elsewhere()
+                if reachable_since is None:
+                    reachable_since = now
                 if beats % 3 == 0:
                     keep_alive = getattr(self.store, "keep_alive", None)
                     if keep_alive is not None:
                         await keep_alive(list(self._local))
-                    if self.state.omni is not None:  # recovered jobs need a running engine
+                    # Recovered jobs need a running engine.
+                    if self.state.omni is not None and now - reachable_since >= self.lease_s:
                         for job_id in await self.store.claim_orphans():
                             await self._recover(job_id)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                reachable_since = None
                 logger.warning("job store heartbeat failed: %s", e)
             beats += 1
             await asyncio.sleep(self.lease_s / 3)
@@ -307,10 +319,14 @@ class JobManager:
         """Append a progress event stamped with the gateway's clock (``at``, epoch seconds),
         fenced with the job's owner and attempt. An unreachable store drops it (the job's end is
         what must be recorded); a refused write (JobFencedError) is raised: the job is not ours."""
+        fields = {**job.unwritten, **(fields or {})}
         try:
             await self.store.append_event(job.job_id, type, {**data, "at": time.time()}, fields, fence=job.fence)
         except JobStoreUnavailableError as e:
             logger.debug("job %s: %s event dropped: %s", job.job_id, type, e)
+            job.unwritten = fields
+        else:
+            job.unwritten = {}
 
     async def _follow(self, job: _LocalJob, record: dict[str, Any], agen: AsyncIterator[Any], first: Any) -> None:
         job_id = job.job_id
@@ -457,6 +473,7 @@ class JobManager:
             except Exception as e:  # tracing never fails a job
                 logger.warning("job %s: trace export failed: %s", job.job_id, e)
         fields = {
+            **job.unwritten,
             "status": status,
             "finished_at": now,
             "result": result,
