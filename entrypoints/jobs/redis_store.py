@@ -67,6 +67,10 @@ return ids
 """
 
 
+#: Backoff between tries to subscribe the cancel channel again after its connection was lost, s.
+RESUBSCRIBE_S = (0.25, 5.0)
+
+
 # Every job write after create: refused for a gone or finished job, and, when fenced, unless the
 # record's owner and attempts are the writer's. KEYS: record, events, the writer's job set.
 # ARGV: ttl, owner (JSON or ''), attempts (JSON or ''), event type ('' = none), event data,
@@ -275,17 +279,34 @@ class RedisJobStore(JobStore):
         self._listener = asyncio.create_task(self._listen(on_cancel), name="job-cancel-listener")
 
     async def _listen(self, on_cancel: Callable[[str], None]) -> None:
+        """Cancel signals of this gateway's channel. A lost connection (Redis restarted or
+        unreachable) gets a new pub/sub connection and subscription, tried with backoff until
+        the store answers: cross-gateway cancel works again without a gateway restart."""
+        delay = RESUBSCRIBE_S[0]
         while True:
             try:
+                if self._pubsub is None:
+                    self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                    await self._pubsub.subscribe(self._channel(self.gateway_id or "-"))
+                    logger.warning("job cancel channel: subscribed again")
                 message = await self._pubsub.get_message(timeout=None)
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as e:
-                logger.warning("job cancel channel: %s; resubscribing in 1 s", e)
-                await asyncio.sleep(1.0)
+                logger.warning("job cancel channel: %s; subscribing again in %g s", e, delay)
+                await self._drop_pubsub()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RESUBSCRIBE_S[1])
                 continue
+            delay = RESUBSCRIBE_S[0]
             if message is not None and message.get("type") == "message":
                 on_cancel(str(message["data"]))
+
+    async def _drop_pubsub(self) -> None:
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
 
     async def check_commands(self) -> None:
         """Try every command the store sends, harmlessly, on probe keys; a ConfigError names the
@@ -379,9 +400,7 @@ class RedisJobStore(JobStore):
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._listener
-        if self._pubsub is not None:
-            with contextlib.suppress(Exception):
-                await self._pubsub.aclose()
+        await self._drop_pubsub()
         if self.gateway_id is not None:
             with contextlib.suppress(RedisError, OSError):
                 # Unfinished jobs stay in this gateway's set; without a lease, the next gateway
