@@ -75,12 +75,19 @@ def add_job_routes(app: FastAPI, state: ServerState, response_class: type[JSONRe
             headers = {"X-Request-Id": job_id, "Location": f"/v1/jobs/{job_id}"}
             try:
                 await state.until_disconnect(request, [], _until_done(manager, job_id))
+                return response_class(await manager.get(job_id), headers=headers)
             except ClientDisconnected:
                 await manager.cancel(job_id)
                 raise
+            except UnavailableError as e:
+                # The store went away during the wait: the job goes on and is recorded when the
+                # store is back; the client gets its id to poll it then.
+                status, body = error_body(e)
+                body["error"]["job_id"] = job_id
+                headers["Retry-After"] = str(max(1, round(e.retry_after_s)))
+                return response_class(body, status_code=status, headers=headers)
         finally:
             slot.release()
-        return response_class(await manager.get(job_id), headers=headers)
 
     @app.post("/v1/jobs")
     async def post_jobs() -> JSONResponse:
