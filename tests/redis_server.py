@@ -69,13 +69,20 @@ class RedisServer:
         self.stop()
         raise TimeoutError("redis-server did not answer PING")
 
-    def kill_and_restart(self, down_s: float) -> None:
-        """SIGKILL, ``down_s`` seconds with nothing listening, then the same server again (same
-        port and append-only file)."""
+    def kill(self) -> None:
+        """SIGKILL: nothing listens on the port until :meth:`restart`."""
         self.proc.kill()
         self.proc.wait()
-        time.sleep(down_s)  # the outage itself, not a synchronisation
+
+    def restart(self) -> None:
+        """The same server again (same port and append-only file), once it answers PING."""
         self._start()
+
+    def kill_and_restart(self, down_s: float) -> None:
+        """SIGKILL, ``down_s`` seconds with nothing listening, then the same server again."""
+        self.kill()
+        time.sleep(down_s)  # the outage itself, not a synchronisation
+        self.restart()
 
     def pause(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)

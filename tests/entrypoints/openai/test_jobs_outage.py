@@ -1,7 +1,8 @@
 """Jobs under faults, on real processes: a gateway on its own redis-server (append-only file, so a
 SIGKILL loses nothing) with a small event-stream budget. More SSE streams and synchronous jobs
-than the budget get 503 + Retry-After, never a 500 or a hang; a Redis stopped and continued
-with jobs in flight: every job still ends with exactly one terminal event;
+than the budget get 503 + Retry-After, never a 500 or a hang; a Redis killed and restarted, or
+stopped and continued, with jobs in flight: every job still ends with exactly one terminal event,
+seen from a second gateway, and cancel across gateways works again after the restart;
 calls during the outage are 503 within seconds and /readyz says not ready. Two gateways on one
 Redis, one SIGSTOPped past its lease mid-job: the job ends once, and its status never goes back
 from a terminal state. A full in-memory store is a 429."""
@@ -45,6 +46,18 @@ def gateway(tmp_path_factory, redis_aof):
 
 
 @pytest.fixture(scope="module")
+def gateway_b(tmp_path_factory, redis_aof):
+    """A second gateway on the same store: what every gateway sees, and cancel across gateways."""
+    tmp = tmp_path_factory.mktemp("outage-b")
+    server = start_server(
+        "tiny-sd", "--step-execution", "--redis-url", redis_aof.url, "--redis-timeout", "1", "--job-lease", "2",
+        log=tmp / "gw-b.log",
+    )  # fmt: skip
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
 def http(gateway):
     with httpx.Client(base_url=gateway.url, timeout=60) as client:
         yield client
@@ -60,9 +73,9 @@ def _ends_once(http: httpx.Client, job_ids: list[str], timeout: float = 90) -> N
         assert _terminal_events(http, job_id) == [job["status"]], job_id
 
 
-def _sync_job(url: str, i: int) -> tuple[int, str | None, dict]:
+def _sync_job(url: str, i: int | str, steps: int = 2) -> tuple[int, str | None, dict]:
     with httpx.Client(base_url=url, timeout=180) as c:
-        r = c.post("/v1/generate", json=job_body(f"sync {i}", steps=2, async_run=False))
+        r = c.post("/v1/generate", json=job_body(f"sync {i}", steps=steps, async_run=False))
         return r.status_code, r.headers.get("retry-after"), r.json()
 
 
@@ -101,6 +114,51 @@ def test_more_streams_and_synchronous_jobs_than_the_budget_get_503_never_500(gat
     done = [job for code, _, job in syncs if code == 200]
     assert len(done) >= BUDGET and all(job["status"] == "completed" for job in done)
     _ends_once(http, [long_job["job_id"], *(job["job_id"] for job in done)])
+
+
+def _jobs_queued(http: httpx.Client) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith('omni_runtime_jobs_total{status="queued"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_redis_killed_and_restarted_mid_job_every_job_ends_once(gateway, gateway_b, http, redis_aof):
+    # Redis SIGKILLed (append-only file) with jobs running on gateway A, one ending during the
+    # outage and a synchronous request waiting; restarted once A holds that job's end.
+    short = submit(http, job_body("ends during the outage", steps=6))
+    running = [submit(http, job_body(f"running at the kill {i}", steps=14)) for i in range(2)]
+    queued = _jobs_queued(http)
+    with ThreadPoolExecutor(1) as pool:
+        sync = pool.submit(_sync_job, gateway.url, "waiting at the kill", 14)
+        assert wait_for(lambda: _jobs_queued(http) == queued + 1, timeout=30)  # its job exists
+        first_step(http, short["job_id"])
+        redis_aof.kill()
+        try:
+            held = f"job {short['job_id']} ended completed; the store is unreachable"
+            assert wait_for(lambda: held in gateway.log(), timeout=90), gateway.log()[-3000:]
+            # The synchronous request gets a 503 that names its job, which goes on.
+            code, retry_after, body = sync.result(timeout=30)
+        finally:
+            redis_aof.restart()
+    restarted = time.monotonic()
+    assert code == 503 and retry_after and body["error"]["code"] == "job_store_unavailable", body
+    ids = [short["job_id"], *(j["job_id"] for j in running), body["error"]["job_id"]]
+    with httpx.Client(base_url=gateway_b.url, timeout=60) as other:
+        # The end A held is written within the recorder's backoff (at most 5 s) of the restart.
+        assert wait_status(other, short["job_id"], TERMINAL, timeout=20)["status"] == "completed"
+        assert time.monotonic() - restarted < 20
+        for job_id in ids:  # every job: one terminal event, seen from both gateways, run once
+            job = wait_status(other, job_id, TERMINAL, timeout=90)
+            assert job["status"] == "completed" and job["attempts"] == 1, job
+            assert http.get(f"/v1/jobs/{job_id}").json()["status"] == "completed"
+            assert _terminal_events(other, job_id) == ["completed"], job_id
+        # Cancel across gateways works again: A's cancel channel subscribed anew.
+        assert wait_for(lambda: "job cancel channel: subscribed again" in gateway.log(), timeout=30)
+        long_job = submit(http, job_body("cancelled through the other gateway", steps=200))
+        first_step(http, long_job["job_id"])
+        assert other.delete(f"/v1/jobs/{long_job['job_id']}").json()["status"] == "cancelled"
+        assert _terminal_events(http, long_job["job_id"]) == ["cancelled"]
 
 
 def test_redis_stopped_calls_are_503_within_seconds_and_jobs_end_once_after(http, redis_aof):
