@@ -124,11 +124,11 @@ class RedisJobStore(JobStore):
         self.url, self.ttl_s, self.lease_s, self.prefix = url, ttl_s, lease_s, prefix
         self._ttl = max(1, int(ttl_s))
         #: Client reads (GET, event replays, cancel signals).
-        self.redis = self._client(connections, timeout_s)
+        self.redis = self._client(connections, timeout_s, reads=True)
         #: Job-state writes and the lease: never queued behind client reads.
         self.writes = self._client(connections, timeout_s)
         # The shared reader blocks up to block_ms at a time: its read timeout is longer.
-        reader = self._client(1, timeout_s + 1.0, health_check_interval=0)
+        reader = self._client(1, timeout_s + 1.0, health_check_interval=0, reads=True)
         self.reader = StreamReader(reader, block_ms=200)
         self.gateway_id: str | None = None
         self._pubsub: Any = None
@@ -136,9 +136,16 @@ class RedisJobStore(JobStore):
         self._claim = self.writes.register_script(_CLAIM)
         self._write = self.writes.register_script(_WRITE)
 
-    def _client(self, connections: int, timeout_s: float, health_check_interval: int = 30) -> aioredis.Redis:
+    def _client(
+        self, connections: int, timeout_s: float, health_check_interval: int = 30, *, reads: bool = False
+    ) -> aioredis.Redis:
         # A blocking pool: a call waits (up to timeout_s) for a free connection instead of failing
-        # with "Too many connections"; no retries, so a call fails within about timeout_s.
+        # with "Too many connections"; no retry on a timeout, so a call fails within about
+        # timeout_s. After a Redis restart each pooled connection is stale and fails its next
+        # command ("Connection closed by server"): reads, which may run twice, try once more on a
+        # new connection; writes do not (a write is never sent twice: a progress event is
+        # dropped, a job's end is kept and written later).
+        retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)) if reads else Retry(NoBackoff(), 0)
         pool = aioredis.BlockingConnectionPool.from_url(
             self.url,
             max_connections=connections,
@@ -147,7 +154,7 @@ class RedisJobStore(JobStore):
             health_check_interval=health_check_interval,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
+            retry=retry,
         )
         return aioredis.Redis.from_pool(pool)
 

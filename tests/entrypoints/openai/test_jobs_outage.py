@@ -151,7 +151,8 @@ def test_redis_killed_and_restarted_mid_job_every_job_ends_once(gateway, gateway
         for job_id in ids:  # every job: one terminal event, seen from both gateways, run once
             job = wait_status(other, job_id, TERMINAL, timeout=90)
             assert job["status"] == "completed" and job["attempts"] == 1, job
-            assert http.get(f"/v1/jobs/{job_id}").json()["status"] == "completed"
+            r = http.get(f"/v1/jobs/{job_id}")
+            assert r.status_code == 200 and r.json()["status"] == "completed", r.text[:300]
             assert _terminal_events(other, job_id) == ["completed"], job_id
         # Cancel across gateways works again: A's cancel channel subscribed anew.
         assert wait_for(lambda: "job cancel channel: subscribed again" in gateway.log(), timeout=30)
