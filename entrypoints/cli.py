@@ -225,6 +225,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_jobs=args.max_jobs,
             lease_s=args.job_lease,
             otlp_endpoint=args.otlp_endpoint,
+            max_streams=args.job_streams,
+            redis_connections=args.redis_connections,
+            redis_timeout_s=args.redis_timeout,
         ),
         public_url=args.public_url,
         local_url=_local_url(args.host, args.port),
@@ -651,6 +654,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=_float(0.3),
         default=10.0,
         help="(s) a gateway may miss heartbeats before its jobs are recovered (Redis)",
+    )
+    s.add_argument(
+        "--job-streams",
+        type=_positive_int,
+        default=256,
+        help="clients that may wait on job events at once (SSE, WebSocket, async_run=false); then 503",
+    )
+    s.add_argument(
+        "--redis-connections", type=_positive_int, default=16, help="connections of each Redis pool (reads; writes)"
+    )
+    s.add_argument(
+        "--redis-timeout", type=_float(0.1), default=2.0, help="timeout (s) of every Redis call (connect, read, pool)"
     )
     s.add_argument("--otlp-endpoint", type=_url, help="export job traces over OTLP/HTTP (http://HOST:4318)")
     s.add_argument(

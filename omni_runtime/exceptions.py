@@ -137,6 +137,19 @@ class StageStartupError(EngineError):
     """A stage process failed to start or did not say READY in time."""
 
 
+class UnavailableError(OmniError):
+    """A dependency is unreachable or a bounded resource is spent for now (the job store, the
+    budget of event streams): the request is refused at once and may be retried later (HTTP 503
+    with ``Retry-After``). Nothing was lost: no job was created, no write was dropped."""
+
+    #: Seconds a client should wait before retrying (HTTP ``Retry-After``).
+    retry_after_s: float = 1.0
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class RpcError(OmniError):
     """A control call failed on one replica (raised, unknown method, or timed out)."""
 

@@ -18,12 +18,34 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omni_runtime.exceptions import InvalidRequestError, QueueFullError
+from omni_runtime.exceptions import InvalidRequestError, OmniError, QueueFullError, UnavailableError
 
 #: States a job ends in; nothing changes a job after it reached one.
 TERMINAL = frozenset({"completed", "failed", "cancelled"})
 #: Event types that end a job's event stream.
 TERMINAL_EVENTS = TERMINAL
+
+
+class JobStoreUnavailableError(UnavailableError):
+    """The store cannot be reached now (Redis down, stopped or too slow): HTTP 503."""
+
+
+class StreamBudgetError(UnavailableError):
+    """Every event-stream slot of this gateway is taken (``--job-streams``): HTTP 503."""
+
+
+class JobFencedError(OmniError):
+    """A write refused by the store: the job ended already (a terminal state is final), or its
+    owner or attempt is no longer the writer's (another gateway claimed it). The writer drops the
+    job; it never reaches a client."""
+
+    def __init__(self, job_id: str, reason: str) -> None:
+        super().__init__(f"job {job_id}: write refused ({reason})")
+        self.reason = reason
+
+
+#: The writer of a fenced write: (gateway id, attempt).
+Fence = tuple[str, int]
 
 
 @dataclass(frozen=True)
@@ -45,6 +67,11 @@ class JobStore(abc.ABC):
     adds an event (with record fields, atomically) and returns its id; ``events`` replays the
     events after an id (None: from the start); ``wait_events`` also waits up to ``timeout``
     seconds for the first new one.
+
+    Writes are fenced: a job that reached a terminal state takes no more writes, and a write
+    that carries ``fence=(gateway, attempt)`` is applied only while the record's ``owner`` and
+    ``attempts`` are still those (else :class:`JobFencedError`). A store that cannot be reached
+    raises :class:`JobStoreUnavailableError`.
     """
 
     #: ``memory`` or ``redis`` (shown on /readyz).
@@ -61,7 +88,13 @@ class JobStore(abc.ABC):
 
     @abc.abstractmethod
     async def append_event(
-        self, job_id: str, type: str, data: dict[str, Any], fields: dict[str, Any] | None = None
+        self,
+        job_id: str,
+        type: str,
+        data: dict[str, Any],
+        fields: dict[str, Any] | None = None,
+        *,
+        fence: Fence | None = None,
     ) -> str:
         """Append an event (and merge ``fields`` into the record in the same step: a reader that
         sees a finished record also sees its final event)."""
@@ -91,9 +124,10 @@ class JobStore(abc.ABC):
         """Ask the gateway that runs ``record``'s job to cancel it."""
         return None
 
-    async def heartbeat(self) -> None:
-        """Keep this gateway's lease alive (called every ``lease_s / 3``)."""
-        return None
+    async def heartbeat(self) -> bool:
+        """Keep this gateway's lease alive (called every ``lease_s / 3``); False when the lease
+        had run out before this renewal (another gateway may have claimed this one's jobs)."""
+        return True
 
     async def claim_orphans(self) -> list[str]:
         """Jobs of gateways whose lease ran out, now owned by this one (each claimed once)."""
@@ -167,7 +201,7 @@ class MemoryJobStore(JobStore):
 
     async def update(self, job_id: str, fields: dict[str, Any]) -> None:
         job = self._jobs.get(job_id)
-        if job is None:
+        if job is None or job.record.get("status") in TERMINAL:
             return
         job.record.update(fields)
         if fields.get("status") in TERMINAL and job.expires is None:
@@ -175,11 +209,21 @@ class MemoryJobStore(JobStore):
             self._finished[job_id] = None
 
     async def append_event(
-        self, job_id: str, type: str, data: dict[str, Any], fields: dict[str, Any] | None = None
+        self,
+        job_id: str,
+        type: str,
+        data: dict[str, Any],
+        fields: dict[str, Any] | None = None,
+        *,
+        fence: Fence | None = None,
     ) -> str:
         job = self._jobs.get(job_id)
         if job is None:
             return "0"
+        if job.record.get("status") in TERMINAL:
+            raise JobFencedError(job_id, "final")
+        if fence is not None and (job.record.get("owner"), job.record.get("attempts")) != fence:
+            raise JobFencedError(job_id, "fenced")
         if fields:
             await self.update(job_id, fields)
         event = Event(str(len(job.events) + 1), type, data)

@@ -11,7 +11,12 @@ two trace spans, the last output the result. ``queued`` and ``started`` frame it
 Ownership (a shared store): the gateway that runs a job owns it. A cancel from another gateway is
 a signal to the owner (the store's cancel channel). A gateway that died (its lease ran out) has its
 unfinished jobs claimed by a live one, which re-queues each once (``requeued`` event); a job
-whose second run is lost too fails with ``gateway_lost``.
+whose second run is lost too fails with ``gateway_lost``. Every write of a running job is fenced
+with (this gateway, the job's attempt): once another gateway claimed the job, this one's writes
+are refused and it drops the job quietly (aborts its engine request, writes nothing).
+
+Outages: a progress event that cannot be written is dropped (the next write carries the record's
+state); a job's end is kept until the store takes it, retried with backoff, and written once.
 """
 
 from __future__ import annotations
@@ -30,7 +35,15 @@ from typing import TYPE_CHECKING, Any
 from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError
 
 from ..async_omni import AsyncOmni, ValidRequest
-from ..jobs.store import TERMINAL, Event, JobStore
+from ..jobs.store import (
+    TERMINAL,
+    Event,
+    Fence,
+    JobFencedError,
+    JobStore,
+    JobStoreUnavailableError,
+    StreamBudgetError,
+)
 from ..jobs.tracing import OtlpExporter, span, stage_spans
 from .files import MEDIA_TYPES, encode_images
 from .protocol import ApiError, GenerateRequest, classify_error
@@ -44,6 +57,8 @@ logger = logging.getLogger(__name__)
 MAX_REQUEUES = 1
 #: How long ``DELETE`` waits for the job to end before answering with it as it is.
 CANCEL_WAIT_S = 10.0
+#: Backoff between tries to record a job's end while the store is unreachable, seconds.
+RECORD_RETRY_S = (0.25, 5.0)
 
 #: A job id: ``job-`` and the 24 characters of ``secrets.token_urlsafe(18)`` (see ``submit``).
 _JOB_ID = re.compile(r"job-[A-Za-z0-9_-]{24}")
@@ -64,31 +79,69 @@ class JobSettings:
     lease_s: float = 10.0
     #: OTLP/HTTP traces endpoint (``http://host:4318`` or ``.../v1/traces``); None: no export.
     otlp_endpoint: str | None = None
+    #: Clients that may wait on job events at once (SSE, WebSocket, ``async_run: false``); past
+    #: it a new one is a 503 with ``Retry-After``.
+    max_streams: int = 256
+    #: Connections of each Redis pool (client reads; job-state writes). Blocking reads use one
+    #: more connection, shared by every waiting client.
+    redis_connections: int = 16
+    #: Timeout of every Redis call, seconds (connect, read, waiting for a pooled connection).
+    redis_timeout_s: float = 2.0
 
 
 class _LocalJob:
-    """A job this gateway runs: its engine request, and whether a cancel was asked for."""
+    """A job this gateway runs: its engine request, the fence of its writes (this gateway, its
+    attempt), whether a cancel was asked for, and whether it was dropped (claimed elsewhere)."""
 
-    __slots__ = ("cancelled", "job_id", "request_id", "started", "task")
+    __slots__ = ("cancelled", "dropped", "fence", "job_id", "request_id", "started", "task", "unwritten")
 
-    def __init__(self, job_id: str, request_id: str) -> None:
-        self.job_id, self.request_id = job_id, request_id
+    def __init__(self, job_id: str, fence: Fence) -> None:
+        self.job_id, self.fence = job_id, fence
+        self.request_id = f"{job_id}-{fence[1]}"
         self.cancelled = False
+        self.dropped = False
         self.started = False
         self.task: asyncio.Task | None = None
+        #: Record fields of progress events the store did not take (it was unreachable): the
+        #: next write carries them, so a dropped ``started`` does not leave the job ``queued``.
+        self.unwritten: dict[str, Any] = {}
+
+
+class _StreamSlot:
+    """One of the gateway's ``max_streams`` event waiters; released once, however often asked."""
+
+    __slots__ = ("_manager",)
+
+    def __init__(self, manager: JobManager) -> None:
+        self._manager: JobManager | None = manager
+
+    def release(self) -> None:
+        if self._manager is not None:
+            self._manager.streams -= 1
+            self._manager = None
 
 
 class JobManager:
     """Jobs of one gateway (``gateway_id``) over ``store``; see the module docstring."""
 
     def __init__(
-        self, state: ServerState, store: JobStore, *, lease_s: float = 10.0, otlp: OtlpExporter | None = None
+        self,
+        state: ServerState,
+        store: JobStore,
+        *,
+        lease_s: float = 10.0,
+        otlp: OtlpExporter | None = None,
+        max_streams: int = 256,
     ) -> None:
         self.state, self.store, self.lease_s, self.otlp = state, store, lease_s, otlp
         self.gateway_id = "gw-" + secrets.token_urlsafe(9)
+        self.max_streams, self.streams = max_streams, 0
         self._local: dict[str, _LocalJob] = {}
         self._background: asyncio.Task | None = None
         self._closing = False
+        #: Job ends the store did not take yet (it was unreachable): job id -> the write.
+        self._unrecorded: dict[str, tuple[str, dict[str, Any], dict[str, Any], Fence]] = {}
+        self._recorder: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -98,33 +151,74 @@ class JobManager:
             self._background = asyncio.create_task(self._keep_lease(), name="job-lease")
 
     async def _keep_lease(self) -> None:
-        """1) renew the lease  2) renew the TTL of running jobs  3) recover dead gateways' jobs."""
+        """1) renew the lease, and drop jobs claimed elsewhere if it had run out (this process
+        was paused, or the store was unreachable, past the lease)  2) renew the TTL of running
+        jobs  3) recover dead gateways' jobs, once the store has answered for a whole lease.
+
+        After an outage longer than the lease every gateway's lease has run out, the live ones'
+        too: a gateway claims nothing until the store has answered its heartbeats for one lease
+        since, so each live gateway has renewed its own lease by then and keeps its jobs."""
         beats = 0
+        last = time.monotonic()
+        reachable_since: float | None = last - self.lease_s  # at start: recover at once
         while True:
             try:
-                await self.store.heartbeat()
+                now = time.monotonic()
+                paused = now - last > self.lease_s
+                last = now
+                if not await self.store.heartbeat() or paused:
+                    await self._drop_claimed_elsewhere()
+                if reachable_since is None:
+                    reachable_since = now
                 if beats % 3 == 0:
                     keep_alive = getattr(self.store, "keep_alive", None)
                     if keep_alive is not None:
                         await keep_alive(list(self._local))
-                    if self.state.omni is not None:  # recovered jobs need a running engine
+                    # Recovered jobs need a running engine.
+                    if self.state.omni is not None and now - reachable_since >= self.lease_s:
                         for job_id in await self.store.claim_orphans():
                             await self._recover(job_id)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                reachable_since = None
                 logger.warning("job store heartbeat failed: %s", e)
             beats += 1
             await asyncio.sleep(self.lease_s / 3)
+
+    async def _drop_claimed_elsewhere(self) -> None:
+        """Jobs this gateway runs whose record names another owner or attempt: drop each."""
+        for job in list(self._local.values()):
+            record = await self.store.get(job.job_id)
+            if record is None or (record.get("owner"), record.get("attempts")) != job.fence:
+                self._drop(job)
+
+    def _drop(self, job: _LocalJob) -> None:
+        """Stop running a job another gateway now owns, writing nothing."""
+        if not job.dropped:
+            job.dropped = True
+            logger.warning("job %s is owned elsewhere now; dropping this gateway's run", job.job_id)
+            if self.state.omni is not None:
+                self.state.omni.abort(job.request_id, RequestAbortedError(f"job {job.job_id} was claimed elsewhere"))
+
+    def stream_slot(self) -> _StreamSlot:
+        """A place for one more client waiting on events, or StreamBudgetError (503)."""
+        if self.streams >= self.max_streams:
+            raise StreamBudgetError(
+                f"this gateway serves {self.max_streams} event streams already; retry later", retry_after_s=2.0
+            )
+        self.streams += 1
+        return _StreamSlot(self)
 
     async def close(self) -> None:
         """Stop following jobs. In memory, unfinished jobs fail (``shutdown``); in a shared store
         they stay owned by this gateway, whose lease is dropped: the next gateway recovers them."""
         self._closing = True
-        if self._background is not None:
-            self._background.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._background
+        for task in (self._background, self._recorder):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         jobs = list(self._local.values())
         for job in jobs:
             if job.task is not None:
@@ -192,14 +286,14 @@ class JobManager:
 
     async def _launch(self, record: dict[str, Any], omni: AsyncOmni, valid: ValidRequest, *, new: bool) -> None:
         job_id = record["job_id"]
-        job = _LocalJob(job_id, f"{job_id}-{record['attempts']}")
+        job = _LocalJob(job_id, (self.gateway_id, record["attempts"]))
         agen = omni.generate(valid, request_id=job.request_id)
         first = asyncio.ensure_future(agen.__anext__())
         # The engine admits the request in the generator's first step, which runs now: a full
         # engine or a bad request fails here, before the job exists anywhere.
         await asyncio.sleep(0)
         if first.done() and first.exception() is not None:
-            await agen.aclose()
+            await _close(agen, first)
             raise first.exception()  # type: ignore[misc]
         self._local[job_id] = job
         admitted = time.time()
@@ -209,21 +303,33 @@ class JobManager:
             if new:
                 await self.store.create(record, ("queued", event))
             else:
-                await self._emit(job_id, "queued", event, {"status": "queued", "trace": record["trace"]})
+                await self.store.append_event(
+                    job_id, "queued", event, {"status": "queued", "trace": record["trace"]}, fence=job.fence
+                )
         except Exception:
             self._local.pop(job_id, None)
             omni.abort(job.request_id)
-            first.cancel()
-            await agen.aclose()
+            await _close(agen, first)
             raise
         self.state.metrics.jobs.labels("queued").inc()
         job.task = asyncio.create_task(self._follow(job, record, agen, first), name=f"job-{job_id}")
 
     # ------------------------------------------------------------------ following a job
 
-    async def _emit(self, job_id: str, type: str, data: dict[str, Any], fields: dict[str, Any] | None = None) -> str:
-        """Append an event stamped with the gateway's clock (``at``, epoch seconds)."""
-        return await self.store.append_event(job_id, type, {**data, "at": time.time()}, fields)
+    async def _emit(
+        self, job: _LocalJob, type: str, data: dict[str, Any], fields: dict[str, Any] | None = None
+    ) -> None:
+        """Append a progress event stamped with the gateway's clock (``at``, epoch seconds),
+        fenced with the job's owner and attempt. An unreachable store drops it (the job's end is
+        what must be recorded); a refused write (JobFencedError) is raised: the job is not ours."""
+        fields = {**job.unwritten, **(fields or {})}
+        try:
+            await self.store.append_event(job.job_id, type, {**data, "at": time.time()}, fields, fence=job.fence)
+        except JobStoreUnavailableError as e:
+            logger.debug("job %s: %s event dropped: %s", job.job_id, type, e)
+            job.unwritten = fields
+        else:
+            job.unwritten = {}
 
     async def _follow(self, job: _LocalJob, record: dict[str, Any], agen: AsyncIterator[Any], first: Any) -> None:
         job_id = job.job_id
@@ -240,6 +346,11 @@ class JobManager:
             self.state.metrics.observe_output(last)
             result = await self._result(record, last)
             await self._end(job, record, "completed", result=result, out=last)
+        except JobFencedError as e:
+            # Claimed by another gateway (this one was paused or cut off past its lease), or ended
+            # already: nothing of this run is written.
+            logger.warning("job %s: %s; dropping this gateway's run", job_id, e)
+            self._drop(job)
         except asyncio.CancelledError:
             # The gateway is stopping. In memory nobody could finish the job later.
             if self.store.backend == "memory":
@@ -249,11 +360,10 @@ class JobManager:
                     await asyncio.shield(self._end(job, record, "failed", error=error))
             raise
         except Exception as e:
+            if job.dropped:
+                return
             status = "cancelled" if job.cancelled and isinstance(e, RequestAbortedError) else "failed"
-            try:
-                await self._end(job, record, status, error=None if status == "cancelled" else _error(e), out=last)
-            except Exception as store_error:  # the store is unreachable: the job stays as it was
-                logger.error("job %s ended %s but could not be recorded: %s", job_id, status, store_error)
+            await self._end(job, record, status, error=None if status == "cancelled" else _error(e), out=last)
         finally:
             self._local.pop(job_id, None)
             with contextlib.suppress(Exception):
@@ -266,7 +376,7 @@ class JobManager:
         record["started_at"] = max(record["created_at"], at or time.time())
         record["status"] = "running"
         await self._emit(
-            job.job_id,
+            job,
             "started",
             {"batch_id": batch_id, "batch_size": batch_size},
             {"status": "running", "started_at": record["started_at"]},
@@ -282,7 +392,7 @@ class JobManager:
                 await self._started(job, record, progress.get("batch_id"), progress.get("batch_size"))
             step = {"stage_id": progress.get("stage_id"), "step": progress.get("step"), "steps": progress.get("steps")}
             record["progress"] = step
-            await self._emit(job.job_id, "step", step, {"progress": step})
+            await self._emit(job, "step", step, {"progress": step})
             return
         if progress:  # an inner stage is done: its timings come in the output's metrics
             sid, m = progress["stage_id"], out.metrics
@@ -315,7 +425,7 @@ class JobManager:
         }
         if progress:
             self.state.metrics.observe_stage(sid, m)  # final stages are observed with the result
-        await self._emit(job.job_id, "stage_done", done, {"trace": record["trace"]})
+        await self._emit(job, "stage_done", done, {"trace": record["trace"]})
 
     async def _result(self, record: dict[str, Any], out: Any) -> dict[str, Any]:
         request = GenerateRequest.model_validate(record["request"] | {"async_run": True})
@@ -372,6 +482,7 @@ class JobManager:
             except Exception as e:  # tracing never fails a job
                 logger.warning("job %s: trace export failed: %s", job.job_id, e)
         fields = {
+            **job.unwritten,
             "status": status,
             "finished_at": now,
             "result": result,
@@ -381,13 +492,49 @@ class JobManager:
             "trace_id": trace_id,
         }
         record.update(fields)
-        data: dict[str, Any] = {"job_id": job.job_id}
+        data: dict[str, Any] = {"job_id": job.job_id, "at": now}
         if result is not None:
             data["result"] = result
         if error is not None:
             data["error"] = error
-        await self._emit(job.job_id, status, data, fields)
+        await self._record_end(job.job_id, status, data, fields, job.fence)
+
+    async def _record_end(
+        self, job_id: str, status: str, data: dict[str, Any], fields: dict[str, Any], fence: Fence
+    ) -> bool:
+        """Write a job's end; True once the store took it or refused it for good (the job ended
+        already, or is another gateway's now). An unreachable store keeps it for the recorder,
+        which tries again with backoff until the store is back: the end is never lost, and the
+        store takes it once (a write to a finished job is refused)."""
+        try:
+            await self.store.append_event(job_id, status, data, fields, fence=fence)
+        except JobFencedError as e:
+            logger.warning("job %s ended %s here, not recorded: %s", job_id, status, e)
+            self._unrecorded.pop(job_id, None)
+            return True
+        except Exception as e:  # unreachable (or failing): kept, never lost
+            if job_id not in self._unrecorded:
+                logger.warning("job %s ended %s; the store is unreachable (%s): recording it when it is back",
+                               job_id, status, e)  # fmt: skip
+            self._unrecorded[job_id] = (status, data, fields, fence)
+            if self._recorder is None or self._recorder.done():
+                self._recorder = asyncio.create_task(self._record_pending(), name="job-end-recorder")
+            return False
+        self._unrecorded.pop(job_id, None)
         self.state.metrics.jobs.labels(status).inc()
+        return True
+
+    async def _record_pending(self) -> None:
+        """Retry the unrecorded ends, with backoff, until every one is written."""
+        delay = RECORD_RETRY_S[0]
+        while self._unrecorded:
+            await asyncio.sleep(delay)
+            for job_id, (status, data, fields, fence) in list(self._unrecorded.items()):
+                if not await self._record_end(job_id, status, data, fields, fence):
+                    delay = min(delay * 2, RECORD_RETRY_S[1])
+                    break
+            else:
+                delay = RECORD_RETRY_S[0]
 
     # ------------------------------------------------------------------ cancel
 
@@ -475,7 +622,7 @@ class JobManager:
         if record is None or record["status"] in TERMINAL:
             return
         lost = {"message": "the gateway running this job was lost", "code": "gateway_lost"}
-        job = _LocalJob(job_id, "")
+        job = _LocalJob(job_id, (self.gateway_id, record.get("attempts", 1)))
         if record.get("cancel_requested") or record.get("attempts", 1) > MAX_REQUEUES:
             status = "cancelled" if record.get("cancel_requested") else "failed"
             await self._end(job, record, status, error=None if status == "cancelled" else lost)
@@ -483,7 +630,7 @@ class JobManager:
         record["attempts"] = record.get("attempts", 1) + 1
         record["owner"] = self.gateway_id
         await self._emit(
-            job_id,
+            job,
             "requeued",
             {"reason": "gateway_lost", "attempt": record["attempts"]},
             {"attempts": record["attempts"], "status": "queued", "progress": None},
@@ -496,6 +643,18 @@ class JobManager:
             await self._launch(record, omni, valid, new=False)
         except Exception as e:
             await self._end(job, record, "failed", error=_error(e))
+
+
+async def _close(agen: Any, first: asyncio.Future) -> None:
+    """Close an engine generator whose first step (``first``) may still run: that step is
+    cancelled and awaited first (closing a generator that another task awaits is a RuntimeError)."""
+    if not first.done():
+        first.cancel()
+        await asyncio.wait((first,))
+    if not first.cancelled():
+        first.exception()  # retrieved: the caller raises it where it is the answer
+    with contextlib.suppress(Exception):
+        await agen.aclose()
 
 
 def _not_found(job_id: str) -> ApiError:

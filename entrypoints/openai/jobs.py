@@ -5,6 +5,12 @@ WebSocket, trace). Runs on the server's event loop; the work is :class:`JobManag
 a client that reconnects with ``Last-Event-ID`` gets the events after it, none twice, from any
 gateway on the same store. The WebSocket sends the same events as JSON messages and takes
 ``{"type": "cancel"}``.
+
+Every client that waits on events (SSE, WebSocket, ``async_run: false``) takes one of the
+gateway's ``--job-streams`` slots for as long as it waits; when none is left it gets a 503 with
+``Retry-After`` before anything starts. A store that becomes unreachable mid-stream ends an SSE
+stream with an ``error`` event (no id: a reconnect resumes after the last real event) and a
+WebSocket with an error message, never a cut body.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
-from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.exceptions import InvalidRequestError, UnavailableError
 
-from ..jobs.store import Event
+from ..jobs.store import Event, JobStoreUnavailableError
 from .protocol import ApiError, ClientDisconnected, GenerateRequest, error_body
 
 if TYPE_CHECKING:
@@ -36,6 +43,12 @@ def _sse(event: Event) -> str:
     return f"id: {event.id}\nevent: {event.type}\ndata: {json.dumps(event.data, separators=(',', ':'))}\n\n"
 
 
+def _sse_error(exc: BaseException) -> str:
+    """The last frame of a stream whose store went away: no id, and a reconnect delay."""
+    _, body = error_body(exc)
+    return f"retry: 2000\nevent: error\ndata: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
 def add_job_routes(app: FastAPI, state: ServerState, response_class: type[JSONResponse]) -> None:
     def jobs():
         if state.jobs is None:
@@ -49,18 +62,32 @@ def add_job_routes(app: FastAPI, state: ServerState, response_class: type[JSONRe
         traceparent = request.headers.get("traceparent")
         if traceparent is not None and len(traceparent) > 128:
             traceparent = None
-        job = await manager.submit(body, base_url, traceparent)
-        job_id = job["job_id"]
-        headers = {"X-Request-Id": job_id, "Location": f"/v1/jobs/{job_id}"}
         if body.async_run:
+            job = await manager.submit(body, base_url, traceparent)
+            headers = {"X-Request-Id": job["job_id"], "Location": f"/v1/jobs/{job['job_id']}"}
             return response_class(job, status_code=202, headers=headers)
         # The synchronous form: the same job, once it ended. A client that goes away cancels it.
+        # Its wait takes a stream slot, before the job exists: no slot, no job (503).
+        slot = manager.stream_slot()
         try:
-            await state.until_disconnect(request, [], _until_done(manager, job_id))
-        except ClientDisconnected:
-            await manager.cancel(job_id)
-            raise
-        return response_class(await manager.get(job_id), headers=headers)
+            job = await manager.submit(body, base_url, traceparent)
+            job_id = job["job_id"]
+            headers = {"X-Request-Id": job_id, "Location": f"/v1/jobs/{job_id}"}
+            try:
+                await state.until_disconnect(request, [], _until_done(manager, job_id))
+                return response_class(await manager.get(job_id), headers=headers)
+            except ClientDisconnected:
+                await manager.cancel(job_id)
+                raise
+            except UnavailableError as e:
+                # The store went away during the wait: the job goes on and is recorded when the
+                # store is back; the client gets its id to poll it then.
+                status, body = error_body(e)
+                body["error"]["job_id"] = job_id
+                headers["Retry-After"] = str(max(1, round(e.retry_after_s)))
+                return response_class(body, status_code=status, headers=headers)
+        finally:
+            slot.release()
 
     @app.post("/v1/jobs")
     async def post_jobs() -> JSONResponse:
@@ -91,13 +118,22 @@ def add_job_routes(app: FastAPI, state: ServerState, response_class: type[JSONRe
         after = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
         if after is not None:
             after = manager.store.check_event_id(after.strip())
+        slot = manager.stream_slot()
 
         async def stream() -> AsyncIterator[str]:
-            async for event in manager.follow(job_id, after, keepalive_s=KEEPALIVE_S):
-                yield ": keep-alive\n\n" if event is None else _sse(event)
+            try:
+                async for event in manager.follow(job_id, after, keepalive_s=KEEPALIVE_S):
+                    yield ": keep-alive\n\n" if event is None else _sse(event)
+            except JobStoreUnavailableError as e:
+                yield _sse_error(e)
+            finally:
+                slot.release()
 
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+        # The slot is also released after the response, should the stream never have started.
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers=headers, background=BackgroundTask(slot.release)
+        )
 
     @app.websocket("/v1/jobs/{job_id}/stream")
     async def job_stream(websocket: WebSocket, job_id: str) -> None:
@@ -109,7 +145,8 @@ def add_job_routes(app: FastAPI, state: ServerState, response_class: type[JSONRe
             after = websocket.query_params.get("last_event_id")
             if after is not None:
                 after = manager.store.check_event_id(after)
-        except (ApiError, InvalidRequestError) as e:
+            slot = manager.stream_slot()
+        except (ApiError, InvalidRequestError, UnavailableError) as e:
             status, body = error_body(e)
             await websocket.accept()
             await websocket.send_json(body | {"type": "error"})
@@ -137,6 +174,7 @@ def add_job_routes(app: FastAPI, state: ServerState, response_class: type[JSONRe
         except (WebSocketDisconnect, RuntimeError):
             pass  # the client went away: the job goes on (DELETE or a cancel message stop it)
         finally:
+            slot.release()
             sender.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await sender
@@ -150,9 +188,12 @@ async def _until_done(manager: Any, job_id: str) -> None:
 
 
 async def _send_events(websocket: WebSocket, manager: Any, job_id: str, after: str | None) -> None:
-    async for event in manager.follow(job_id, after, keepalive_s=KEEPALIVE_S):
-        if event is not None:
-            await websocket.send_json(event.to_json())
+    try:
+        async for event in manager.follow(job_id, after, keepalive_s=KEEPALIVE_S):
+            if event is not None:
+                await websocket.send_json(event.to_json())
+    except JobStoreUnavailableError as e:
+        await websocket.send_json(error_body(e)[1] | {"type": "error"})
 
 
 def _is_cancel(text: str | None) -> bool:

@@ -33,6 +33,7 @@ from omni_runtime.exceptions import (
     RequestTimeoutError,
     StageAsleepError,
     StageDeadError,
+    UnavailableError,
 )
 from omni_runtime.outputs import OmniRequestOutput
 from omni_runtime.params import LORA_NAME_PATTERN, MAX_LORA_SCALE, MAX_PROMPT_CHARS
@@ -561,6 +562,8 @@ def classify_error(exc: BaseException) -> tuple[int, str, str | None, str | None
         return 400, "invalid_request_error", exc.param, "invalid_value", str(exc)
     if isinstance(exc, RequestTimeoutError):
         return 504, "timeout_error", None, "request_timeout", str(exc)
+    if isinstance(exc, UnavailableError):
+        return 503, "service_unavailable", None, _snake(type(exc).__name__), str(exc)
     if isinstance(exc, StageDeadError | StageAsleepError | RequestAbortedError | EngineError):
         return 503, "service_unavailable", None, _snake(type(exc).__name__), str(exc)
     if isinstance(exc, OmniError):

@@ -35,11 +35,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_runtime.config import DeployConfig
 from omni_runtime.exceptions import (
+    ConfigError,
     EngineDeadError,
     EngineError,
     OmniError,
     QueueFullError,
     RequestAbortedError,
+    UnavailableError,
 )
 from omni_runtime.outputs import OmniRequestOutput
 from omni_runtime.resolve import ResolvedConfig
@@ -78,7 +80,7 @@ class SafeJSONResponse(JSONResponse):
 def error_response(exc: BaseException) -> JSONResponse:
     status, body = error_body(exc)
     headers = {}
-    if isinstance(exc, QueueFullError):
+    if isinstance(exc, QueueFullError | UnavailableError):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
     elif isinstance(exc, ApiError) and exc.code == "loading":
         headers["Retry-After"] = "1"
@@ -166,7 +168,13 @@ class ServerState:
         if settings.redis_url:
             from ..jobs.redis_store import RedisJobStore
 
-            store = RedisJobStore(settings.redis_url, ttl_s=settings.ttl_s, lease_s=settings.lease_s)
+            store = RedisJobStore(
+                settings.redis_url,
+                ttl_s=settings.ttl_s,
+                lease_s=settings.lease_s,
+                connections=settings.redis_connections,
+                timeout_s=settings.redis_timeout_s,
+            )
         else:
             store = MemoryJobStore(max_jobs=settings.max_jobs, ttl_s=settings.ttl_s)
         otlp = None
@@ -174,9 +182,12 @@ class ServerState:
             from ..jobs.tracing import OtlpExporter
 
             otlp = OtlpExporter(settings.otlp_endpoint)
-        manager = JobManager(self, store, lease_s=settings.lease_s, otlp=otlp)
+        manager = JobManager(self, store, lease_s=settings.lease_s, otlp=otlp, max_streams=settings.max_streams)
         try:
             await manager.start()
+        except ConfigError:  # a Redis user without the commands the store needs: it says which
+            await store.close()
+            raise
         except Exception as e:
             await store.close()
             raise EngineError(f"the job store ({store.backend}) cannot be reached: {e}") from e
@@ -526,7 +537,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             | {"queue_depth": s.get("inflight", 0), "per_replica_inflight": s.get("per_replica_inflight", [])}
             for s in h.stages
         ]
-        ready = h.ok and not state.draining
+        job_store = await _job_store_status(state)
+        ready = h.ok and not state.draining and job_store.get("ok", True)
         body = {
             "ready": ready,
             "dead": h.reason if h.status == "dead" else None,
@@ -542,7 +554,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                 for node, st in zip(s.get("replica_nodes", []), s.get("replica_states", []), strict=False)
                 if node is not None and node != _HOSTNAME and st == "live"
             ),
-            "job_store": await _job_store_status(state),
+            "job_store": job_store,
         }
         return SafeJSONResponse(body, status_code=200 if ready else 503)
 

@@ -87,6 +87,8 @@ class StagePool:
         self._stalled: list[float | None] = [None] * n
         self._ping_seq = itertools.count(1)
         self._heartbeat: asyncio.TimerHandle | None = None
+        #: When this pool's own check last ran (a gap longer than the timeout is ours, not the stage's).
+        self._beat_at = time.monotonic()
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -272,6 +274,11 @@ class StagePool:
         """1) kill replicas that stayed silent or stalled too long  2) ping the others  3) again later."""
         runtime = self.stage.runtime
         now = time.monotonic()
+        if now - self._beat_at > runtime.heartbeat_timeout_s:
+            # This checker itself did not run for longer than the timeout (the process was paused
+            # or its loop blocked): the replicas' silence is the observer's; their clocks restart.
+            self._pong_at = [now] * len(self._pong_at)
+        self._beat_at = now
         for client in self.live:
             r = client.replica_id
             silent, stalled = now - self._pong_at[r], self._stalled[r]

@@ -1,15 +1,23 @@
-"""The Redis job store against a real redis-server: records, streams, TTLs, cancel signals and
-the claim of a dead gateway's jobs (exactly once, by one gateway)."""
+"""The Redis job store against a real redis-server: records, streams, TTLs, cancel signals, the
+claim of a dead gateway's jobs (exactly once, by one gateway), fenced writes, the shared blocking
+reader, calls against a stopped Redis, and the start-up check of the user's commands."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
+import uuid
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from omni_runtime.entrypoints.jobs.redis_store import RedisJobStore
+from omni_runtime.entrypoints.jobs.store import TERMINAL, JobFencedError, JobStoreUnavailableError
 
-from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.exceptions import ConfigError, InvalidRequestError
 from tests.conftest import eventually
+from tests.redis_server import RedisServer
 
 
 @pytest.fixture
@@ -99,3 +107,113 @@ def test_an_event_id_redis_never_made_is_a_400(bad):
     store = RedisJobStore("redis://127.0.0.1:1/0")
     with pytest.raises(InvalidRequestError):
         store.check_event_id(bad)
+
+
+# --------------------------------------------------------------------------- fencing
+
+
+async def test_a_write_from_a_gateway_that_lost_the_job_is_refused_and_a_terminal_state_is_final(stores):
+    a, b = stores(), stores()
+    await a.start("gw-a", lambda job_id: None)
+    await b.start("gw-b", lambda job_id: None)
+    await a.create({"job_id": "f1", "status": "running", "owner": "gw-a", "attempts": 1}, ("queued", {}))
+    await a.append_event("f1", "step", {"i": 1}, {"progress": 1}, fence=("gw-a", 1))
+    await b.update("f1", {"owner": "gw-b", "attempts": 2})  # b claimed it (as the claim script does)
+    with pytest.raises(JobFencedError):
+        await a.append_event("f1", "failed", {}, {"status": "failed"}, fence=("gw-a", 1))
+    await b.append_event("f1", "completed", {}, {"status": "completed"}, fence=("gw-b", 2))
+    with pytest.raises(JobFencedError):  # final: not even the owner changes it again
+        await b.append_event("f1", "failed", {}, {"status": "failed"}, fence=("gw-b", 2))
+    await a.update("f1", {"status": "running"})
+    assert (await a.get("f1"))["status"] == "completed"
+    assert [e.type for e in await a.events("f1", None)] == ["queued", "step", "completed"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    writes=st.lists(
+        st.tuples(st.sampled_from(["gw-a", "gw-b"]), st.integers(1, 2), st.sampled_from(["step", *TERMINAL])),
+        min_size=1,
+        max_size=12,
+    )
+)
+async def test_whatever_the_writers_do_a_job_has_at_most_one_terminal_event(stores, writes):
+    store = stores()
+    job_id = f"p{uuid.uuid4().hex}"
+    await store.create({"job_id": job_id, "status": "running", "owner": "gw-a", "attempts": 1}, ("queued", {}))
+    statuses = []
+    for owner, attempt, type_ in writes:
+        fields = {"status": type_} if type_ in TERMINAL else {"progress": 1}
+        with contextlib.suppress(JobFencedError):
+            await store.append_event(job_id, type_, {}, fields, fence=(owner, attempt))
+        statuses.append((await store.get(job_id))["status"])
+    types = [e.type for e in await store.events(job_id, None)]
+    ends = [t for t in types if t in TERMINAL]
+    assert len(ends) <= 1
+    # Exactly the owner's writes are taken, up to and including the first terminal one.
+    expected: list[str] = []
+    for owner, attempt, type_ in writes:
+        if (owner, attempt) == ("gw-a", 1) and not (expected and expected[-1] in TERMINAL):
+            expected.append(type_)
+    assert types[1:] == expected
+    if ends:  # never back from a terminal state
+        first_end = statuses.index(ends[0])
+        assert set(statuses[first_end:]) == {ends[0]}
+
+
+# --------------------------------------------------------------------------- the connection budget
+
+
+async def test_many_waiters_share_one_blocking_connection(stores, redis_server):
+    writer, reader = stores(), stores(connections=2)
+    ids = {}
+    for i in range(10):
+        ids[f"w{i}"] = await writer.create({"job_id": f"w{i}", "status": "queued"}, ("queued", {}))
+    waiters = [asyncio.ensure_future(reader.wait_events(f"w{i % 10}", ids[f"w{i % 10}"], 10)) for i in range(60)]
+    await eventually(lambda: reader.reader.waiting() == 60, timeout=5, what="60 waiters registered")
+    # Meanwhile reads and writes go through at once: no connection waits behind the XREAD.
+    assert (await reader.get("w3"))["status"] == "queued"
+    for i in range(10):
+        await writer.append_event(f"w{i}", "completed", {"i": i}, {"status": "completed"})
+    got = await asyncio.wait_for(asyncio.gather(*waiters), 5)
+    assert [[e.data["i"] for e in g] for g in got] == [[i % 10] for i in range(60)]
+    clients = (await writer.redis.execute_command("CLIENT", "LIST")).splitlines()
+    assert len(clients) < 12  # two stores: their pools (at most 2 + 2 used) and one reader each
+
+
+async def test_a_stopped_redis_fails_each_call_within_its_timeout(stores):
+    private = RedisServer()
+    try:
+        store = RedisJobStore(private.url, timeout_s=0.5)
+        await store.create({"job_id": "s1", "status": "queued"}, ("queued", {}))
+        private.pause()
+        for call in (store.get("s1"), store.events("s1", None), store.append_event("s1", "step", {}, {"p": 1})):
+            started = time.monotonic()
+            with pytest.raises(JobStoreUnavailableError):
+                await call
+            assert time.monotonic() - started < 3
+        assert await store.ping() is False
+        started = time.monotonic()
+        with pytest.raises(JobStoreUnavailableError):
+            await store.reader.wait("omni:job:s1:events", "9-0", 10)  # the shared reader's XREAD fails too
+        assert time.monotonic() - started < 4
+        private.resume()
+        await eventually(store.ping, timeout=10, what="redis back")
+        assert (await store.get("s1"))["status"] == "queued"
+        await store.close()
+    finally:
+        private.stop()
+
+
+async def test_a_user_without_the_commands_the_store_needs_is_told_which(stores, redis_server):
+    redis_server.command("ACL", "SETUSER", "limited", "on", ">pw", "~*", "&*", "+@all", "-publish", "-evalsha")
+    try:
+        host = redis_server.url.split("//", 1)[1]
+        store = RedisJobStore(f"redis://limited:pw@{host}")
+        with pytest.raises(ConfigError) as caught:
+            await store.start("gw-limited", lambda job_id: None)
+        await store.close()
+        assert "PUBLISH" in str(caught.value) and "EVALSHA" in str(caught.value)
+        assert "XREAD" not in str(caught.value)
+    finally:
+        redis_server.command("ACL", "DELUSER", "limited")

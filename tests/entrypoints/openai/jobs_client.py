@@ -69,12 +69,15 @@ def wait_status(http: httpx.Client, job_id: str, statuses: set[str], timeout: fl
 
 
 def first_step(http: httpx.Client, job_id: str, timeout: float = 120) -> list[dict[str, Any]]:
-    """Read the job's events until its first ``step`` (it is denoising now)."""
+    """Read the job's events until its first ``step`` (it is denoising now). An ``error`` frame
+    (the store did not answer) is skipped: the next read resumes after the last real event."""
     events: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout
     while not any(e["type"] == "step" for e in events):
         assert time.monotonic() < deadline, f"no step event within {timeout} s: {events}"
         last = events[-1]["id"] if events else None
-        events += read_sse(http, job_id, last_event_id=last, limit=1, timeout=timeout)
+        events += [e for e in read_sse(http, job_id, last_event_id=last, limit=1, timeout=timeout) if "id" in e]
+        if not events:
+            continue
         assert events[-1]["type"] not in ("completed", "failed", "cancelled"), events
     return events
