@@ -13,6 +13,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from redis.exceptions import RedisError
+
+from omni_runtime.exceptions import UnavailableError
+
 from .protocol import ApiError
 
 #: Images larger than this are encoded in a worker thread, off the event loop.
@@ -101,35 +105,53 @@ class RedisFileStore:
     own small connection pool (``max_connections``), apart from the job store's."""
 
     def __init__(
-        self, url: str, ttl_s: float, max_file_bytes: int, *, prefix: str = "omni:", max_connections: int = 8
+        self,
+        url: str,
+        ttl_s: float,
+        max_file_bytes: int,
+        *,
+        prefix: str = "omni:",
+        max_connections: int = 8,
+        timeout_s: float = 2.0,
     ) -> None:
         import redis.asyncio as aioredis
 
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.max_file_bytes, self.prefix = max_file_bytes, prefix
+        # Short timeouts like the job store's (--redis-timeout) plus the time to move the largest
+        # file: an unreachable Redis is a 503 at once, not a request that waits on a socket.
+        timeout = timeout_s + max_file_bytes / 50e6
         pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=10, socket_timeout=10, socket_connect_timeout=5
-        )
+            url, max_connections=max_connections, timeout=timeout, socket_timeout=timeout,
+            socket_connect_timeout=timeout_s,
+        )  # fmt: skip
         self.redis = aioredis.Redis(connection_pool=pool)
 
     def _key(self, file_id: str) -> str:
         return f"{self.prefix}file:{file_id}"
 
     async def put(self, data: bytes, media_type: str) -> str:
+        """Store a file; UnavailableError while Redis cannot be reached (nothing stored)."""
         if len(data) > self.max_file_bytes:
             raise _too_large(self.max_file_bytes)
         file_id = _new_file_id()
-        async with self.redis.pipeline(transaction=True) as p:
-            p.hset(self._key(file_id), mapping={"t": media_type, "d": data})
-            p.pexpire(self._key(file_id), self.ttl_ms)
-            await p.execute()
+        try:
+            async with self.redis.pipeline(transaction=True) as p:
+                p.hset(self._key(file_id), mapping={"t": media_type, "d": data})
+                p.pexpire(self._key(file_id), self.ttl_ms)
+                await p.execute()
+        except (RedisError, OSError) as e:
+            raise UnavailableError(f"the file store cannot be reached: {e}", retry_after_s=2.0) from e
         return file_id
 
     async def get(self, file_id: str) -> tuple[str, bytes, float] | None:
-        async with self.redis.pipeline(transaction=True) as p:
-            p.hmget(self._key(file_id), ["t", "d"])
-            p.pttl(self._key(file_id))
-            (media_type, data), left_ms = await p.execute()
+        try:
+            async with self.redis.pipeline(transaction=True) as p:
+                p.hmget(self._key(file_id), ["t", "d"])
+                p.pttl(self._key(file_id))
+                (media_type, data), left_ms = await p.execute()
+        except (RedisError, OSError) as e:
+            raise UnavailableError(f"the file store cannot be reached: {e}", retry_after_s=2.0) from e
         if media_type is None or data is None or left_ms <= 0:
             return None
         return media_type.decode(), data, left_ms / 1000.0

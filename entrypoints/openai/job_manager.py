@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError
+from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, UnavailableError
 
 from ..async_omni import AsyncOmni, ValidRequest
 from ..jobs.store import (
@@ -443,7 +443,7 @@ class JobManager:
         for blob, seed in zip(blobs, seeds, strict=False):
             item: dict[str, Any] = {"seed": seed}
             if request.response_format == "url":
-                file_id = await self.state.files.put(blob, MEDIA_TYPES[fmt])
+                file_id = await self._put_file(record["job_id"], blob, MEDIA_TYPES[fmt])
                 item["url"] = f"{base}/v1/files/{file_id}"
             else:
                 item["b64_json"] = base64.b64encode(blob).decode()
@@ -452,6 +452,20 @@ class JobManager:
         record["trace"].append(span("encode", start, time.time(), images=len(images), format=fmt))
         size = f"{out.images[0].width}x{out.images[0].height}" if out.images else None
         return {"images": images, "output_format": fmt, "size": size}
+
+    async def _put_file(self, job_id: str, blob: bytes, media_type: str) -> str:
+        """Store a result file, waiting out an unreachable file store (Redis) with backoff: the
+        job's result is kept until it can be stored, like its end (``_record_end``), never
+        turned into a failure by an outage."""
+        delay = RECORD_RETRY_S[0]
+        while True:
+            try:
+                return await self.state.files.put(blob, media_type)
+            except UnavailableError as e:
+                if delay == RECORD_RETRY_S[0]:
+                    logger.warning("job %s: its result waits for the file store (%s)", job_id, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RECORD_RETRY_S[1])
 
     async def _end(
         self,

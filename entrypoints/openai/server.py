@@ -144,7 +144,9 @@ class ServerState:
         if self.job_settings.redis_url:
             # Every gateway on the same Redis serves every file (a job's result outlives its gateway).
             limit = min(file_store_bytes, MAX_REDIS_FILE_BYTES)
-            self.files = RedisFileStore(self.job_settings.redis_url, file_ttl_s, limit)
+            self.files = RedisFileStore(
+                self.job_settings.redis_url, file_ttl_s, limit, timeout_s=self.job_settings.redis_timeout_s
+            )
         else:
             self.files = FileStore(file_ttl_s, file_store_bytes)
         self.inflight: set[str] = set()

@@ -135,7 +135,8 @@ def test_redis_killed_and_restarted_mid_job_every_job_ends_once(gateway, gateway
         first_step(http, short["job_id"])
         redis_aof.kill()
         try:
-            held = f"job {short['job_id']} ended completed; the store is unreachable"
+            # Its image (a url result) waits for the file store, which is Redis too; then its end.
+            held = f"job {short['job_id']}: its result waits for the file store"
             assert wait_for(lambda: held in gateway.log(), timeout=90), gateway.log()[-3000:]
             # The synchronous request gets a 503 that names its job, which goes on.
             code, retry_after, body = sync.result(timeout=30)
@@ -145,9 +146,13 @@ def test_redis_killed_and_restarted_mid_job_every_job_ends_once(gateway, gateway
     assert code == 503 and retry_after and body["error"]["code"] == "job_store_unavailable", body
     ids = [short["job_id"], *(j["job_id"] for j in running), body["error"]["job_id"]]
     with httpx.Client(base_url=gateway_b.url, timeout=60) as other:
-        # The end A held is written within the recorder's backoff (at most 5 s) of the restart.
-        assert wait_status(other, short["job_id"], TERMINAL, timeout=20)["status"] == "completed"
-        assert time.monotonic() - restarted < 20
+        # The result and end A held are written within the backoff (at most 5 s) of the restart,
+        # and its image is served by the other gateway.
+        done = wait_status(other, short["job_id"], TERMINAL, timeout=20)
+        assert done["status"] == "completed" and time.monotonic() - restarted < 20, done
+        url = done["result"]["images"][0]["url"]
+        image = other.get(f"/v1/files/{url.rsplit('/', 1)[-1]}")
+        assert image.status_code == 200 and image.content.startswith(b"\x89PNG")
         for job_id in ids:  # every job: one terminal event, seen from both gateways, run once
             job = wait_status(other, job_id, TERMINAL, timeout=90)
             assert job["status"] == "completed" and job["attempts"] == 1, job
@@ -172,6 +177,7 @@ def test_redis_stopped_calls_are_503_within_seconds_and_jobs_end_once_after(http
             ("DELETE", f"/v1/jobs/{running[1]['job_id']}"),
             ("GET", f"/v1/jobs/{running[0]['job_id']}/events"),
             ("GET", f"/v1/jobs/{running[0]['job_id']}/trace"),
+            ("GET", "/v1/files/file-" + "a" * 24),  # result files live in the same Redis
         ):
             started = time.monotonic()
             r = http.request(method, path)
