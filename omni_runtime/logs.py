@@ -4,15 +4,16 @@ A request's text reaches logs through libraries we do not control (a tokenizer t
 part of a prompt it cut, an exception message that embeds its input). A prompt may be 100 000
 characters, so one request could write that much per log line. :func:`bound_log_messages`
 replaces the process's log-record factory so every record, whichever library made it, renders at
-most :data:`MAX_MESSAGE_CHARS` characters, and says how long it was.
+most about :data:`MAX_MESSAGE_CHARS` characters: its beginning and its end (where a traceback
+says what went wrong), with a note of how much was cut between them.
 """
 
 from __future__ import annotations
 
 import logging
 
-#: Characters of a log message kept; the rest is replaced by a note of the message's length.
-MAX_MESSAGE_CHARS = 400
+#: Characters of a log message kept: half from its start, half from its end.
+MAX_MESSAGE_CHARS = 2000
 
 
 class BoundedLogRecord(logging.LogRecord):
@@ -22,7 +23,8 @@ class BoundedLogRecord(logging.LogRecord):
         message = super().getMessage()
         if len(message) <= MAX_MESSAGE_CHARS:
             return message
-        return f"{message[:MAX_MESSAGE_CHARS]}... [{len(message)} characters, cut]"
+        half = MAX_MESSAGE_CHARS // 2
+        return f"{message[:half]} [... {len(message) - 2 * half} characters cut ...] {message[-half:]}"
 
 
 def bound_log_messages() -> None:

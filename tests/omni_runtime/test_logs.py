@@ -19,22 +19,26 @@ def bounded():
     logging.setLogRecordFactory(factory)
 
 
-def test_a_long_message_from_any_logger_is_cut_and_says_its_length(bounded, caplog):
-    prompt = "lighthouse " * 10_000
+def test_a_long_message_from_any_logger_keeps_its_ends_and_says_what_was_cut(bounded, caplog):
+    prompt = " ".join(f"w{i:05d}" for i in range(10_000))
     with caplog.at_level(logging.WARNING):
         logging.getLogger("diffusers.pipelines.some_pipeline").warning("truncated: %s", prompt)
     (record,) = caplog.records
     assert isinstance(record, BoundedLogRecord)
     message = record.getMessage()
     assert len(message) < MAX_MESSAGE_CHARS + 60
-    assert message.endswith(f"[{len('truncated: ') + len(prompt)} characters, cut]")
+    assert message.startswith("truncated: w00000") and message.endswith("w09999")  # a traceback's last line stays
+    assert "w05000" not in message
+    assert f"[... {len('truncated: ') + len(prompt) - MAX_MESSAGE_CHARS} characters cut ...]" in message
 
 
-@given(st.text(max_size=2 * MAX_MESSAGE_CHARS))
-def test_messages_are_kept_whole_up_to_the_bound_and_cut_past_it(text):
+@given(st.text(max_size=2 * MAX_MESSAGE_CHARS + 10))
+def test_messages_are_kept_whole_up_to_the_bound_and_cut_in_the_middle_past_it(text):
     record = BoundedLogRecord("x", logging.INFO, __file__, 1, "%s", (text,), None)
     message = record.getMessage()
+    half = MAX_MESSAGE_CHARS // 2
     if len(text) <= MAX_MESSAGE_CHARS:
         assert message == text
     else:
-        assert message.startswith(text[:MAX_MESSAGE_CHARS]) and message.endswith(f"[{len(text)} characters, cut]")
+        assert message.startswith(text[:half]) and message.endswith(text[-half:])
+        assert f"[... {len(text) - 2 * half} characters cut ...]" in message
