@@ -307,6 +307,8 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
     ``size_multiple``: height and width must be multiples of it; ``size_multiple_reason`` says why
     in the model's terms (VAE scale factor, latent packing, patch size).
     ``max_pixels``: height * width may not exceed it (``native_size``, when known, is named).
+    ``min_inference_steps`` / ``max_inference_steps``: the step counts the model's scheduler runs
+    (``inference_steps_reason`` names it); found at load by running the scheduler.
     ``lora``: whether the stage's model takes LoRA adapters; a stage that does not say so refuses them.
     ``image_inputs``: which of ``image`` / ``mask_image`` the stage takes (absent: none), with
     ``image_inputs_note`` saying why one is not; ``requires_image``: a pipeline that only edits
@@ -319,6 +321,7 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
         )
     has_image = params.get("image") is not None
     check_image_capability(params, constraints)
+    check_step_range(params.get("num_inference_steps"), constraints)
     h = params.get("height")
     w = params.get("width")
     multiple = constraints.get("size_multiple")
@@ -346,6 +349,19 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
             f"pixels (engine_args.max_pixels{made_for})",
             param="size",
         )
+
+
+def check_step_range(steps: int | None, constraints: dict[str, Any]) -> None:
+    """Refuse a step count the stage's scheduler cannot run (it would fail mid-denoise)."""
+    fewest, most = constraints.get("min_inference_steps"), constraints.get("max_inference_steps")
+    if steps is None or fewest is None or most is None or fewest <= steps <= most:
+        return
+    scheduler = constraints.get("inference_steps_reason") or "the model's scheduler"
+    raise InvalidRequestError(
+        f"invalid sampling param `num_inference_steps`: {steps} is outside {fewest}..{most}, the step counts "
+        f"this stage's {scheduler} can run",
+        param="num_inference_steps",
+    )
 
 
 def check_image_capability(params: dict[str, Any], constraints: dict[str, Any]) -> None:

@@ -163,3 +163,17 @@ async def test_a_lone_sequential_client_is_not_held_longer_and_longer(engine):
     # Each hold is the window learned from the bursts of the tests before (the floor, 5 ms, on a
     # fresh engine), not 3 x the previous request's hold and forward.
     assert max(holds) <= holds[0] + 50, holds
+
+
+async def test_one_step_past_the_schedulers_limit_is_refused_before_the_queue(engine):
+    # tiny-sd's DDIM (steps_offset 1) indexes past its 1,000 training timesteps at 1,000 steps:
+    # that was an IndexError mid-forward (StageExecutionError). That 999 runs through the pipeline
+    # is shown on the runner itself (test_diffusion.py), where one torch thread makes it 10x cheaper.
+    with pytest.raises(InvalidRequestError) as err:
+        await run(engine, "too many", num_inference_steps=1000)
+    assert err.value.param == "num_inference_steps" and "1..999" in str(err.value)
+    [before] = await engine.collective_rpc("get_stats")
+    assert (await run(engine, "fine", seed=1)).images
+    [after] = await engine.collective_rpc("get_stats")  # served on, nothing failed
+    assert after.result["requests_served"] == before.result["requests_served"] + 1
+    assert after.result["requests_failed"] == before.result["requests_failed"]
