@@ -150,8 +150,11 @@ def _is_pil(value: Any) -> bool:
 
 
 def _as_uint8(value: Any, name: str, what: str) -> np.ndarray:
-    """``value`` (a numpy array or a PIL image) as a uint8 numpy array of its own."""
+    """``value`` (a numpy array or a PIL image) as a uint8 numpy array, not yet copied: a view of
+    the caller's array, so that no check before the copy reads a pixel. A PIL image's size is
+    checked before it is converted (which copies)."""
     if _is_pil(value):
+        _check_sides(name, *value.size)
         value = np.asarray(value.convert("L" if name == "mask_image" else "RGB"))
     if not isinstance(value, np.ndarray):
         raise InvalidRequestError(
@@ -163,8 +166,20 @@ def _as_uint8(value: Any, name: str, what: str) -> np.ndarray:
         raise InvalidRequestError(
             f"invalid sampling param `{name}`: expected a uint8 array ({what}), got dtype {value.dtype}", param=name
         )
-    # A copy: the caller may reuse its array while the request is queued.
-    return np.array(value, dtype=np.uint8, order="C", copy=True)
+    return value
+
+
+def _check_sides(name: str, w: int, h: int) -> None:
+    if not (MIN_IMAGE_SIDE <= h <= MAX_IMAGE_SIDE and MIN_IMAGE_SIDE <= w <= MAX_IMAGE_SIDE):
+        raise InvalidRequestError(
+            f"invalid sampling param `{name}`: each side must be {MIN_IMAGE_SIDE}..{MAX_IMAGE_SIDE} pixels, "
+            f"got {w}x{h}",
+            param=name,
+        )
+    if h * w > MAX_IMAGE_PIXELS:
+        raise InvalidRequestError(
+            f"invalid sampling param `{name}`: {w}x{h} exceeds {MAX_IMAGE_PIXELS} pixels", param=name
+        )
 
 
 def check_image_params(merged: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
@@ -189,15 +204,7 @@ def check_image_params(merged: dict[str, Any], given: dict[str, Any]) -> dict[st
             param="image",
         )
     h, w = image.shape[:2]
-    if not (MIN_IMAGE_SIDE <= h <= MAX_IMAGE_SIDE and MIN_IMAGE_SIDE <= w <= MAX_IMAGE_SIDE):
-        raise InvalidRequestError(
-            f"invalid sampling param `image`: each side must be {MIN_IMAGE_SIDE}..{MAX_IMAGE_SIDE} pixels, got {w}x{h}",
-            param="image",
-        )
-    if h * w > MAX_IMAGE_PIXELS:
-        raise InvalidRequestError(
-            f"invalid sampling param `image`: {w}x{h} exceeds {MAX_IMAGE_PIXELS} pixels", param="image"
-        )
+    _check_sides("image", w, h)
     for name, side in (("height", h), ("width", w)):
         asked = given.get(name)
         if asked is not None and asked != side:
@@ -206,28 +213,30 @@ def check_image_params(merged: dict[str, Any], given: dict[str, Any]) -> dict[st
                 "the input's size: resize the image, or leave height and width out",
                 param=name,
             )
-    out: dict[str, Any] = {"image": image, "height": h, "width": w}
+    # Every size is checked before the copy: a huge view (np.broadcast_to costs no memory) is
+    # refused without reading it. A copy, as the caller may reuse its array while the request waits.
+    out: dict[str, Any] = {"image": np.array(image, dtype=np.uint8, order="C", copy=True), "height": h, "width": w}
     if mask is not None:
         mask = _as_uint8(mask, "mask_image", "uint8 HxW, HxWx1 or HxWx3")
-        if mask.ndim == 3 and mask.shape[2] == 1:
-            mask = mask[:, :, 0]
-        elif mask.ndim == 3 and mask.shape[2] == 3:
-            # Luminance, as PIL's "L" conversion (ITU-R 601-2) that pipelines apply to masks.
-            weights = np.array([299, 587, 114], dtype=np.uint32)
-            mask = ((mask.astype(np.uint32) @ weights + 500) // 1000).astype(np.uint8)
-        if mask.ndim != 2:
+        if mask.ndim not in (2, 3) or (mask.ndim == 3 and mask.shape[2] not in (1, 3)):
             raise InvalidRequestError(
                 f"invalid sampling param `mask_image`: expected shape (height, width), (height, width, 1) or "
                 f"(height, width, 3), got {mask.shape}",
                 param="mask_image",
             )
-        if mask.shape != (h, w):
+        if mask.shape[:2] != (h, w):
             raise InvalidRequestError(
                 f"invalid sampling param `mask_image`: its size {mask.shape[1]}x{mask.shape[0]} differs from "
                 f"the image's {w}x{h}",
                 param="mask_image",
             )
-        out["mask_image"] = np.ascontiguousarray(mask)
+        if mask.ndim == 3 and mask.shape[2] == 1:
+            mask = mask[:, :, 0]
+        elif mask.ndim == 3:
+            # Luminance, as PIL's "L" conversion (ITU-R 601-2) that pipelines apply to masks.
+            weights = np.array([299, 587, 114], dtype=np.uint32)
+            mask = ((mask.astype(np.uint32) @ weights + 500) // 1000).astype(np.uint8)
+        out["mask_image"] = np.array(mask, dtype=np.uint8, order="C", copy=True)
     return out
 
 
