@@ -368,6 +368,9 @@ class StageWorker:
         # 4) Final outputs (errors included) of those that left; nothing for the aborted ones.
         outputs: list[StageOutput] = []
         for rid in finished:
+            # A request whose partial output could not be sent was marked released (_emit): its
+            # mark goes with it, or every such request would stay in the set for the replica's life.
+            self._released.discard(rid)
             metrics = done.get(rid)
             if metrics is None:
                 continue

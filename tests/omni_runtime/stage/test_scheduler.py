@@ -705,6 +705,17 @@ _events = st.lists(
 )
 
 
+def schedule_or_finish(s: RequestScheduler, running: Wave | None, op: str) -> Wave | None:
+    """Carry out a random sequence's ``schedule`` or ``finish``; returns the wave now running."""
+    if op == "schedule" and running is None:
+        decision = s.schedule()
+        return decision if isinstance(decision, Wave) else None
+    if op == "finish" and running is not None:
+        s.finish(running.batch_id)
+        return None
+    return running
+
+
 @settings(max_examples=300, deadline=None)
 @given(events=_events, max_wait_ms=st.sampled_from([0.0, 4.0, 20.0, 60_000.0, 1e300]))
 def test_the_learned_window_stays_within_its_bounds_for_any_arrivals(events: list, max_wait_ms: float) -> None:
@@ -716,12 +727,7 @@ def test_the_learned_window_stays_within_its_bounds_for_any_arrivals(events: lis
         if op == "add":
             clock.advance(gap_ms)
             s.add(f"r{i}", "k")
-        elif op == "schedule" and running is None:
-            decision = s.schedule()
-            running = decision if isinstance(decision, Wave) else None
-        elif op == "finish" and running is not None:
-            s.finish(running.batch_id)
-            running = None
+        running = schedule_or_finish(s, running, op)
         assert floor <= s.stable_window_ms <= max_wait_ms
 
 
@@ -773,3 +779,30 @@ def test_the_window_never_grows_from_its_own_holds(
     floor = min(max_wait_ms / 4.0, 5.0)
     own_gaps = 3.0 * max(*thinks_ms, *offsets_ms)
     assert max(windows) <= max(floor, min(own_gaps, max_wait_ms)) * (1 + 1e-9) + 1e-6
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=_ops)
+def test_nothing_of_a_request_stays_after_it_ends(ops: list) -> None:
+    """Waves that finish and requests aborted waiting or running (a deadline is an abort in the
+    stage): once every request has ended, the scheduler holds nothing of any of them."""
+    clock = FakeClock()
+    s = RequestScheduler(4, 20.0, clock=clock)
+    added = 0
+    running: Wave | None = None
+    for op, arg in ops:
+        if op == "add":
+            s.add(f"r{added}", arg)
+            added += 1
+        elif op == "abort" and added:
+            s.abort(f"r{arg % added}")
+        elif op == "tick":
+            clock.advance(arg)
+        running = schedule_or_finish(s, running, op)
+    for i in range(added):
+        s.abort(f"r{i}")
+    if running is not None:
+        s.finish(running.batch_id)
+    assert s.schedule() is None
+    assert s._waiting == {} and s._by_key == {} and s._priorities == {} and s._aborted == set()
+    assert s._running is None and s.num_waiting == 0
