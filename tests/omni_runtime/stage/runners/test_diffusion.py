@@ -67,6 +67,10 @@ def test_load_facts(runner: DiffusionRunner) -> None:
         "image_inputs": ["image", "mask_image"],  # img2img and inpainting forms of the same model
         "default_strength": {"image": 0.8, "inpaint": 1.0},
         "lora": True,
+        # DDIM with steps_offset 1 indexes past its 1,000 training timesteps at 1,000 steps.
+        "min_inference_steps": 1,
+        "max_inference_steps": 999,
+        "inference_steps_reason": "DDIMScheduler (1000 training timesteps)",
     }
 
 
