@@ -7,17 +7,83 @@ path, e.g. ``tiny-sd.yaml: stage_args[0].engine_args.max_num_seqs: Expected `int
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
 
-from omni_runtime.exceptions import ConfigError
+from omni_runtime.exceptions import ConfigError, InvalidRequestError
 from omni_runtime.params import LORA_NAME_PATTERN, check_lora_path
 
 _Struct = {"kw_only": True, "forbid_unknown_fields": True}
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The type and range of one numeric field, declared once: the deploy YAML validates the field
+    with :attr:`annotated`, and a control call that sets it at run time with :meth:`check`, so both
+    accept exactly the same values."""
+
+    type: type[int] | type[float]
+    ge: float | None = None
+    le: float | None = None
+    doc: str = ""
+
+    @property
+    def annotated(self) -> Any:
+        """The field's type for a msgspec Struct (what ``EngineArgs`` declares)."""
+        limits = {k: v for k, v in (("ge", self.ge), ("le", self.le)) if v is not None}
+        return Annotated[self.type, msgspec.Meta(**limits, description=self.doc)]
+
+    def check(self, value: Any, param: str) -> int | float:
+        """``value`` as the field's type, or InvalidRequestError naming ``param`` and the bound.
+        Strict: no bool for a number, no float for an int; NaN is out of every range."""
+        try:
+            return msgspec.convert(value, self.annotated, strict=True)
+        except msgspec.ValidationError as e:
+            message = str(e)
+            if "got" not in message:  # a range error: say what was given (NaN fails every bound)
+                message += f", got {'nan' if isinstance(value, float) and math.isnan(value) else repr(value)}"
+            raise InvalidRequestError(f"`{param}`: {message}", param=param) from None
+
+
+#: Bounds of the fields that both a deploy YAML (``engine_args``) and a control call may set; one
+#: declaration for both paths. A field that gains a run-time setter is declared here, and
+#: :data:`CONTROL_CALL_FIELDS` names it.
+FIELD_BOUNDS: dict[str, Bounds] = {
+    "max_num_seqs": Bounds(int, ge=1, le=1024, doc="Most requests fused into one forward()."),
+    "request_batch_max_wait_ms": Bounds(
+        float, ge=0, le=60_000, doc="Extra admission wait (ms) before a new wave; 0 dispatches at once."
+    ),
+}
+MaxNumSeqs = FIELD_BOUNDS["max_num_seqs"].annotated
+RequestBatchMaxWaitMs = FIELD_BOUNDS["request_batch_max_wait_ms"].annotated
+
+#: The fields each built-in control call takes; their bounds are those of :data:`FIELD_BOUNDS`.
+CONTROL_CALL_FIELDS: dict[str, tuple[str, ...]] = {
+    "set_batching": ("max_num_seqs", "request_batch_max_wait_ms"),
+}
+
+
+def check_control_kwargs(method: str, kwargs: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The keyword arguments of a built-in control call, checked against the YAML's bounds; another
+    method's (a runner's ``rpc_*``) are returned as they are, for its own checks. Raises
+    InvalidRequestError naming ``prefix`` + the field (``kwargs.max_num_seqs``) and its bound."""
+    fields = CONTROL_CALL_FIELDS.get(method)
+    if fields is None:
+        return kwargs
+    checked: dict[str, Any] = {}
+    for name, value in kwargs.items():
+        if name not in fields:
+            raise InvalidRequestError(
+                f"`{prefix}{name}`: {method} takes only {', '.join(fields)}", param=f"{prefix}{name}"
+            )
+        checked[name] = None if value is None else FIELD_BOUNDS[name].check(value, f"{prefix}{name}")
+    return checked
 
 
 #: Where a stage's replicas run: ``process`` (a spawned process each, ZMQ and shared memory),
@@ -104,11 +170,11 @@ class TorchCompile(msgspec.Struct, **_Struct):
 class EngineArgs(msgspec.Struct, **_Struct):
     """Scheduling knobs of one stage, and how a diffusion stage runs its model."""
 
-    #: Most requests fused into one forward().
-    max_num_seqs: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    #: Most requests fused into one forward(); 1..1024 (:data:`FIELD_BOUNDS`, as ``set_batching``).
+    max_num_seqs: MaxNumSeqs = 1
     #: Extra admission wait (ms) before a new wave, to let compatible requests join it.
-    #: 0 dispatches the first request at once.
-    request_batch_max_wait_ms: Annotated[float, msgspec.Meta(ge=0, le=60_000)] = 0.0
+    #: 0 dispatches the first request at once; at most 60,000 (:data:`FIELD_BOUNDS`).
+    request_batch_max_wait_ms: RequestBatchMaxWaitMs = 0.0
     #: Most requests waiting in this replica's queue; past it a request is refused (QueueFullError).
     max_queue_len: Annotated[int, msgspec.Meta(ge=1)] = 4096
     #: torch dtype of the model weights (``float32``, ``float16``, ``bfloat16``).

@@ -151,8 +151,11 @@ def _is_pil(value: Any) -> bool:
 
 
 def _as_uint8(value: Any, name: str, what: str) -> np.ndarray:
-    """``value`` (a numpy array or a PIL image) as a uint8 numpy array of its own."""
+    """``value`` (a numpy array or a PIL image) as a uint8 numpy array, not yet copied: a view of
+    the caller's array, so that no check before the copy reads a pixel. A PIL image's size is
+    checked before it is converted (which copies)."""
     if _is_pil(value):
+        _check_sides(name, *value.size)
         value = np.asarray(value.convert("L" if name == "mask_image" else "RGB"))
     if not isinstance(value, np.ndarray):
         raise InvalidRequestError(
@@ -164,8 +167,20 @@ def _as_uint8(value: Any, name: str, what: str) -> np.ndarray:
         raise InvalidRequestError(
             f"invalid sampling param `{name}`: expected a uint8 array ({what}), got dtype {value.dtype}", param=name
         )
-    # A copy: the caller may reuse its array while the request is queued.
-    return np.array(value, dtype=np.uint8, order="C", copy=True)
+    return value
+
+
+def _check_sides(name: str, w: int, h: int) -> None:
+    if not (MIN_IMAGE_SIDE <= h <= MAX_IMAGE_SIDE and MIN_IMAGE_SIDE <= w <= MAX_IMAGE_SIDE):
+        raise InvalidRequestError(
+            f"invalid sampling param `{name}`: each side must be {MIN_IMAGE_SIDE}..{MAX_IMAGE_SIDE} pixels, "
+            f"got {w}x{h}",
+            param=name,
+        )
+    if h * w > MAX_IMAGE_PIXELS:
+        raise InvalidRequestError(
+            f"invalid sampling param `{name}`: {w}x{h} exceeds {MAX_IMAGE_PIXELS} pixels", param=name
+        )
 
 
 def check_image_params(merged: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
@@ -190,15 +205,7 @@ def check_image_params(merged: dict[str, Any], given: dict[str, Any]) -> dict[st
             param="image",
         )
     h, w = image.shape[:2]
-    if not (MIN_IMAGE_SIDE <= h <= MAX_IMAGE_SIDE and MIN_IMAGE_SIDE <= w <= MAX_IMAGE_SIDE):
-        raise InvalidRequestError(
-            f"invalid sampling param `image`: each side must be {MIN_IMAGE_SIDE}..{MAX_IMAGE_SIDE} pixels, got {w}x{h}",
-            param="image",
-        )
-    if h * w > MAX_IMAGE_PIXELS:
-        raise InvalidRequestError(
-            f"invalid sampling param `image`: {w}x{h} exceeds {MAX_IMAGE_PIXELS} pixels", param="image"
-        )
+    _check_sides("image", w, h)
     for name, side in (("height", h), ("width", w)):
         asked = given.get(name)
         if asked is not None and asked != side:
@@ -207,28 +214,30 @@ def check_image_params(merged: dict[str, Any], given: dict[str, Any]) -> dict[st
                 "the input's size: resize the image, or leave height and width out",
                 param=name,
             )
-    out: dict[str, Any] = {"image": image, "height": h, "width": w}
+    # Every size is checked before the copy: a huge view (np.broadcast_to costs no memory) is
+    # refused without reading it. A copy, as the caller may reuse its array while the request waits.
+    out: dict[str, Any] = {"image": np.array(image, dtype=np.uint8, order="C", copy=True), "height": h, "width": w}
     if mask is not None:
         mask = _as_uint8(mask, "mask_image", "uint8 HxW, HxWx1 or HxWx3")
-        if mask.ndim == 3 and mask.shape[2] == 1:
-            mask = mask[:, :, 0]
-        elif mask.ndim == 3 and mask.shape[2] == 3:
-            # Luminance, as PIL's "L" conversion (ITU-R 601-2) that pipelines apply to masks.
-            weights = np.array([299, 587, 114], dtype=np.uint32)
-            mask = ((mask.astype(np.uint32) @ weights + 500) // 1000).astype(np.uint8)
-        if mask.ndim != 2:
+        if mask.ndim not in (2, 3) or (mask.ndim == 3 and mask.shape[2] not in (1, 3)):
             raise InvalidRequestError(
                 f"invalid sampling param `mask_image`: expected shape (height, width), (height, width, 1) or "
                 f"(height, width, 3), got {mask.shape}",
                 param="mask_image",
             )
-        if mask.shape != (h, w):
+        if mask.shape[:2] != (h, w):
             raise InvalidRequestError(
                 f"invalid sampling param `mask_image`: its size {mask.shape[1]}x{mask.shape[0]} differs from "
                 f"the image's {w}x{h}",
                 param="mask_image",
             )
-        out["mask_image"] = np.ascontiguousarray(mask)
+        if mask.ndim == 3 and mask.shape[2] == 1:
+            mask = mask[:, :, 0]
+        elif mask.ndim == 3:
+            # Luminance, as PIL's "L" conversion (ITU-R 601-2) that pipelines apply to masks.
+            weights = np.array([299, 587, 114], dtype=np.uint32)
+            mask = ((mask.astype(np.uint32) @ weights + 500) // 1000).astype(np.uint8)
+        out["mask_image"] = np.array(mask, dtype=np.uint8, order="C", copy=True)
     return out
 
 
@@ -308,6 +317,8 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
     ``size_multiple``: height and width must be multiples of it; ``size_multiple_reason`` says why
     in the model's terms (VAE scale factor, latent packing, patch size).
     ``max_pixels``: height * width may not exceed it (``native_size``, when known, is named).
+    ``min_inference_steps`` / ``max_inference_steps``: the step counts the model's scheduler runs
+    (``inference_steps_reason`` names it); found at load by running the scheduler.
     ``lora``: whether the stage's model takes LoRA adapters; a stage that does not say so refuses them.
     ``image_inputs``: which of ``image`` / ``mask_image`` the stage takes (absent: none), with
     ``image_inputs_note`` saying why one is not; ``requires_image``: a pipeline that only edits
@@ -320,6 +331,7 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
         )
     has_image = params.get("image") is not None
     check_image_capability(params, constraints)
+    check_step_range(params.get("num_inference_steps"), constraints)
     h = params.get("height")
     w = params.get("width")
     multiple = constraints.get("size_multiple")
@@ -347,6 +359,19 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
             f"pixels (engine_args.max_pixels{made_for})",
             param="size",
         )
+
+
+def check_step_range(steps: int | None, constraints: dict[str, Any]) -> None:
+    """Refuse a step count the stage's scheduler cannot run (it would fail mid-denoise)."""
+    fewest, most = constraints.get("min_inference_steps"), constraints.get("max_inference_steps")
+    if steps is None or fewest is None or most is None or fewest <= steps <= most:
+        return
+    scheduler = constraints.get("inference_steps_reason") or "the model's scheduler"
+    raise InvalidRequestError(
+        f"invalid sampling param `num_inference_steps`: {steps} is outside {fewest}..{most}, the step counts "
+        f"this stage's {scheduler} can run",
+        param="num_inference_steps",
+    )
 
 
 def check_image_capability(params: dict[str, Any], constraints: dict[str, Any]) -> None:

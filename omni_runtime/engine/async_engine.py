@@ -35,6 +35,7 @@ from typing import Any
 import janus
 import msgspec
 
+from omni_runtime.config import check_control_kwargs
 from omni_runtime.engine.orchestrator import Orchestrator
 from omni_runtime.exceptions import (
     DuplicateRequestError,
@@ -416,6 +417,8 @@ class AsyncOmniEngine:
             raise InvalidRequestError("kwargs must be a mapping with string keys", param="kwargs")
         check_encodable(list(args), "args")
         check_encodable(dict(kwargs or {}), "kwargs")
+        # A built-in call's fields within the deploy YAML's bounds (set_batching: max_num_seqs...).
+        kwargs = check_control_kwargs(method, dict(kwargs or {}), prefix="kwargs.")
         if stage_ids is not None:
             if isinstance(stage_ids, str | bytes) or not isinstance(stage_ids, Sequence):
                 raise InvalidRequestError("stage_ids must be a list of stage ids", param="stage_ids")

@@ -23,7 +23,14 @@ is idle, runs the :class:`Wave` it gets in one fused ``forward()``, then calls `
 The stable window, unless fixed (``stable_window_ms``), adapts to the arrivals: it is
 ``_GAP_MARGIN`` times the longest gap between consecutive arrivals among the last ``_GAP_HISTORY`` gaps
 that were shorter than ``max_wait_ms`` (gaps inside a burst; longer ones are pauses between bursts),
-never below ``min(max_wait_ms / 4, 5.0)`` ms and never above ``max_wait_ms``. Requests of one
+never below ``min(max_wait_ms / 4, 5.0)`` ms and never above ``max_wait_ms``. A gap across which a
+wave finished is not learned from: a client that sends its next request when its previous one is
+answered arrives a hold, a forward and its own think time after that request, and learning that gap
+would hold the next request longer, whose answer comes later, whose successor's gap is longer: the
+window would feed on its own holds (a lone client waited 8, 25, then 76 s with a large wait). A gap
+with no finish inside is bounded by what the scheduler does not control: an arrival that reacts to
+a finish comes at most its client's think time after the latest arrival before it, and any other
+arrival does not depend on the scheduler at all. Requests of one
 ``generate()`` over a prompt list reach a replica well under a millisecond apart, and the floor keeps
 what a lone request pays small. Concurrent HTTP clients arrive with jitter (connection set-up, parsing,
 a busy machine): one late arrival of a burst that the floor missed teaches the window the gap, and the
@@ -157,6 +164,8 @@ class RequestScheduler(BatchSize):
         self._last_arrival = -math.inf
         #: Recent gaps between consecutive arrivals (s), for the adaptive stable window.
         self._gaps: deque[float] = deque(maxlen=_GAP_HISTORY)
+        #: A wave finished since the latest arrival: the next gap spans our own hold and forward.
+        self._finished_since_arrival = False
         self._next_batch_id = 1
         self._requests_scheduled = 0
         self._histogram: dict[int, int] = {}
@@ -174,8 +183,11 @@ class RequestScheduler(BatchSize):
         self._priorities[pending.priority] = self._priorities.get(pending.priority, 0) + 1
         self._by_key.setdefault(key, {})[request_id] = pending
         if self._last_arrival > -math.inf:
-            self._gaps.append(now - self._last_arrival)
+            # A gap across a finished wave still takes its place in the history (so sporadic
+            # traffic ages the burst gaps out), as a pause that never counts as inside a burst.
+            self._gaps.append(math.inf if self._finished_since_arrival else now - self._last_arrival)
         self._last_arrival = now
+        self._finished_since_arrival = False
 
     def abort(self, request_id: str) -> Literal["waiting", "running"] | None:
         """Drop a waiting request, or mark a running one for :meth:`is_aborted`; None if unknown."""
@@ -227,6 +239,7 @@ class RequestScheduler(BatchSize):
         self._running = None
         self._aborted.clear()
         self._idle_since = self._clock()
+        self._finished_since_arrival = True
         return list(ids)
 
     def set_config(self, *, max_num_seqs: int | None = None, max_wait_ms: float | None = None) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from omni_runtime.config import StageConfig
+from omni_runtime.config import StageConfig, check_control_kwargs
 from omni_runtime.exceptions import (
     InvalidRequestError,
     OmniError,
@@ -368,6 +368,9 @@ class StageWorker:
         # 4) Final outputs (errors included) of those that left; nothing for the aborted ones.
         outputs: list[StageOutput] = []
         for rid in finished:
+            # A request whose partial output could not be sent was marked released (_emit): its
+            # mark goes with it, or every such request would stay in the set for the replica's life.
+            self._released.discard(rid)
             metrics = done.get(rid)
             if metrics is None:
                 continue
@@ -471,7 +474,7 @@ class StageWorker:
         if method == "get_stats":
             return self.stats()
         if method == "set_batching":
-            return self._set_batching(**kwargs)
+            return self._set_batching(kwargs)
         if method == "sleep":
             # Asleep first: from now on requests are refused and waves not yet begun fail with
             # StageAsleepError. The release runs on the forward thread, after the running wave.
@@ -490,18 +493,12 @@ class StageWorker:
             raise RpcError(f"unknown control method {method!r}")
         return await loop.run_in_executor(self._executor, lambda: handler(*args, **kwargs))
 
-    def _set_batching(
-        self, max_num_seqs: int | None = None, request_batch_max_wait_ms: float | None = None
-    ) -> dict[str, Any]:
-        if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
-            raise InvalidRequestError(f"max_num_seqs: expected int >= 1, got {max_num_seqs!r}", param="max_num_seqs")
-        if request_batch_max_wait_ms is not None and (
-            not isinstance(request_batch_max_wait_ms, int | float) or request_batch_max_wait_ms < 0
-        ):
-            raise InvalidRequestError(
-                f"request_batch_max_wait_ms: expected a number >= 0, got {request_batch_max_wait_ms!r}",
-                param="request_batch_max_wait_ms",
-            )
+    def _set_batching(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        # The bounds of the deploy YAML (config.FIELD_BOUNDS): a control call cannot set what a
+        # config file could not. The caller checked already; this holds for any path to the stage.
+        checked = check_control_kwargs("set_batching", kwargs)
+        max_num_seqs = checked.get("max_num_seqs")
+        request_batch_max_wait_ms = checked.get("request_batch_max_wait_ms")
         self.scheduler.set_config(max_num_seqs=max_num_seqs, max_wait_ms=request_batch_max_wait_ms)
         self._wake.set()
         # max_num_seqs as applied: never above what the runner declared it can take.

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from omni_runtime import AsyncOmni
-from omni_runtime.exceptions import RequestAbortedError, StageExecutionError
+from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, StageExecutionError
 from tests.conftest import eventually, make_config
 
 DEFAULTS = {"num_inference_steps": 4, "guidance_scale": 7.5, "height": 64, "width": 64}
@@ -120,6 +120,60 @@ async def test_set_batching_changes_a_live_engine(engine):
     assert res.ok and res.result["max_num_seqs"] == 2
     outs = await asyncio.gather(*(run(engine, f"p{i}", seed=i) for i in range(4)))
     assert {o.metrics["batch_size"] for o in outs} == {2}
-    [bad] = await engine.collective_rpc("set_batching", kwargs={"max_num_seqs": 0})
-    assert not bad.ok and "max_num_seqs" in bad.error
+    with pytest.raises(InvalidRequestError, match="max_num_seqs"):
+        await engine.collective_rpc("set_batching", kwargs={"max_num_seqs": 0})
     await engine.collective_rpc("set_batching", kwargs={"max_num_seqs": 4})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "bound"),
+    [
+        ({"request_batch_max_wait_ms": 1e300}, "<= 60000"),
+        ({"max_num_seqs": 2**62}, "<= 1024"),
+        ({"request_batch_max_wait_ms": float("nan")}, ">= 0"),
+        ({"request_batch_max_wait_ms": -1}, ">= 0"),
+        ({"max_num_seqs": "4"}, "Expected `int`"),
+        ({"max_num_seqs": True}, "Expected `int`"),
+        ({"max_num_seqs": 4.0}, "Expected `int`"),
+        ({"request_batch_max_wait_ms": [1]}, "Expected `float`"),
+        ({"max_wait": 5}, "takes only max_num_seqs, request_batch_max_wait_ms"),
+    ],
+)
+async def test_set_batching_refuses_what_the_yaml_refuses_and_the_engine_serves_on(engine, kwargs, bound):
+    [(name, _)] = kwargs.items()
+    with pytest.raises(InvalidRequestError) as err:
+        await engine.collective_rpc("set_batching", kwargs=kwargs)
+    assert err.value.param == f"kwargs.{name}" and bound in str(err.value)
+    # Nothing was applied: the YAML's values still hold, and requests are served.
+    [res] = await engine.collective_rpc("set_batching", kwargs={})
+    assert res.result["max_num_seqs"] == 4 and res.result["request_batch_max_wait_ms"] == 200
+    out = await run(engine, "still serving", seed=1)
+    assert out.images and out.error is None
+
+
+async def test_a_lone_sequential_client_is_not_held_longer_and_longer(engine):
+    # The longest wait a config allows. Each request is sent when the one before is answered;
+    # the quiet window learned from gaps that held its own holds and forwards: 8, 25, 76 s.
+    await engine.collective_rpc("set_batching", kwargs={"request_batch_max_wait_ms": 60_000})
+    try:
+        outs = [await run(engine, f"alone {i}", seed=i, num_inference_steps=1) for i in range(4)]
+    finally:
+        await engine.collective_rpc("set_batching", kwargs={"request_batch_max_wait_ms": 200})
+    holds = [o.metrics["admission_wait_ms"] for o in outs]
+    # Each hold is the window learned from the bursts of the tests before (the floor, 5 ms, on a
+    # fresh engine), not 3 x the previous request's hold and forward.
+    assert max(holds) <= holds[0] + 50, holds
+
+
+async def test_one_step_past_the_schedulers_limit_is_refused_before_the_queue(engine):
+    # tiny-sd's DDIM (steps_offset 1) indexes past its 1,000 training timesteps at 1,000 steps:
+    # that was an IndexError mid-forward (StageExecutionError). That 999 runs through the pipeline
+    # is shown on the runner itself (test_diffusion.py), where one torch thread makes it 10x cheaper.
+    with pytest.raises(InvalidRequestError) as err:
+        await run(engine, "too many", num_inference_steps=1000)
+    assert err.value.param == "num_inference_steps" and "1..999" in str(err.value)
+    [before] = await engine.collective_rpc("get_stats")
+    assert (await run(engine, "fine", seed=1)).images
+    [after] = await engine.collective_rpc("get_stats")  # served on, nothing failed
+    assert after.result["requests_served"] == before.result["requests_served"] + 1
+    assert after.result["requests_failed"] == before.result["requests_failed"]

@@ -16,7 +16,13 @@ import torch
 
 from omni_runtime import AsyncOmni, Omni
 from omni_runtime.config import StageConfig
-from omni_runtime.exceptions import EngineDeadError, RequestAbortedError, RequestTimeoutError, StageDeadError
+from omni_runtime.exceptions import (
+    EngineDeadError,
+    InvalidRequestError,
+    RequestAbortedError,
+    RequestTimeoutError,
+    StageDeadError,
+)
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 from tests.conftest import make_config
@@ -190,3 +196,12 @@ def test_each_step_counts_as_progress_for_the_liveness_check(cache: Path) -> Non
         [stuck] = omni.generate(["stuck"], {"delay_ms": 30_000.0})
     assert isinstance(stuck.error, StageDeadError | EngineDeadError) and "progress" in str(stuck.error)
     assert time.monotonic() - start < 15
+
+
+async def test_the_schedulers_real_step_limit_runs_and_one_past_it_is_refused(engine):
+    # The step loop uses the same scheduler: 1,000 steps failed mid-denoise (IndexError) here too.
+    with pytest.raises(InvalidRequestError) as err:
+        await outputs(engine, "too many", num_inference_steps=1000)
+    assert err.value.param == "num_inference_steps" and "1..999" in str(err.value)
+    *_, out = await outputs(engine, "the most", seed=1, num_inference_steps=999, height=16, width=16, guidance_scale=0)
+    assert out.error is None and out.images[0].size == (16, 16) and out.metrics["steps_run"] == 999

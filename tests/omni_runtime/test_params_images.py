@@ -4,6 +4,10 @@ and the stage capabilities (READY constraints) that refuse inputs a stage cannot
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -172,3 +176,41 @@ def test_a_surrogate_key_in_a_nested_param_is_a_clear_error():
     with pytest.raises(InvalidRequestError, match="cannot be encoded as UTF-8") as info:
         resolve_params(DiffusionSamplingParams, {}, {"lora": {"\ud800": None}})
     assert info.value.param == "lora"
+
+
+#: In a fresh interpreter: the peak RSS (ru_maxrss, KiB) before and after a 30000x30000 image is
+#: refused. The image is a broadcast view (no memory of its own), so only a copy could raise the peak.
+_HUGE_VIEW = """
+import resource, sys
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.params import DiffusionSamplingParams, resolve_params
+
+huge = np.broadcast_to(np.zeros((1, 1, 3), np.uint8), (30000, 30000, 3))
+fine = np.zeros((64, 64, 3), np.uint8)
+huge_mask = np.broadcast_to(np.zeros((1, 1, 3), np.uint8), (30000, 30000, 3))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for params in ({"image": huge}, {"image": fine, "mask_image": huge_mask}):
+    try:
+        resolve_params(DiffusionSamplingParams, {}, params)
+    except InvalidRequestError as e:
+        print(e.param)
+    else:
+        sys.exit("accepted")
+print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_a_huge_image_view_is_refused_before_it_is_copied():
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", _HUGE_VIEW], cwd=repo, capture_output=True, text=True, timeout=120, check=True
+    )
+    image_param, mask_param, peaks = out.stdout.split("\n")[:3]
+    assert (image_param, mask_param) == ("image", "mask_image")
+    before, after = map(int, peaks.split())
+    assert after - before < 50 * 1024, f"peak RSS rose by {(after - before) // 1024} MiB"  # a copy: 2.6 GiB

@@ -34,6 +34,7 @@ from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, Runner
 from omni_runtime.stage.runners.diffusion_steps import StepFamily, StepState, step_family
 from omni_runtime.stage.runners.image_inputs import TEXT, PipelineForm, PipelineForms, image_call_kwargs, size_kwargs
 from omni_runtime.stage.runners.lora import LoraAdapters
+from omni_runtime.stage.runners.step_limits import step_constraints
 from omni_runtime.stage.runners.torch_common import WaveAborted, image_generators, release_memory, request_seeds
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,7 @@ class DiffusionRunner(StageRunner):
         self._size_multiple = 8
         self._size_reason = "the VAE scale factor"
         self._scheduler_name = ""
+        self._step_limits: dict[str, Any] = {}
         self._fixed_kwargs: dict[str, Any] = {}
         # Step execution: the family's step loop (None: unsupported, for _step_reason) and the
         # state of each admitted request.
@@ -218,6 +220,9 @@ class DiffusionRunner(StageRunner):
         self._size_reason = size_multiple_reason(pipe)
         self._native_size = native_size(pipe)
         self._scheduler_name = type(pipe.scheduler).__name__ if hasattr(pipe, "scheduler") else ""
+        # What num_inference_steps the scheduler really runs (DDIM / PNDM: 999 of the 1,000 that
+        # requests may ask for), reported at READY so a request past it is a 400, not a 500.
+        self._step_limits = step_constraints(pipe.scheduler) if hasattr(pipe, "scheduler") else {}
         # Pipeline options that would change what is asked for, turned off where a pipeline has them:
         # - clean_caption (PixArt) rewrites the prompt, and needs packages this runtime does not carry
         #   (without them it warns on every call and leaves the prompt alone anyway);
@@ -296,6 +301,7 @@ class DiffusionRunner(StageRunner):
             "max_pixels": self.max_pixels(),
             "native_size": list(self._native_size) if all(self._native_size) else None,
             "lora": self.loras.supported,
+            **self._step_limits,
         }
         if self._forms is not None:
             out.update(self._forms.constraints())

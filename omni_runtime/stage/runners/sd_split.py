@@ -35,6 +35,7 @@ from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, St
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
+from omni_runtime.stage.runners.step_limits import step_constraints
 
 if TYPE_CHECKING:
     import torch
@@ -198,6 +199,7 @@ class SDDenoiseRunner(_SplitRunner):
         self._scale = 8
         self._native_size: tuple[int | None, int | None] = (None, None)
         self._call_defaults: dict[str, Any] = {}
+        self._step_limits: dict[str, Any] = {}
 
     def _load_modules(self) -> None:
         from diffusers import StableDiffusionPipeline
@@ -225,12 +227,14 @@ class SDDenoiseRunner(_SplitRunner):
         self._call_defaults = {
             name: p.default for name, p in signature.parameters.items() if p.default is not inspect.Parameter.empty
         }
+        # The step counts the scheduler runs (DDIM / PNDM: 999 of the 1,000 requests may ask for).
+        self._step_limits = step_constraints(pipe.scheduler)
         self._pipe = pipe
 
     def constraints(self) -> dict[str, Any]:
         # The SD pipelines reject sizes that are not multiples of 8, whatever the VAE.
         limit = self.stage.engine_args.max_pixels or FALLBACK_MAX_PIXELS
-        return {"size_multiple": math.lcm(8, self._scale), "max_pixels": limit}
+        return {"size_multiple": math.lcm(8, self._scale), "max_pixels": limit, **self._step_limits}
 
     def batch_key(self, request: RunnerRequest) -> Hashable:
         """Shape- and guidance-sensitive params, defaults resolved, and the embeddings' shape."""

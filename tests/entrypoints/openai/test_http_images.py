@@ -165,6 +165,7 @@ def test_unknown_model_is_404(client):
         ({"prompt": "x" * 1_000_000}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps"),
+        ({"prompt": "x", "num_inference_steps": 1000}, "num_inference_steps"),  # past tiny-sd's DDIM: was a 500
         ({"prompt": "x", "guidance_scale": -1}, "guidance_scale"),
         ({"prompt": "x", "response_format": "gif"}, "response_format"),
         ({"prompt": "x", "style_preset": "anime"}, "style_preset"),
@@ -211,6 +212,10 @@ def test_collective_rpc_returns_one_result_per_replica(http, client):
     assert not unknown[0]["ok"] and "no_such_method" in unknown[0]["error"]
     bad = http.post("/v1/omni/collective_rpc", json={"method": "ping", "stage_ids": [7]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stage_ids"
+    # The deploy YAML's bounds hold for a control call too: 400 naming the kwarg and its bound.
+    huge = {"method": "set_batching", "kwargs": {"request_batch_max_wait_ms": 1e300}}
+    error = http.post("/v1/omni/collective_rpc", json=huge).json()["error"]
+    assert error["param"] == "kwargs.request_batch_max_wait_ms" and "<= 60000" in error["message"]
 
 
 def test_readyz_reports_stages_and_queues(http):

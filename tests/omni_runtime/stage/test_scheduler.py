@@ -673,3 +673,136 @@ def _checked_wave(s, meta, served, max_num_seqs, aging_s) -> list[str]:
     assert wave.request_ids == same_key[:max_num_seqs]
     s.finish(wave.batch_id)
     return wave.request_ids
+
+
+def test_a_lone_sequential_client_is_not_held_longer_and_longer(clock: FakeClock) -> None:
+    """Each request is sent when the one before is answered. A gap that spans our own hold and
+    forward is no gap inside a burst: with a huge wait the window fed on its own holds before
+    (held 5 ms, then 3 x that gap, then 3 x a longer one...)."""
+    s = make(clock, max_num_seqs=8, max_wait_ms=1e300)
+    holds = []
+    for i in range(6):
+        s.add(f"r{i}", "k")
+        wake = s.schedule()
+        assert isinstance(wake, float)
+        clock.ms = wake * 1000.0
+        wave = s.schedule()
+        assert isinstance(wave, Wave)
+        holds.append(wave.admission_wait_ms[f"r{i}"])
+        clock.advance(300)  # the forward
+        s.finish(wave.batch_id)
+        clock.advance(20)  # the client's own turnaround
+    assert holds == pytest.approx([5.0] * 6)
+
+
+_events = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.floats(0, 1e6)),
+        st.tuples(st.just("schedule"), st.none()),
+        st.tuples(st.just("finish"), st.none()),
+    ),
+    max_size=60,
+)
+
+
+def schedule_or_finish(s: RequestScheduler, running: Wave | None, op: str) -> Wave | None:
+    """Carry out a random sequence's ``schedule`` or ``finish``; returns the wave now running."""
+    if op == "schedule" and running is None:
+        decision = s.schedule()
+        return decision if isinstance(decision, Wave) else None
+    if op == "finish" and running is not None:
+        s.finish(running.batch_id)
+        return None
+    return running
+
+
+@settings(max_examples=300, deadline=None)
+@given(events=_events, max_wait_ms=st.sampled_from([0.0, 4.0, 20.0, 60_000.0, 1e300]))
+def test_the_learned_window_stays_within_its_bounds_for_any_arrivals(events: list, max_wait_ms: float) -> None:
+    clock = FakeClock()
+    s = RequestScheduler(4, max_wait_ms, clock=clock)
+    floor = min(max_wait_ms / 4.0, 5.0)
+    running: Wave | None = None
+    for i, (op, gap_ms) in enumerate(events):
+        if op == "add":
+            clock.advance(gap_ms)
+            s.add(f"r{i}", "k")
+        running = schedule_or_finish(s, running, op)
+        assert floor <= s.stable_window_ms <= max_wait_ms
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    offsets_ms=st.lists(st.floats(0, 50), min_size=1, max_size=4),
+    thinks_ms=st.lists(st.floats(0, 200), min_size=8, max_size=8),
+    exec_ms=st.floats(0.1, 5_000),
+    max_wait_ms=st.sampled_from([20.0, 60_000.0, 1e300]),
+)
+def test_the_window_never_grows_from_its_own_holds(
+    offsets_ms: list[float], thinks_ms: list[float], exec_ms: float, max_wait_ms: float
+) -> None:
+    """Closed-loop clients (each sends its next request ``think`` ms after its answer): however long
+    the forward and the wait, the window stays within 3 x the longest gap the clients make
+    themselves (think times, start offsets), never 3 x a gap that holds and forwards made."""
+    clock = FakeClock()
+    s = RequestScheduler(8, max_wait_ms, clock=clock)
+    arrivals = dict(enumerate(offsets_ms))  # client -> time (ms) of its next request
+    sent = dict.fromkeys(arrivals, 0)
+    running: tuple[Wave, float] | None = None
+    wake_ms = None
+    windows = []
+    while arrivals or running is not None or s.num_waiting:
+        if running is None:
+            decision = s.schedule()
+            if isinstance(decision, Wave):
+                running, wake_ms = (decision, clock.ms + exec_ms), None
+                continue
+            wake_ms = None if decision is None else decision * 1000.0
+        times = [*arrivals.values(), *([running[1]] if running else []), *([wake_ms] if wake_ms is not None else [])]
+        now = max(clock.ms, min(times))
+        clock.advance(now - clock.ms)
+        if running is not None and running[1] <= now:
+            wave, _ = running
+            s.finish(wave.batch_id)
+            running = None
+            for rid in wave.request_ids:
+                client = int(rid.split("-")[0])
+                if sent[client] < len(thinks_ms):
+                    arrivals[client] = now + thinks_ms[sent[client]]
+            continue
+        due = [c for c, t in arrivals.items() if t <= now]
+        for client in due:
+            del arrivals[client]
+            s.add(f"{client}-{sent[client]}", "k")
+            sent[client] += 1
+            windows.append(s.stable_window_ms)
+    floor = min(max_wait_ms / 4.0, 5.0)
+    own_gaps = 3.0 * max(*thinks_ms, *offsets_ms)
+    assert max(windows) <= max(floor, min(own_gaps, max_wait_ms)) * (1 + 1e-9) + 1e-6
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=_ops)
+def test_nothing_of_a_request_stays_after_it_ends(ops: list) -> None:
+    """Waves that finish and requests aborted waiting or running (a deadline is an abort in the
+    stage): once every request has ended, the scheduler holds nothing of any of them."""
+    clock = FakeClock()
+    s = RequestScheduler(4, 20.0, clock=clock)
+    added = 0
+    running: Wave | None = None
+    for op, arg in ops:
+        if op == "add":
+            s.add(f"r{added}", arg)
+            added += 1
+        elif op == "abort" and added:
+            s.abort(f"r{arg % added}")
+        elif op == "tick":
+            clock.advance(arg)
+        running = schedule_or_finish(s, running, op)
+    for i in range(added):
+        s.abort(f"r{i}")
+    if running is not None:
+        s.finish(running.batch_id)
+    assert s.schedule() is None
+    assert s._waiting == {} and s._by_key == {} and s._priorities == {} and s._aborted == set()
+    assert s._running is None and s.num_waiting == 0

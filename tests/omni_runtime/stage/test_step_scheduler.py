@@ -400,3 +400,48 @@ def test_random_sequences_keep_the_invariants(ops: list, cap: int) -> None:
                 with_state.discard(rid)
             last_run = plan.run
         assert s.num_running == len(with_state | leaving) and s.num_waiting == len(alive) - len(with_state - leaving)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["add", "abort", "step", "finish"]), st.integers(0, 30), st.integers(0, 3)),
+        max_size=120,
+    ),
+    max_num_seqs=st.integers(1, 4),
+)
+def test_nothing_of_a_request_stays_after_it_ends(ops: list, max_num_seqs: int) -> None:
+    """Requests that finish, fail, are aborted waiting or with state (an abort is also how a
+    deadline reaches the stage): once every one has ended, no per-request state is left."""
+    clock = FakeClock()
+    s = StepScheduler(max_num_seqs, clock=clock)
+    added = 0
+    plan: StepPlan | None = None
+
+    def end_step(finish_some: int) -> None:
+        nonlocal plan
+        finished = plan.run[:finish_some]  # done or failed: the runner's call
+        s.finish_step(plan.step_id, plan.run, finished)
+        plan = None
+
+    for op, n, k in ops:
+        clock.advance(1.0)
+        if op == "add":
+            s.add(f"r{added}", k % 2, priority=k)
+            added += 1
+        elif op == "abort" and added:
+            s.abort(f"r{n % added}")
+        elif op == "step" and plan is None:
+            plan = s.schedule()
+        elif op == "finish" and plan is not None:
+            end_step(k)
+    # Everyone still live is aborted, then the steps run out.
+    for i in range(added):
+        s.abort(f"r{i}")
+    for _ in range(added + 2):
+        if plan is not None:
+            end_step(0)
+        plan = s.schedule()
+    assert plan is None
+    assert s._entries == {} and s._by_priority == {} and s._by_key == {} and s._aborted == []
+    assert s.num_waiting == 0 and s.num_running == 0 and s.running_ids() == []

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from omni_runtime.config import StageConfig
+from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.messages import StageAbort, StageOutput, StageOutputs, StageRequest
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 from omni_runtime.stage.worker import StageWorker
@@ -158,3 +159,24 @@ def test_the_quiet_window_engine_arg_reaches_the_request_level_scheduler() -> No
     assert fixed.scheduler.stable_window_ms == 12
     adaptive = StageWorker(stage("echo", request_batch_max_wait_ms=50), 0, send=print)
     assert adaptive.scheduler.stable_window_ms == 5.0  # the floor, until arrivals say otherwise
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"request_batch_max_wait_ms": 1e300}, "request_batch_max_wait_ms"),
+        ({"max_num_seqs": 2**62}, "max_num_seqs"),
+        ({"request_batch_max_wait_ms": float("nan")}, "request_batch_max_wait_ms"),
+        ({"max_num_seqs": True}, "max_num_seqs"),
+        ({"wait": 1}, "wait"),
+    ],
+)
+async def test_the_stage_checks_set_batching_against_the_yaml_bounds_too(kwargs: dict, param: str) -> None:
+    """Whatever path a control call took to the stage, its kwargs meet the YAML's bounds there."""
+    worker = StageWorker(stage("echo", max_num_seqs=4, request_batch_max_wait_ms=50), 0, send=print)
+    with pytest.raises(InvalidRequestError) as err:
+        await worker._call("set_batching", [], kwargs)
+    assert err.value.param == param
+    assert (worker.scheduler.max_num_seqs, worker.scheduler.max_wait_ms) == (4, 50)
+    applied = await worker._call("set_batching", [], {"max_num_seqs": 1024, "request_batch_max_wait_ms": 60_000})
+    assert applied["max_num_seqs"] == 1024 and applied["request_batch_max_wait_ms"] == 60_000

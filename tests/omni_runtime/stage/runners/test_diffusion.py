@@ -67,6 +67,10 @@ def test_load_facts(runner: DiffusionRunner) -> None:
         "image_inputs": ["image", "mask_image"],  # img2img and inpainting forms of the same model
         "default_strength": {"image": 0.8, "inpaint": 1.0},
         "lora": True,
+        # DDIM with steps_offset 1 indexes past its 1,000 training timesteps at 1,000 steps.
+        "min_inference_steps": 1,
+        "max_inference_steps": 999,
+        "inference_steps_reason": "DDIMScheduler (1000 training timesteps)",
     }
 
 
@@ -222,3 +226,13 @@ def test_engine_dtype_is_applied_and_outputs_stay_float32(runner: DiffusionRunne
         req("b", seed=2, output_type="latent", height=32, width=32, num_inference_steps=1),
     )
     assert latent.tensors["latents"].dtype == np.float32 and latent.tensors["latents"].shape == (1, 4, 16, 16)
+
+
+def test_the_step_limit_it_reports_is_one_the_pipeline_runs(runner: DiffusionRunner) -> None:
+    """The most steps reported at READY runs through the pipeline's own call (1,000, one more, was
+    an IndexError in DDIM mid-denoise); the engine refuses more before the queue."""
+    limits = runner.constraints()
+    assert (limits["min_inference_steps"], limits["max_inference_steps"]) == (1, 999)
+    steps = limits["max_inference_steps"]
+    (out,) = run(runner, req("most", num_inference_steps=steps, height=16, width=16, guidance_scale=0.0))
+    assert out.error is None and out.images[0].shape == (16, 16, 3)
