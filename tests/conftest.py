@@ -109,11 +109,24 @@ def children() -> list[psutil.Process]:
 
 
 def shm_segments() -> set[str]:
-    """This runtime's shared-memory segments (other programs' files in /dev/shm are not ours)."""
+    """This runtime's shared-memory segments (other programs' files in /dev/shm are not ours).
+
+    Under pytest-xdist another worker's engines make segments of their own at any time: a
+    segment named for a live process outside this worker's process tree is that worker's."""
     try:
-        return {name for name in os.listdir("/dev/shm") if name.startswith(("omni", "psm_"))}
+        names = {name for name in os.listdir("/dev/shm") if name.startswith(("omni", "psm_"))}
     except FileNotFoundError:
         return set()
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return names
+    mine = {os.getpid()} | {p.pid for p in children()}
+    return {name for name in names if _owner(name) in mine or not psutil.pid_exists(_owner(name) or 0)}
+
+
+def _owner(segment: str) -> int | None:
+    """The pid a segment's name starts with (``omni_rt-<pid>-...``), if any."""
+    parts = segment.split("-")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
 
 
 @pytest.fixture(scope="session")
