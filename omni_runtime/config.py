@@ -268,8 +268,6 @@ class DeployConfig(msgspec.Struct, **_Struct):
         return [s.stage_id for s in self.stage_args if s.final_output]
 
 
-BUILTIN_STAGE_TYPES = ("diffusion", "text", "echo")
-
 # --------------------------------------------------------------------------- loading
 
 _AT_RE = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.S)
@@ -348,6 +346,8 @@ def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
 
 def validate_graph(config: DeployConfig, source: str = "<config>") -> None:
     """Stage ids unique, sources known, no cycles, every stage reaches a final output."""
+    from omni_runtime.stage.runners.stage_types import BUILTIN_RUNNERS  # the one stage-type registry
+
     ids: dict[int, int] = {}
     for i, s in enumerate(config.stage_args):
         if s.stage_id in ids:
@@ -357,10 +357,9 @@ def validate_graph(config: DeployConfig, source: str = "<config>") -> None:
                 source=source,
             )
         ids[s.stage_id] = i
-        if ":" not in s.stage_type and s.stage_type not in BUILTIN_STAGE_TYPES:
+        if ":" not in s.stage_type and s.stage_type not in BUILTIN_RUNNERS:
             raise ConfigError(
-                f"unknown stage_type {s.stage_type!r}; expected one of {', '.join(BUILTIN_STAGE_TYPES)} "
-                "or module:Class",
+                f"unknown stage_type {s.stage_type!r}; expected one of {', '.join(BUILTIN_RUNNERS)} or module:Class",
                 path=f"stage_args[{i}].stage_type",
                 source=source,
             )

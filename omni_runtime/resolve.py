@@ -116,7 +116,8 @@ def config_errors(config: DeployConfig, source: str = "<config>") -> list[Config
 
 
 def _resolve_stage(stage: StageConfig, at: str, source: str, errors: list[ConfigError]) -> ResolvedStage | None:
-    from omni_runtime.stage.runners.base import BUILTIN_RUNNERS, runner_class
+    from omni_runtime.stage.runners.base import runner_class
+    from omni_runtime.stage.runners.stage_types import BUILTIN_RUNNERS
 
     def fail(path: str, message: str) -> None:
         errors.append(ConfigError(message, path=f"{at}.{path}", source=source))

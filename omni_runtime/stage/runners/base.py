@@ -20,7 +20,8 @@ from typing import Any, ClassVar
 import msgspec
 
 from omni_runtime.config import StageConfig
-from omni_runtime.params import DiffusionSamplingParams, EchoSamplingParams, GenericSamplingParams, TextSamplingParams
+from omni_runtime.params import GenericSamplingParams
+from omni_runtime.stage.runners.stage_types import BUILTIN_RUNNERS
 
 
 @dataclass
@@ -160,27 +161,6 @@ class StageRunner(ABC):
     def wake_up(self) -> dict[str, Any]:
         """Restore what ``sleep`` released."""
         return {}
-
-
-@dataclass(frozen=True)
-class BuiltinRunner:
-    """What the caller's side knows of a builtin stage type without importing its runner (which
-    would load torch and diffusers into a process that only routes)."""
-
-    #: ``module:Class`` of the runner.
-    path: str
-    params_cls: type[msgspec.Struct]
-    needs_model: bool
-    max_batch_size: int | None = None
-
-
-BUILTIN_RUNNERS: dict[str, BuiltinRunner] = {
-    "diffusion": BuiltinRunner(
-        "omni_runtime.stage.runners.diffusion:DiffusionRunner", DiffusionSamplingParams, needs_model=True
-    ),
-    "text": BuiltinRunner("omni_runtime.stage.runners.text:TextRunner", TextSamplingParams, needs_model=True),
-    "echo": BuiltinRunner("omni_runtime.stage.runners.echo:EchoRunner", EchoSamplingParams, needs_model=False),
-}
 
 
 def runner_class(stage_type: str) -> type[StageRunner]:
