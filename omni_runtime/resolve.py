@@ -153,6 +153,11 @@ def _resolve_stage(stage: StageConfig, at: str, source: str, errors: list[Config
         if needs_model:
             fail("model", f"a {stage.stage_type} stage needs `model:` (a local model directory or builtin:<name>)")
     else:
+        families = (stage.runner_args.get("families") or []) if stage.stage_type == "diffusion" else []
+        try:  # model families registered from outside the package name their builtins too
+            import_family_modules(families)
+        except ImportError as e:
+            fail("runner_args.families", f"cannot import {families!r}: {e}")
         problem = _model_problem(stage.model)
         if problem:
             fail("model", problem)
@@ -171,12 +176,18 @@ def _import_function(spec: str) -> Callable[..., Any]:
     return func
 
 
+def import_family_modules(modules: list[str]) -> None:
+    from omni_runtime.models.families import import_family_modules as do_import
+
+    do_import(modules)
+
+
 def _model_problem(spec: str) -> str | None:
-    from omni_runtime.models.builtin import BUILDERS, builtin_names
+    from omni_runtime.models.builtin import builders, builtin_names
 
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
-        if name not in BUILDERS:
+        if name not in builders():
             return f"unknown builtin model {name!r}; expected one of {', '.join(builtin_names())}"
         return None
     if not Path(spec).expanduser().exists():

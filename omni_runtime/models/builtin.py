@@ -19,17 +19,19 @@ from pathlib import Path
 
 from omni_runtime.exceptions import ConfigError
 
-#: name -> "module:function" that writes the model into an empty directory.
-BUILDERS: dict[str, str] = {
-    "tiny-sd": "omni_runtime.models.tiny_sd:build_tiny_sd",
-    "small-sd": "omni_runtime.models.tiny_sd:build_small_sd",
-    "tiny-sdxl": "omni_runtime.models.tiny_sdxl:build_tiny_sdxl",
-    "tiny-sd3": "omni_runtime.models.tiny_sd3:build_tiny_sd3",
-    "tiny-flux": "omni_runtime.models.tiny_flux:build_tiny_flux",
-    "tiny-pixart": "omni_runtime.models.tiny_pixart:build_tiny_pixart",
-    "tiny-sana": "omni_runtime.models.tiny_sana:build_tiny_sana",
+#: Builtins that belong to no diffusion family: name -> "module:function" that writes the model
+#: into an empty directory. The families' own are in their specs (``omni_runtime.models.families``).
+OTHER_BUILDERS: dict[str, str] = {
     "tiny-lm": "omni_runtime.models.tiny_lm:build_tiny_lm",
 }
+
+
+def builders() -> dict[str, str]:
+    """Every builtin model: name -> "module:function" that writes it into an empty directory."""
+    from omni_runtime.models.families import builders as family_builders
+
+    return {**family_builders(), **OTHER_BUILDERS}
+
 
 #: Bumped when a builder changes, so stale caches are not reused.
 CACHE_VERSION = "v1"
@@ -40,17 +42,17 @@ def cache_dir() -> Path:
 
 
 def builtin_names() -> list[str]:
-    return sorted(BUILDERS)
+    return sorted(builders())
 
 
-def _builder(name: str) -> Callable[[Path], None]:
-    module, _, func = BUILDERS[name].partition(":")
+def builder(name: str) -> Callable[[Path], None]:
+    module, _, func = builders()[name].partition(":")
     return getattr(importlib.import_module(module), func)
 
 
 def ensure_builtin(name: str) -> Path:
     """The local directory of builtin model ``name``, building it on first use."""
-    if name not in BUILDERS:
+    if name not in builders():
         raise ConfigError(f"unknown builtin model {name!r}; expected one of {', '.join(builtin_names())}")
     root = cache_dir()
     target = root / f"{name}-{CACHE_VERSION}"
@@ -63,7 +65,7 @@ def ensure_builtin(name: str) -> Path:
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
         try:
-            _builder(name)(tmp)
+            builder(name)(tmp)
             os.rename(tmp, target)  # atomic: readers see all of it or nothing
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

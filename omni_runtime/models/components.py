@@ -51,7 +51,7 @@ def clip_tokenizer() -> CLIPTokenizer:
     """The 522-entry CLIP BPE of ``tiny-sd`` (ids match ``tiny_sd.TEXT_ENCODER``)."""
     from transformers import CLIPTokenizer
 
-    from omni_runtime.models.tiny_sd import write_clip_vocab
+    from omni_runtime.models.families.sd.tiny import write_clip_vocab
 
     with tempfile.TemporaryDirectory() as vocab_dir:
         write_clip_vocab(Path(vocab_dir))
@@ -118,7 +118,7 @@ def save_pipeline(pipe: Any, path: Path, clip_tokenizers: tuple[str, ...] = ()) 
     """
     from transformers.utils import logging as transformers_logging
 
-    from omni_runtime.models.tiny_sd import write_clip_vocab
+    from omni_runtime.models.families.sd.tiny import write_clip_vocab
 
     path = Path(path)
     # The shard-writing progress bar is noise for a few-MB model written at first use.

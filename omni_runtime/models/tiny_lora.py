@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 from typing import Any, Literal
 
-from omni_runtime.models.tiny_sd import SMALL_UNET, TEXT_ENCODER, TINY_UNET
+from omni_runtime.models.families.sd.tiny import SMALL_UNET, TEXT_ENCODER, TINY_UNET
 
 #: The attention projections an SD LoRA usually adapts.
 UNET_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")

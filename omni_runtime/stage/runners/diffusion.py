@@ -17,8 +17,10 @@ adapter at one scale; :mod:`omni_runtime.stage.runners.lora` loads, caches and a
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import math
+import os
 import time
 from collections.abc import Hashable, Iterator
 from typing import Any
@@ -29,6 +31,7 @@ import torch
 from omni_runtime.config import EngineArgs, StageConfig, TorchCompile
 from omni_runtime.exceptions import RequestAbortedError, RequestError, StageAsleepError
 from omni_runtime.models.builtin import resolve_model
+from omni_runtime.models.families import DEFAULT_FIXED_KWARGS, for_pipeline, import_family_modules
 from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner, StepResult
 from omni_runtime.stage.runners.diffusion_steps import StepFamily, StepState, step_family
@@ -200,6 +203,8 @@ class DiffusionRunner(StageRunner):
     # ------------------------------------------------------------------ lifecycle
 
     def load(self) -> None:
+        # Model families registered from outside the package, imported here in the stage process.
+        import_family_modules(self.stage.runner_args.get("families") or [])
         self._model_dir = resolve_model(self.stage.model)
         self._load_pipeline()
         self.loras.check_registry()
@@ -223,14 +228,9 @@ class DiffusionRunner(StageRunner):
         # What num_inference_steps the scheduler really runs (DDIM / PNDM: 999 of the 1,000 that
         # requests may ask for), reported at READY so a request past it is a 400, not a 500.
         self._step_limits = step_constraints(pipe.scheduler) if hasattr(pipe, "scheduler") else {}
-        # Pipeline options that would change what is asked for, turned off where a pipeline has them:
-        # - clean_caption (PixArt) rewrites the prompt, and needs packages this runtime does not carry
-        #   (without them it warns on every call and leaves the prompt alone anyway);
-        # - use_resolution_binning (PixArt, Sana) denoises at the nearest size of the real models'
-        #   aspect-ratio table and resizes afterwards: a tiny model's sizes are not in it (Sana
-        #   raises), the work done would not be the size the batch key groups by, and the image
-        #   would be a resampled one rather than the size that was asked for.
-        self._fixed_kwargs = {name: False for name in ("clean_caption", "use_resolution_binning")}
+        # Call arguments the family pins (DEFAULT_FIXED_KWARGS for a pipeline of no registered family).
+        spec = for_pipeline(type(pipe).__name__)
+        self._fixed_kwargs = dict(spec.fixed_kwargs if spec is not None else DEFAULT_FIXED_KWARGS)
 
     def _load_pipeline(self) -> None:
         from diffusers import DiffusionPipeline
@@ -240,8 +240,13 @@ class DiffusionRunner(StageRunner):
         # A stage process has no terminal to draw on: loading bars are only noise in server logs.
         diffusers_logging.disable_progress_bar()
         transformers_logging.disable_progress_bar()
-        # local_files_only: a model directory is complete on disk; never reach for a hub.
-        pipe = DiffusionPipeline.from_pretrained(
+        # local_files_only: a model directory is complete on disk; never reach for a hub. A
+        # registered family's pipeline class outside diffusers loads through that class.
+        pipeline_cls = DiffusionPipeline
+        spec = for_pipeline(_index_class_name(self._model_dir))
+        if spec is not None and spec.pipeline_class:
+            pipeline_cls = spec.load_pipeline_class()
+        pipe = pipeline_cls.from_pretrained(
             self._model_dir, dtype=getattr(torch, self.stage.engine_args.dtype), local_files_only=True
         )
         pipe = pipe.to(self.device)
@@ -681,6 +686,16 @@ class DiffusionRunner(StageRunner):
             if rid in decode_ms:
                 out.metrics["decode_ms"] = decode_ms[rid]
         return outputs
+
+
+def _index_class_name(model_dir: str) -> str:
+    """The pipeline class a model directory's ``model_index.json`` names ("" if none)."""
+    try:
+        with open(os.path.join(model_dir, "model_index.json")) as f:
+            name = json.load(f).get("_class_name", "")
+    except (OSError, ValueError):
+        return ""
+    return name if isinstance(name, str) else ""
 
 
 def _total_steps(kwargs: dict[str, Any]) -> int | None:

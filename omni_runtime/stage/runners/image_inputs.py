@@ -40,10 +40,15 @@ TEXT, IMAGE, INPAINT = "text", "image", "inpaint"
 CONDITIONING_COMPONENTS = ("controlnet", "adapter")
 #: ``__call__`` parameters the runtime has no param for, and a pipeline cannot run without.
 CONDITIONING_PARAMS = ("control_image", "control_mask")
-#: Denoiser input channels a derived pipeline checks in its ``__call__`` (so would fail every
-#: request): SD3's inpainting pipeline takes SD3's 16 latent channels (or a 33-channel inpainting
-#: model) only.
-DENOISER_CHANNELS = {"StableDiffusion3InpaintPipeline": (16, 33)}
+
+
+def form_channels(pipeline: str) -> tuple[int, ...] | None:
+    """Denoiser input channels a derived pipeline checks in its ``__call__`` (so would fail every
+    request), from the family specs' ``form_channels``: SD3's inpainting pipeline takes SD3's 16
+    latent channels (or a 33-channel inpainting model) only."""
+    from omni_runtime.models.families import families
+
+    return next((f.form_channels[pipeline] for f in families() if pipeline in f.form_channels), None)
 
 
 @dataclass
@@ -220,7 +225,7 @@ def _derive(loaded: Any, kind: str) -> tuple[Any | None, str]:
     if type(derived).__name__ == type(loaded).__name__:
         return None, f"diffusers maps {type(loaded).__name__} to itself for {kind}"
     channels = getattr(getattr(_denoiser(derived), "config", None), "in_channels", None)
-    allowed = DENOISER_CHANNELS.get(type(derived).__name__)
+    allowed = form_channels(type(derived).__name__)
     if allowed and channels not in allowed:
         return None, f"{type(derived).__name__} needs a denoiser of {' or '.join(map(str, allowed))} input channels"
     if unsuppliable_inputs(derived):

@@ -9,11 +9,9 @@ stage processes, by their bundled config names.
 
 from __future__ import annotations
 
-import importlib
 import json
 import socket
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,8 @@ import torch
 from omni_runtime import Omni
 from omni_runtime.config import StageConfig, load_config
 from omni_runtime.exceptions import RequestAbortedError
-from omni_runtime.models.builtin import BUILDERS, CACHE_VERSION
+from omni_runtime.models.builtin import CACHE_VERSION, builder, builtin_names
+from omni_runtime.models.families import FamilySpec, families
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 
@@ -33,22 +32,9 @@ NOT_ABORTED = ExecuteContext(lambda rid: False)
 PROMPTS = ["a cup of coffee", "a toy dinosaur", "a fox yawning", "the running river"]
 
 
-@dataclass(frozen=True)
-class Family:
-    pipeline: str
-    denoiser: str
-    native: int
-    #: VAE scale factor x patch size (x 2 for Flux's packing), at least 8.
-    size_multiple: int
-
-
-FAMILIES = {
-    "tiny-sdxl": Family("StableDiffusionXLPipeline", "UNet2DConditionModel", 64, 8),
-    "tiny-sd3": Family("StableDiffusion3Pipeline", "SD3Transformer2DModel", 64, 8),
-    "tiny-flux": Family("FluxPipeline", "FluxTransformer2DModel", 64, 8),
-    "tiny-pixart": Family("PixArtSigmaPipeline", "PixArtTransformer2DModel", 64, 8),
-    "tiny-sana": Family("SanaPipeline", "SanaTransformer2DModel", 128, 32),
-}
+#: The family registry by tiny builtin name; SD's tiny model is tested in test_tiny_sd.py and
+#: step by step in test_diffusion_steps.py (its golden slice too).
+FAMILIES: dict[str, FamilySpec] = {f.tiny: f for f in families() if f.tiny and f.name != "sd"}
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +95,14 @@ def test_builder_is_offline_deterministic_and_small(
 
     monkeypatch.setattr(socket.socket, "connect", no_network)
     monkeypatch.setattr(socket, "create_connection", no_network)
-    module, _, function = BUILDERS[family].partition(":")
-    build = getattr(importlib.import_module(module), function)
+    build = builder(family)
     build(tmp_path / "a")
     start = time.perf_counter()
     build(tmp_path / "b")
     elapsed = time.perf_counter() - start
     a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
     assert a.keys() == b.keys() and a == b  # byte-identical: same weights, configs and vocabularies
-    assert json.loads(a["model_index.json"])["_class_name"] == FAMILIES[family].pipeline
+    assert json.loads(a["model_index.json"])["_class_name"] == FAMILIES[family].pipelines[0]
     assert sum(map(len, a.values())) < 20e6
     assert elapsed < 5.0  # typically 0.1-0.3 s once the libraries are imported
     for key, text in a.items():
@@ -127,11 +112,11 @@ def test_builder_is_offline_deterministic_and_small(
 
 def test_every_family_is_a_builtin_with_a_bundled_config() -> None:
     for family, facts in FAMILIES.items():
-        assert family in BUILDERS
+        assert family in builtin_names() and family in facts.builders
         (stage,) = load_config(family).stage_args
         assert stage.model == f"builtin:{family}" and stage.engine_args.max_num_seqs == 4
         params = stage.default_sampling_params
-        assert params["height"] == params["width"] == facts.native
+        assert params["height"] == params["width"] == facts.native_size
         assert 2 <= params["num_inference_steps"] <= 4
     (stage,) = load_config("small-sd").stage_args
     assert stage.model == "builtin:small-sd" and stage.default_sampling_params["height"] == 256
@@ -142,28 +127,28 @@ def test_every_family_is_a_builtin_with_a_bundled_config() -> None:
 
 def test_loads_with_its_own_native_size_and_size_step(runner: DiffusionRunner, name: str) -> None:
     facts = FAMILIES[name]
-    assert type(runner.pipe).__name__ == facts.pipeline
+    assert type(runner.pipe).__name__ in facts.pipelines
     assert type(denoiser(runner)).__name__ == facts.denoiser
     assert runner.max_batch_size is None  # every family takes prompt and generator lists
     constraints = runner.constraints()
     assert constraints["size_multiple"] == facts.size_multiple
     # The size limit follows the model (4 x its native area), and a wrong size is explained in its
     # terms: the patch size of a DiT, Flux's latent packing, Sana's 32x autoencoder.
-    assert constraints["native_size"] == [facts.native, facts.native]
-    assert constraints["max_pixels"] == 4 * facts.native**2
+    assert constraints["native_size"] == [facts.native_size, facts.native_size]
+    assert constraints["max_pixels"] == 4 * facts.native_size**2
     reason = constraints["size_multiple_reason"]
     assert reason.startswith("the VAE scale factor ")
     assert ("patch size 2" in reason) == (name in ("tiny-sd3", "tiny-pixart"))
     assert ("latent packing x2" in reason) == (name == "tiny-flux")
     # Absent sizes resolve to the model's own, read from its configs (not Sana's 1024 default).
     bare = RunnerRequest("a", "a fox", {"num_inference_steps": 2, "output_type": "np", "seed": 3})
-    assert floats(run(runner, bare)[0]).shape == (1, facts.native, facts.native, 3)
-    assert runner.batch_key(bare)[:2] == (facts.native, facts.native)
+    assert floats(run(runner, bare)[0]).shape == (1, facts.native_size, facts.native_size, 3)
+    assert runner.batch_key(bare)[:2] == (facts.native_size, facts.native_size)
 
 
 def test_generates_the_requested_size(runner: DiffusionRunner, name: str) -> None:
     facts = FAMILIES[name]
-    height, width = facts.native - facts.size_multiple, facts.native + facts.size_multiple
+    height, width = facts.native_size - facts.size_multiple, facts.native_size + facts.size_multiple
     out = run(runner, req(name, "a", seed=1, height=height, width=width, output_type="pil"))[0]
     assert out.error is None and len(out.images) == 1
     image = out.images[0]
@@ -259,7 +244,7 @@ def test_abort_of_the_whole_wave_stops_denoising(runner: DiffusionRunner, name: 
 
 @pytest.mark.parametrize("family", ["tiny-sd3", "tiny-sana"])
 def test_bundled_config_serves_on_real_stage_processes(cache: Path, family: str) -> None:
-    native = FAMILIES[family].native
+    native = FAMILIES[family].native_size
     with Omni(family) as omni:
         outs = omni.generate(PROMPTS[:2], {"seed": 5}, use_tqdm=False)
         assert [o.error for o in outs] == [None, None]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from omni_runtime.models.builtin import CACHE_VERSION
-from omni_runtime.models.tiny_sd import TEXT_ENCODER, build_tiny_sd, write_clip_vocab
+from omni_runtime.models.families.sd.tiny import TEXT_ENCODER, build_tiny_sd, write_clip_vocab
 
 
 def _files(root: Path) -> dict[str, bytes]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from omni_runtime.config import StageConfig, load_config
+from omni_runtime.models.families import GOLDEN_PARAMS, GOLDEN_PROMPT, families, family
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 from omni_runtime.stage.runners.diffusion_steps import StepState, step_family
@@ -21,7 +22,8 @@ from omni_runtime.stage.runners.diffusion_steps import StepState, step_family
 pytestmark = pytest.mark.integration
 
 CTX = ExecuteContext(lambda rid: False)
-FAMILIES = ["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-pixart", "tiny-sana"]
+#: Every registered family with a step loop, by its tiny builtin.
+FAMILIES = [f.tiny for f in families() if f.steps and f.tiny]
 
 
 class RecordingRunner(DiffusionRunner):
@@ -214,3 +216,15 @@ def test_bad_params_fail_their_own_admission(runner: RecordingRunner) -> None:
 def test_an_unknown_pipeline_falls_back_with_a_reason() -> None:
     family, reason = step_family(object(), "cpu")
     assert family is None and "object has no step loop" in reason and "StableDiffusionPipeline" in reason
+
+
+def test_golden_slice(runner: RecordingRunner, name: str) -> None:
+    """The family's tiny model with a fixed prompt and seed makes the spec's stored numbers (a
+    silent change in a builder, a library upgrade or the call path fails here first). Recorded
+    on CPU with one torch thread; a deliberate change re-records them (the failure prints them)."""
+    spec = next(f for f in families() if f.tiny == name)
+    out = solo(runner, req(runner, "golden", GOLDEN_PROMPT, **GOLDEN_PARAMS))
+    got = [round(float(v), 4) for v in images(out)[0, -3:, -3:, -1].flatten()]
+    assert spec.golden, f"{spec.name}: no golden slice stored; this run made {got}"
+    np.testing.assert_allclose(got, spec.golden, rtol=0, atol=1e-3, err_msg=f"{spec.name} made {got}")
+    assert family(spec.name) is spec

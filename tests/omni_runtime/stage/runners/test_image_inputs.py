@@ -25,18 +25,18 @@ from PIL import Image
 from omni_runtime.config import StageConfig, load_config
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
 from omni_runtime.models.builtin import ensure_builtin
+from omni_runtime.models.families import families
 from omni_runtime.params import DiffusionSamplingParams, check_constraints, resolve_params
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 
 NOT_ABORTED = ExecuteContext(lambda rid: False)
 #: Builtin family -> (its img2img pipeline, its inpainting pipeline or None: SD3's takes 16-channel
-#: transformers only, and the tiny one has 4).
+#: transformers only, and the tiny one has 4), from the family registry.
 FAMILIES = {
-    "tiny-sd": ("StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"),
-    "tiny-sdxl": ("StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline"),
-    "tiny-sd3": ("StableDiffusion3Img2ImgPipeline", None),
-    "tiny-flux": ("FluxImg2ImgPipeline", "FluxInpaintPipeline"),
+    f.tiny: (f.image_forms["image"], f.image_forms.get("mask"))
+    for f in families()
+    if f.tiny and f.image_forms.get("image")
 }
 SIZE = 64
 

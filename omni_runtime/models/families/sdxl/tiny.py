@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime.models.components import clip_tokenizer, save_pipeline, seeded
-from omni_runtime.models.tiny_sd import TEXT_ENCODER, TINY_VAE
+from omni_runtime.models.families.sd.tiny import TEXT_ENCODER, TINY_VAE
 
 #: Text encoder 2's projection width; the UNet's added embedding takes it plus 6 size conditions.
 PROJECTION_DIM = 32

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime.models.components import clip_tokenizer, save_pipeline, seeded, t5_tokenizer
-from omni_runtime.models.tiny_sd import TEXT_ENCODER
+from omni_runtime.models.families.sd.tiny import TEXT_ENCODER
 
 CLIP_PROJECTION_DIM = 32
 #: T5's width is the joint attention width; the two CLIPs' 32 + 32 states are zero-padded up to it.

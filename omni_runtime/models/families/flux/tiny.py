@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime.models.components import clip_tokenizer, save_pipeline, seeded, t5_tokenizer
-from omni_runtime.models.tiny_sd import TEXT_ENCODER
-from omni_runtime.models.tiny_sd3 import T5_ENCODER
+from omni_runtime.models.families.sd.tiny import TEXT_ENCODER
+from omni_runtime.models.families.sd3.tiny import T5_ENCODER
 
 LATENT_CHANNELS = 4
 TRANSFORMER: dict[str, Any] = dict(

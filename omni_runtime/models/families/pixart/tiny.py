@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime.models.components import save_pipeline, seeded, t5_tokenizer
-from omni_runtime.models.tiny_sd import TINY_VAE
+from omni_runtime.models.families.sd.tiny import TINY_VAE
 
 T5_ENCODER: dict[str, Any] = dict(
     d_model=32,
