@@ -12,15 +12,12 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import pytest
 import yaml
 from PIL import Image
 
 from omni_runtime import Omni
 from omni_runtime.models.builtin import CACHE_VERSION
 from tests.entrypoints.openai.server_process import start_server, stop_server
-
-pytestmark = pytest.mark.integration
 
 FAKE = "tests.omni_runtime.models.fake_family"
 

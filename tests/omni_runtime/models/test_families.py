@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,9 @@ import torch
 from omni_runtime import Omni
 from omni_runtime.config import StageConfig, load_config
 from omni_runtime.exceptions import RequestAbortedError
+from omni_runtime.models import families as registry
 from omni_runtime.models.builtin import CACHE_VERSION, builder, builtin_names
-from omni_runtime.models.families import FamilySpec, families
+from omni_runtime.models.families import FamilySpec, families, register
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 
@@ -252,3 +255,26 @@ def test_bundled_config_serves_on_real_stage_processes(cache: Path, family: str)
             assert out.images[0].size == (native, native) and out.metrics["seed"] == 5
         assert not np.array_equal(np.asarray(outs[0].images[0]), np.asarray(outs[1].images[0]))
     assert (cache / f"{family}-{CACHE_VERSION}" / "model_index.json").is_file()  # built where the engine was told
+
+
+# ---------------------------------------------------------------------------- registry
+
+
+def test_the_registry_is_lazy_and_refuses_a_second_family_for_a_pipeline() -> None:
+    # Reading every spec imports no diffusers, transformers or torch: a routing process stays light.
+    code = (
+        "import sys; from omni_runtime.models.builtin import builtin_names; "
+        "from omni_runtime.models.families import families; families(); builtin_names(); "
+        "print(sorted(m for m in ('diffusers', 'transformers', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert [f.name for f in families()][:6] == ["sd", "sdxl", "sd3", "flux", "pixart", "sana"]
+    for clash in (
+        FamilySpec("other", ("StableDiffusionPipeline",), "UNet2DConditionModel"),
+        FamilySpec("other", ("OtherPipeline",), "UNet2DConditionModel", builders={"tiny-sd": "x:y"}),
+        FamilySpec("sd", ("OtherPipeline",), "UNet2DConditionModel"),
+    ):
+        with pytest.raises(ValueError, match="already"):
+            register(clash)
+    assert registry.family("sd").step_class().__name__ == "StableDiffusionFamily"
