@@ -93,7 +93,7 @@ def resolve_config(config: DeployConfig, source: str = "<config>") -> ResolvedCo
         errors.extend(found)
         if resolved is not None:
             stages.append(resolved)
-    ray_stages = [s.runtime for s in config.stage_args if s.runtime.backend == "ray"]
+    ray_stages = [s.runtime.options for s in config.stage_args if s.runtime.backend == "ray"]
     for field, what in (("ray_address", "clusters"), ("ray_temp_dir", "temp dirs")):
         values = {str(getattr(r, field)) for r in ray_stages}
         if len(values) > 1:
