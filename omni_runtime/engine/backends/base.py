@@ -90,6 +90,12 @@ class StageBackend(ABC):
         self.config = config
         self.resources = resources
 
+    @classmethod
+    def check_stages(cls, stages: list[StageConfig]) -> list[str]:
+        """What is wrong with ``stages`` (every stage of a config on this backend) taken together,
+        found when the config is resolved; each their own options struct already validated."""
+        return []
+
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Set up what the replicas share (registering each piece with ``resources`` as it is
         made), before the first replica starts."""

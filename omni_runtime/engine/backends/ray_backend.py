@@ -78,6 +78,16 @@ class RayBackend(StageBackend):
     name = "ray"
     options = RayOptions
 
+    @classmethod
+    def check_stages(cls, stages: list[StageConfig]) -> list[str]:
+        # One process joins one Ray cluster.
+        errors = []
+        for field, what in (("ray_address", "clusters"), ("ray_temp_dir", "temp dirs")):
+            values = {str(getattr(ray_options(s), field)) for s in stages}
+            if len(values) > 1:
+                errors.append(f"the ray stages name different {what}: {sorted(values)}")
+        return errors
+
     def __init__(self, config: DeployConfig, resources: EngineResources) -> None:
         super().__init__(config, resources)
         stages = [s for s in config.stage_args if s.runtime.backend == self.name]

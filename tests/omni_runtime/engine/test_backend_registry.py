@@ -72,3 +72,22 @@ def test_a_backend_registered_from_outside_is_made_with_its_options():
         assert list(backends) == ["fake"] and isinstance(backends["fake"], FakeBackend)
     finally:
         del BACKENDS["fake"]
+
+
+def test_a_backend_checks_its_stages_together_when_the_config_is_resolved():
+    from omni_runtime.resolve import config_errors
+
+    stages = [
+        {
+            "stage_id": i,
+            "stage_type": "echo",
+            "final_output": i == 1,
+            "final_output_type": "text" if i == 1 else None,
+            "engine_input_source": [0] if i == 1 else [],
+            "runtime": {"backend": "ray", "ray_address": address},
+        }
+        for i, address in enumerate(("local", "auto"))
+    ]
+    errors = config_errors(parse_config({"stage_args": stages}, "deploy.yaml"), "deploy.yaml")
+    expected = "deploy.yaml: stage_args: the ray stages name different clusters: ['auto', 'local']"
+    assert [str(e) for e in errors] == [expected]
