@@ -409,7 +409,7 @@ def worker_command(args: argparse.Namespace) -> list[str]:
         for stage in load_config(name).stage_args:
             if stage.runtime.backend != "ray":
                 continue
-            for key, amount in stage.runtime.resources.items():
+            for key, amount in stage.runtime.options.resources.items():
                 if key not in ("CPU", "GPU"):
                     offered[key] = max(offered.get(key, 0.0), amount * stage.runtime.num_replicas)
     offered.update(args.resources)

@@ -86,16 +86,18 @@ def check_control_kwargs(method: str, kwargs: dict[str, Any], prefix: str = "") 
     return checked
 
 
-#: Where a stage's replicas run: ``process`` (a spawned process each, ZMQ and shared memory),
-#: ``inproc`` (in the orchestrator's own process; for tests and for debugging a runner) or ``ray``
-#: (Ray actors placed across a Ray cluster; ``pip install omni_runtime[ray]``).
-Backend = Literal["process", "inproc", "ray"]
+#: Where a stage's replicas run: a name in the backend registry
+#: (:mod:`omni_runtime.engine.backends.registry`): ``process`` (a spawned process each, ZMQ and
+#: shared memory), ``inproc`` (in the orchestrator's own process; for tests and for debugging a
+#: runner) or ``ray`` (Ray actors placed across a Ray cluster; ``pip install omni_runtime[ray]``).
+Backend = str
 
 
 class RuntimeConfig(msgspec.Struct, **_Struct):
-    """Where and how a stage runs."""
+    """Where and how a stage runs: the keys every backend reads, and :attr:`options`, the chosen
+    backend's own (``ProcessOptions``, ``RayOptions``...), which a YAML writes flat beside them."""
 
-    #: Where the replicas run: ``process`` (the default) or ``inproc``; see :data:`Backend`.
+    #: Where the replicas run: ``process`` (the default), ``inproc`` or ``ray``; see :data:`Backend`.
     backend: Backend | None = None
     #: The older spelling: ``process: false`` is ``backend: inproc``, ``true`` is ``process``.
     #: Resolved into ``backend`` at load (and then shown as null).
@@ -111,9 +113,6 @@ class RuntimeConfig(msgspec.Struct, **_Struct):
     startup_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     #: Restart a replica that dies, with exponential backoff, at most this many times (0 = never).
     max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
-    #: Transport to a process replica: ``ipc`` (a unix socket in a private directory) or ``tcp``
-    #: (loopback). Tensors use shared memory over ipc and raw msgpack buffers over tcp.
-    transport: Literal["ipc", "tcp"] = "ipc"
     #: A replica that answers no heartbeat for this many seconds (stopped, or its event loop
     #: blocked) is killed: its requests fail with StageDeadError and it is restarted. 0 = off.
     heartbeat_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 10.0
@@ -121,27 +120,13 @@ class RuntimeConfig(msgspec.Struct, **_Struct):
     #: ``ctx.is_aborted`` or ``ctx.emit``) for this many seconds is wedged, e.g. stuck in native
     #: code; its replica is killed and restarted like a silent one. 0 = off.
     stall_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 120.0
-
-    #: ``ray`` backend: Ray resources each replica needs, e.g. ``{"GPU": 1}`` or a custom node
-    #: resource ``{"stage_node_a": 1}`` (``CPU`` defaults to 1). Ignored by other backends.
-    resources: dict[str, Annotated[float, msgspec.Meta(ge=0)]] = msgspec.field(default_factory=dict)
-    #: ``ray`` backend: ``spread`` the replicas over the nodes, or ``pack`` them (Ray's default).
-    placement: Literal["spread", "pack"] = "pack"
-    #: ``ray`` backend: the cluster to join: ``auto`` (the one this machine belongs to), a
-    #: ``host:port`` / ``ray://`` address, or ``local`` (start one in this process). Every ray
-    #: stage of a config must name the same; ``Omni(..., ray_address=...)`` and ``serve
-    #: --ray-address`` set it for all of them.
-    ray_address: str = "auto"
-    #: ``ray`` backend with ``ray_address: local``: the directory the local cluster keeps its
-    #: sessions in (logs, sockets), kept when the cluster stops. Unset: a fresh ``omr-ray-*``
-    #: directory under the system temp dir, removed when the last engine of the process closes.
-    #: Keep it short: Ray's socket paths in it must fit 107 bytes.
-    ray_temp_dir: str | None = None
-    #: ``ray`` backend: arrays at least this large travel through Ray's object store (handed
-    #: from actor to actor); smaller ones ride in the message, as each stored object costs a few ms.
-    object_store_min_bytes: Annotated[int, msgspec.Meta(ge=0)] = 1 << 20
+    #: The backend's own settings, an instance of its ``StageBackend.options`` struct (filled in
+    #: at load from the flat ``runtime:`` keys that struct declares; its defaults when None).
+    options: Any = None
 
     def __post_init__(self) -> None:
+        from omni_runtime.engine.backends.registry import BACKENDS, backend_options
+
         if self.process is not None:
             implied = "process" if self.process else "inproc"
             if self.backend is not None and self.backend != implied:
@@ -152,6 +137,49 @@ class RuntimeConfig(msgspec.Struct, **_Struct):
             self.backend, self.process = implied, None
         elif self.backend is None:
             self.backend = "process"
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Invalid enum value {self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        cls = backend_options(self.backend)
+        if self.options is None or isinstance(self.options, dict):
+            self.options = msgspec.convert(self.options or {}, cls)
+        elif not isinstance(self.options, cls):
+            raise TypeError(f"`options` of a {self.backend} stage must be a {cls.__name__}")
+
+
+def _split_runtime(runtime: Any, at: str, source: str) -> Any:
+    """A ``runtime:`` mapping with the chosen backend's own keys (written flat, or under
+    ``options:`` as a loaded config shows them) decoded into its options struct, at ``options``.
+    Keys another backend declares are accepted and dropped, as that backend would ignore them
+    here; any other key is left for :class:`RuntimeConfig` to report as unknown."""
+    from omni_runtime.engine.backends.registry import BACKENDS, backend_options
+
+    if not isinstance(runtime, dict):
+        return runtime
+    backend = runtime.get("backend")
+    if backend is None:
+        backend = "inproc" if runtime.get("process") is False else "process"
+    if not isinstance(backend, str):
+        return runtime  # RuntimeConfig says what is wrong with it
+    if backend not in BACKENDS:
+        raise ConfigError(
+            f"Invalid enum value {backend!r}: expected one of {', '.join(BACKENDS)}",
+            path=f"{at}.backend",
+            source=source,
+        )
+    rest = dict(runtime)
+    given = rest.pop("options", None)
+    merged = {**given} if isinstance(given, dict) else {}
+    own = backend_options(backend).__struct_fields__
+    others = {f for name in BACKENDS if name != backend for f in backend_options(name).__struct_fields__}
+    for key in list(rest):
+        if key in own or (key in others and key not in RuntimeConfig.__struct_fields__):
+            merged[key] = rest.pop(key)
+    merged = {k: v for k, v in merged.items() if k in own or k not in others}
+    try:
+        rest["options"] = msgspec.convert(merged, backend_options(backend), strict=True)
+    except msgspec.ValidationError as e:
+        raise _decode_error(e, merged, at, source) from None
+    return rest
 
 
 class TorchCompile(msgspec.Struct, **_Struct):
@@ -322,13 +350,20 @@ def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
     stages = data.get("stage_args")
     if isinstance(stages, list):
         errors = []
+        split = []
         for i, stage in enumerate(stages):
             try:
+                if isinstance(stage, dict) and "runtime" in stage:
+                    stage = {**stage, "runtime": _split_runtime(stage["runtime"], f"stage_args[{i}].runtime", source)}
+                split.append(stage)
                 msgspec.convert(stage, StageConfig, strict=True)
+            except ConfigError as e:
+                errors.append(e)
             except msgspec.ValidationError as e:
                 errors.append(_decode_error(e, stage, f"stage_args[{i}]", source))
         if errors:
             raise ConfigError.of(errors, source=source)
+        data = {**data, "stage_args": split}
     try:
         config = msgspec.convert(data, DeployConfig, strict=True)
     except msgspec.ValidationError as e:
@@ -463,13 +498,13 @@ def single_diffusion_config(model_dir: str, name: str) -> DeployConfig:
 
 
 def with_ray_address(config: DeployConfig, address: str | None) -> DeployConfig:
-    """``runtime.ray_address`` set to ``address`` on every ray stage (None: unchanged)."""
+    """``ray_address`` (a ``RayOptions`` key) set to ``address`` on every ray stage (None: unchanged)."""
     if address is None or not any(s.runtime.backend == "ray" for s in config.stage_args):
         return config
     data = msgspec.to_builtins(config)
     for s in data["stage_args"]:
         if s["runtime"]["backend"] == "ray":
-            s["runtime"]["ray_address"] = address
+            s["runtime"]["options"]["ray_address"] = address
     return parse_config(data, source="ray_address")
 
 

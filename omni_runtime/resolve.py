@@ -93,14 +93,12 @@ def resolve_config(config: DeployConfig, source: str = "<config>") -> ResolvedCo
         errors.extend(found)
         if resolved is not None:
             stages.append(resolved)
-    ray_stages = [s.runtime for s in config.stage_args if s.runtime.backend == "ray"]
-    for field, what in (("ray_address", "clusters"), ("ray_temp_dir", "temp dirs")):
-        values = {str(getattr(r, field)) for r in ray_stages}
-        if len(values) > 1:
-            # One process joins one Ray cluster.
-            errors.append(
-                ConfigError(f"the ray stages name different {what}: {sorted(values)}", path="stage_args", source=source)
-            )
+    # What a backend checks across its stages (the ray stages must join one cluster).
+    from omni_runtime.engine.backends.registry import backend_class
+
+    for name in dict.fromkeys(s.runtime.backend for s in config.stage_args):
+        mine = [s for s in config.stage_args if s.runtime.backend == name]
+        errors.extend(ConfigError(m, path="stage_args", source=source) for m in backend_class(name).check_stages(mine))
     if errors:
         raise ConfigError.of(errors, source=source)
     return ResolvedConfig(config, tuple(stages))

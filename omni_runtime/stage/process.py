@@ -3,6 +3,8 @@
 The parent binds two ZMQ sockets in a private directory (or on loopback) and passes their
 addresses; this process connects, loads the model, says READY, then serves until it is told to
 shut down or its parent dies (``PR_SET_PDEATHSIG``: no orphans even if the parent is SIGKILLed).
+This module is the ZMQ and shared-memory transport; start-up, lost inputs and the worker are the
+:class:`~omni_runtime.stage.replica_host.ReplicaHost`'s, as for a Ray actor.
 """
 
 from __future__ import annotations
@@ -75,10 +77,10 @@ async def _serve(args: StageProcessArgs) -> int:
     import zmq
 
     from omni_runtime.config import StageConfig
-    from omni_runtime.messages import StageShutdown
+    from omni_runtime.messages import StageShutdown, StageStartupFailed
     from omni_runtime.serialization import Encoder, inbound_decoder
     from omni_runtime.shm import ShmLostError, ShmPool
-    from omni_runtime.stage.worker import StageWorker
+    from omni_runtime.stage.replica_host import ReplicaHost
     from omni_runtime.transport import SocketReader
 
     ctx = zmq.Context()
@@ -113,34 +115,28 @@ async def _serve(args: StageProcessArgs) -> int:
         fatal.append(exc)
         main.cancel()
 
-    stage = msgspec.convert(args.stage, StageConfig)
-    worker = None
+    host = ReplicaHost(msgspec.convert(args.stage, StageConfig), args.replica_id, send, on_fatal)
     try:
-        try:
-            # The runner class is imported and built here too: a bad module is a load failure.
-            worker = StageWorker(stage, args.replica_id, send, on_fatal=on_fatal)
-            ready = await worker.start()
-        except Exception as e:
-            logger.exception("stage %d failed to load", stage.stage_id)
-            send(_startup_failure(e, stage.stage_id))
-            return 0
+        ready = await host.start()
         send(ready)
+        if isinstance(ready, StageStartupFailed):
+            return 0
         stopped = asyncio.get_running_loop().create_future()
 
         def on_frames(frames: list[Any]) -> None:
             try:
                 msg = decoder.decode(frames)
             except ShmLostError as e:
-                _answer_lost_input(send, e, stage.stage_id)
+                host.input_lost(e.message, e)
                 return
             except msgspec.DecodeError as e:
-                logger.warning("dropped a malformed message: %s", e)
+                host.malformed(e)
                 return
             if isinstance(msg, StageShutdown):
                 if not stopped.done():
                     stopped.set_result(None)
                 return
-            worker.handle(msg)
+            host.handle(msg)
 
         reader = SocketReader(inbound, on_frames)
         try:
@@ -151,31 +147,13 @@ async def _serve(args: StageProcessArgs) -> int:
         if not fatal:
             raise
     finally:
-        if worker is not None:
-            await worker.close()
+        await host.close()
         outbound.close(linger=1000)  # flush what is queued (outputs, a start-up failure)
         inbound.close(linger=0)
         ctx.term()
         if pool is not None:
             pool.close()
     return 70 if fatal else 0  # EX_SOFTWARE
-
-
-def _answer_lost_input(send: Any, exc: Any, stage_id: int) -> None:
-    """A request whose input tensor vanished (its producing stage died) fails alone, at once."""
-    from omni_runtime.messages import ErrorInfo, StageOutput, StageRequest
-
-    logger.warning("%s", exc)
-    if isinstance(exc.message, StageRequest):
-        err = ErrorInfo(type="StageExecutionError", message=f"input lost: {exc}", stage_id=stage_id)
-        send(StageOutput(request_id=exc.message.request_id, error=err))
-
-
-def _startup_failure(exc: BaseException, stage_id: int) -> Any:
-    from omni_runtime.messages import ErrorInfo, StageStartupFailed, encodable_text
-
-    message = encodable_text(f"{type(exc).__name__}: {exc}")
-    return StageStartupFailed(error=ErrorInfo(type="StageStartupError", message=message, stage_id=stage_id))
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """A stage replica hosted by a Ray actor: the ``ray`` backend's twin of :mod:`.process`.
 
-The actor runs the same :class:`~omni_runtime.stage.worker.StageWorker` (same scheduler, runner and
-messages) on the actor's event loop. Messages are msgspec bytes both ways, nothing of ours is
+The actor runs the same :class:`~omni_runtime.stage.replica_host.ReplicaHost` (start-up, lost
+inputs, the worker with its scheduler and runner) on the actor's event loop; this module is the
+transport. Messages are msgspec bytes both ways, nothing of ours is
 pickled: the orchestrator calls :meth:`StageActor.handle` with a message's frames and the Ray
 object refs its arrays were stored under, and reads everything the worker says from one
 long-lived streaming generator, :meth:`StageActor.outputs`, item by item as ``(frames, refs)``.
@@ -37,7 +38,7 @@ class StageActor:
         self._remote_min_bytes = remote_min_bytes
         self._inbox: asyncio.Queue | None = None
         self._outbox: asyncio.Queue | None = None
-        self._worker: Any = None
+        self._host: Any = None
         self._heard_at = time.monotonic()
         self._tasks: list[asyncio.Task] = []
 
@@ -46,21 +47,15 @@ class StageActor:
         import msgspec
 
         from omni_runtime.config import StageConfig
-        from omni_runtime.messages import ErrorInfo, StageStartupFailed, encodable_text
-        from omni_runtime.stage.worker import StageWorker
+        from omni_runtime.messages import StageStartupFailed
+        from omni_runtime.stage.replica_host import ReplicaHost
 
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         self._inbox, self._outbox = asyncio.Queue(), asyncio.Queue()
         stage = msgspec.convert(self._stage_data, StageConfig)
-        try:
-            self._worker = StageWorker(stage, self._replica_id, self._outbox.put_nowait, on_fatal=self._on_fatal)
-            ready = await self._worker.start()
-        except Exception as e:
-            logger.exception("stage %d failed to load", stage.stage_id)
-            message = encodable_text(f"{type(e).__name__}: {e}")
-            return self._encode(
-                StageStartupFailed(error=ErrorInfo(type="StageStartupError", message=message, stage_id=stage.stage_id))
-            )
+        self._host = ReplicaHost(stage, self._replica_id, self._outbox.put_nowait, self._on_fatal)
+        ready = await self._host.start()
+        if isinstance(ready, StageStartupFailed):
+            return self._encode(ready)
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._take_inbox()))
         if self._orphan_timeout_s > 0:
@@ -89,8 +84,8 @@ class StageActor:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        if self._worker is not None:
-            await self._worker.close()
+        if self._host is not None:
+            await self._host.close()
 
     # ------------------------------------------------------------------ internals
 
@@ -115,27 +110,22 @@ class StageActor:
                 values = list(await asyncio.gather(*refs)) if refs else None
                 msg = decoder.decode(frames, refs, values)
             except msgspec.DecodeError as e:
-                logger.warning("dropped a malformed message: %s", e)
+                self._host.malformed(e)
                 continue
             except Exception as e:  # an input's object is gone (its producer died)
-                logger.warning("dropped a message whose arrays are lost: %s", e)
-                self._answer_lost(frames, refs, e)
+                self._host.input_lost(self._without_arrays(frames, refs), e)
                 continue
-            self._worker.handle(msg)
+            self._host.handle(msg)
 
-    def _answer_lost(self, frames: list[bytes], refs: list[Any], exc: BaseException) -> None:
-        """A request whose input arrays cannot be fetched fails alone, at once."""
-        from omni_runtime.messages import ErrorInfo, StageOutput, StageRequest
+    @staticmethod
+    def _without_arrays(frames: list[bytes], refs: list[Any]) -> Any:
+        """The message with its arrays left as handles (nothing to fetch), or None."""
         from omni_runtime.serialization import inbound_decoder
 
         try:
-            msg = inbound_decoder().decode(frames, refs)  # the arrays as handles: nothing to fetch
+            return inbound_decoder().decode(frames, refs)
         except Exception:
-            return
-        if isinstance(msg, StageRequest):
-            stage_id = self._stage_data.get("stage_id")
-            err = ErrorInfo(type="StageExecutionError", message=f"input lost: {exc}", stage_id=stage_id)
-            self._outbox.put_nowait(StageOutput(request_id=msg.request_id, error=err))
+            return None
 
     async def _watch_orphan(self) -> None:
         while True:

@@ -5,17 +5,15 @@ Transport-agnostic: messages come in through :meth:`StageWorker.handle`, and eve
 goes out through the ``send`` callback. The runner's ``execute`` runs in a single executor
 thread, so aborts and control calls are answered while a forward is running.
 
-With ``engine_args.step_execution`` and a runner that supports it, the worker drives the denoising
-loop itself: a :class:`~omni_runtime.stage.step_scheduler.StepScheduler` plans each step (which key
-steps, who joins, who pauses, who is dropped), and each plan runs as one executor call (drop,
-admit, one batched step, decode those done). Between steps the loop answers aborts, control calls
-and pings, and new requests join at the next boundary.
+How admitted requests run is an executor's (:mod:`omni_runtime.stage.executors`): request-level
+waves by default, or, with ``engine_args.step_execution`` and a runner that supports it, step by
+step, requests joining and leaving a running denoising batch between steps. Either way the loop
+answers aborts, control calls and pings while a forward runs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import os
@@ -48,9 +46,10 @@ from omni_runtime.messages import (
     StageRpc,
     StageRpcResult,
 )
-from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StepResult, runner_class
-from omni_runtime.stage.scheduler import RequestScheduler, Wave
-from omni_runtime.stage.step_scheduler import ProgressThrottle, StepPlan, StepScheduler
+from omni_runtime.stage.executors import Executor, RequestExecutor, StepExecutor
+from omni_runtime.stage.runners.base import RunnerOutput, RunnerRequest, runner_class
+from omni_runtime.stage.scheduler import RequestScheduler
+from omni_runtime.stage.step_scheduler import ProgressThrottle, StepScheduler
 from omni_runtime.tasks import BackgroundTasks
 
 logger = logging.getLogger(__name__)
@@ -76,46 +75,58 @@ class StageWorker:
         self.runner = runner_class(stage.stage_type)(stage)
         self.runner.replica_id = replica_id
         args = stage.engine_args
-        #: Request-level waves (the default), or a StepScheduler once start() finds that the runner
+        #: Request-level waves (the default), or a StepExecutor once start() finds that the runner
         #: can run step by step and ``step_execution`` asks for it.
-        self.scheduler: RequestScheduler | StepScheduler = RequestScheduler(
-            max_num_seqs=args.max_num_seqs,
-            max_wait_ms=args.request_batch_max_wait_ms,
-            max_queue_len=args.max_queue_len,
-            policy=args.scheduling_policy,
-            stable_window_ms=args.batch_quiet_window_ms,
-            priority_aging_s=args.priority_aging_s,
+        self.executor: Executor = RequestExecutor(
+            self,
+            RequestScheduler(
+                max_num_seqs=args.max_num_seqs,
+                max_wait_ms=args.request_batch_max_wait_ms,
+                max_queue_len=args.max_queue_len,
+                policy=args.scheduling_policy,
+                stable_window_ms=args.batch_quiet_window_ms,
+                priority_aging_s=args.priority_aging_s,
+            ),
         )
-        self._step_mode = False
-        self._throttle = ProgressThrottle()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage_id}-forward")
-        self._wake = asyncio.Event()
+        # What the executors share, through the worker:
+        self.throttle = ProgressThrottle()
+        #: The one forward thread: every runner call that may be slow runs here, in order.
+        self.forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage_id}-forward")
+        #: Set on an arrival, an abort or a config change: the executor's loop looks again.
+        self.wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._rpc_tasks = BackgroundTasks()
-        self._released: set[str] = set()  # aborted while running: caller already answered
+        self.released: set[str] = set()  # aborted while running: caller already answered
         #: The one truth about sleep: set before the model is freed, cleared once it is back, so
         #: no wave ever runs on a freed model and every request meanwhile gets StageAsleepError.
-        self._asleep = False
-        self._closed = False
+        self.asleep = False
+        self.closed = False
         self._served = 0
         self._failed = 0
         #: When the running forward last made progress (``time.monotonic()``, written by the
         #: forward thread); None while no forward runs. Reported in every pong.
-        self._progress_at: float | None = None
+        self.progress_at: float | None = None
+
+    @property
+    def scheduler(self) -> RequestScheduler | StepScheduler:
+        """The executor's scheduler (control calls and stats read and set it)."""
+        return self.executor.scheduler
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> StageReady:
-        """Load the model (in the executor thread) and start the scheduling loop."""
+        """Load the model (in the forward thread) and start the executor's scheduling loop."""
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self.runner.load)
+        await loop.run_in_executor(self.forward_thread, self.runner.load)
         args = self.stage.engine_args
         if args.step_execution:
             reason = self.runner.step_support()
             if reason is None:
-                self._step_mode = True
-                self.scheduler = StepScheduler(
-                    args.max_num_seqs, max_queue_len=args.max_queue_len, priority_aging_s=args.priority_aging_s
+                self.executor = StepExecutor(
+                    self,
+                    StepScheduler(
+                        args.max_num_seqs, max_queue_len=args.max_queue_len, priority_aging_s=args.priority_aging_s
+                    ),
                 )
             else:
                 logger.warning(
@@ -125,23 +136,22 @@ class StageWorker:
                 )
         # A hard cap: neither the config nor a later set_batching can lift it.
         self.scheduler.set_batch_cap(self.runner.max_batch_size)
-        run = self._run_steps() if self._step_mode else self._run()
-        self._loop_task = asyncio.create_task(run, name=f"stage{self.stage_id}-loop")
+        self._loop_task = asyncio.create_task(self.executor.run(), name=f"stage{self.stage_id}-loop")
         self._loop_task.add_done_callback(self._on_loop_done)
         return StageReady(
             stage_id=self.stage_id, replica_id=self.replica_id, pid=os.getpid(), constraints=self.runner.constraints()
         )
 
     async def close(self) -> None:
-        self._closed = True
-        self._wake.set()
+        self.closed = True
+        self.wake.set()
         if self._loop_task is not None:
             self._loop_task.cancel()
             try:
                 await self._loop_task
             except (asyncio.CancelledError, Exception):
                 pass  # a loop that died was reported by _on_loop_done
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.forward_thread.shutdown(wait=False, cancel_futures=True)
 
     def _on_loop_done(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
@@ -164,7 +174,7 @@ class StageWorker:
             elif isinstance(msg, StageRpc):
                 self._rpc_tasks.spawn(self._rpc(msg))
             elif isinstance(msg, StagePing):
-                stalled = None if self._progress_at is None else time.monotonic() - self._progress_at
+                stalled = None if self.progress_at is None else time.monotonic() - self.progress_at
                 self._emit(StagePong(seq=msg.seq, stalled_s=stalled))
             else:  # StageShutdown is the process's to act on, and never reaches here
                 logger.warning("stage %d: dropped unexpected message %r", self.stage_id, type(msg).__name__)
@@ -180,12 +190,9 @@ class StageWorker:
             priority=msg.priority,
         )
         try:
-            if self._asleep:
+            if self.asleep:
                 raise StageAsleepError(f"stage {self.stage_id} is asleep; call collective_rpc('wake_up')")
-            if isinstance(self.scheduler, StepScheduler):
-                self.scheduler.add(msg.request_id, self.runner.step_key(req), req, priority=req.priority)
-            else:
-                self.scheduler.add(msg.request_id, self.runner.batch_key(req), req, priority=req.priority)
+            self.executor.add(req)
         except OmniError as e:
             self._emit(StageOutput(request_id=msg.request_id, error=ErrorInfo.from_exception(e, self.stage_id)))
             return
@@ -193,72 +200,14 @@ class StageWorker:
             err = InvalidRequestError(f"stage {self.stage_id} cannot take this request: {e}")
             self._emit(StageOutput(request_id=msg.request_id, error=ErrorInfo.from_exception(err, self.stage_id)))
             return
-        self._wake.set()
+        self.wake.set()
 
     def _abort(self, rid: str) -> None:
-        where = self.scheduler.abort(rid)
-        if self._step_mode:
-            # A running request leaves at the next step boundary and nothing more is sent for it
-            # (the caller was already answered upstream); the loop may be idle, waiting for work.
-            if where is not None:
-                self._wake.set()
-            return
-        if where == "running":
-            # The forward notices at its next step; the caller was already answered upstream.
-            self._released.add(rid)
-        elif where == "waiting":
-            self._wake.set()
+        self.executor.abort(rid)
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ what the executors send
 
-    async def _run(self) -> None:
-        """1) ask the scheduler  2) wait for an arrival or the admission deadline  3) run a wave."""
-        while not self._closed:
-            self._wake.clear()
-            decision = self.scheduler.schedule()
-            if isinstance(decision, Wave):
-                await self._run_wave(decision)
-                continue
-            timeout = None if decision is None else max(0.0, decision - time.monotonic())
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                pass
-
-    async def _run_wave(self, wave: Wave) -> None:
-        loop = asyncio.get_running_loop()
-        batch: list[RunnerRequest] = list(wave.payloads)
-        start = time.perf_counter()
-        try:
-            if self._asleep:
-                err = StageAsleepError(f"stage {self.stage_id} is asleep")
-                outputs = [RunnerOutput(error=err) for _ in batch]
-            else:
-                outputs = await self._execute(loop, batch)
-        finally:
-            self.scheduler.finish(wave.batch_id)
-        elapsed_ms = (time.perf_counter() - start) * 1000.0
-        done: list[StageOutput] = []
-        for req, out in zip(batch, outputs, strict=True):
-            rid = req.request_id
-            if rid in self._released:
-                self._released.discard(rid)
-                continue
-            metrics = {
-                "queue_wait_ms": wave.queue_wait_ms.get(rid, 0.0),
-                "admission_wait_ms": wave.admission_wait_ms.get(rid, 0.0),
-                "batch_size": len(batch),
-                "batch_id": wave.batch_id,
-                "execution_ms": elapsed_ms,
-                "replica_id": self.replica_id,
-                **out.metrics,
-            }
-            if "first_step_ms" in out.metrics:  # a runner that reports when its first step ended
-                metrics["time_to_first_step_ms"] = metrics["queue_wait_ms"] + out.metrics["first_step_ms"]
-            done.append(self._final_output(rid, out, metrics))
-        self._emit_outputs(done)
-
-    def _final_output(self, rid: str, out: RunnerOutput, metrics: dict[str, Any]) -> StageOutput:
+    def final_output(self, rid: str, out: RunnerOutput, metrics: dict[str, Any]) -> StageOutput:
         # Wall-clock end of this stage's work on the request: with the durations above, a trace
         # places the stage's spans, and the time from here to the next stage is the hand-off.
         metrics["finished_at"] = time.time()
@@ -272,164 +221,13 @@ class StageWorker:
             error=None if out.error is None else ErrorInfo.from_exception(out.error, self.stage_id),
         )
 
-    def _emit_outputs(self, done: list[StageOutput]) -> None:
+    def emit_outputs(self, done: list[StageOutput]) -> None:
         """One message for the outputs of one forward: a frame per wave, not per request."""
         if done:
             self._emit(StageOutputs(outputs=done) if len(done) > 1 else done[0])
 
-    async def _execute(self, loop: asyncio.AbstractEventLoop, batch: list[RunnerRequest]) -> list[RunnerOutput]:
-        """One fused forward; if it raises, each request again alone so only the culprit fails."""
-
-        def is_aborted(rid: str) -> bool:
-            # Called between steps: each call is also a sign that the forward is not stuck.
-            self._progress_at = time.monotonic()
-            # Closing aborts everything: the forward thread must stop for the process to exit,
-            # even after close() has cancelled the wave's bookkeeping under it.
-            return self._closed or self.scheduler.is_aborted(rid)
-
-        def emit(rid: str, part: RunnerOutput) -> None:
-            self._progress_at = time.monotonic()
-            loop.call_soon_threadsafe(self._emit_partial, rid, part)
-
-        def progress(ids: list[str], step: int, steps: int) -> None:
-            # In the forward thread, at every step: only a due burst costs a thread hop.
-            if self._throttle.claim(time.monotonic()):
-                loop.call_soon_threadsafe(self._send_progress, ids, step, steps)
-
-        ctx = ExecuteContext(is_aborted=is_aborted, emit=emit, progress=progress)
-        self._progress_at = time.monotonic()
-        try:
-            if self.runner.runs_inline(batch):
-                # Cheap enough to run on the loop: saves two thread hops per wave.
-                return self.runner.execute(batch, ctx)
-            return await loop.run_in_executor(self._executor, self.runner.execute, batch, ctx)
-        except Exception as e:
-            if len(batch) == 1:
-                logger.warning("stage %d: request %s failed: %s", self.stage_id, batch[0].request_id, e)
-                if not isinstance(e, OmniError):  # a typed error (asleep, bad input) keeps its type
-                    e = StageExecutionError(f"{type(e).__name__}: {e}", stage_id=self.stage_id)
-                return [RunnerOutput(error=e)]
-            logger.warning(
-                "stage %d: fused forward of %d failed (%s); retrying one by one", self.stage_id, len(batch), e
-            )
-        finally:
-            self._progress_at = None
-        outputs = []
-        for req in batch:
-            outputs.extend(await self._execute(loop, [req]))
-        return outputs
-
-    # ------------------------------------------------------------------ the step loop
-
-    async def _run_steps(self) -> None:
-        """1) ask the step scheduler for a plan  2) none: wait for an arrival or an abort
-        3) run the plan (drop, admit, one step) in the forward thread  4) send what it finished."""
-        while not self._closed:
-            self._wake.clear()
-            plan = self.scheduler.schedule()
-            if plan is None:
-                await self._wake.wait()
-                continue
-            await self._run_step(plan)
-
-    async def _run_step(self, plan: StepPlan) -> None:
-        loop = asyncio.get_running_loop()
-        scheduler = self.scheduler
-        assert isinstance(scheduler, StepScheduler)
-        failed: dict[str, RunnerOutput] = {}
-        results: dict[str, StepResult] = {}
-        start = time.perf_counter()
-        try:
-            if self._asleep:
-                # The model is gone (its states with it): every request with state fails now, and
-                # any admitted later, until wake_up; new requests are refused meanwhile.
-                err = StageAsleepError(f"stage {self.stage_id} is asleep")
-                failed = {rid: RunnerOutput(error=err) for rid in scheduler.running_ids()}
-            else:
-                ctx = self._step_context()
-                self._progress_at = time.monotonic()
-                failed, results = await loop.run_in_executor(self._executor, self._step_job, plan, ctx)
-        except Exception as e:
-            # The runner failed as a whole (asleep under us, or a bug): the plan's requests fail.
-            logger.warning("stage %d: step %d failed: %s", self.stage_id, plan.step_id, e)
-            err = (
-                e
-                if isinstance(e, OmniError)
-                else StageExecutionError(f"{type(e).__name__}: {e}", stage_id=self.stage_id)
-            )
-            failed = {rid: RunnerOutput(error=err) for rid in dict.fromkeys([*plan.join, *plan.run])}
-            with contextlib.suppress(Exception):
-                await loop.run_in_executor(self._executor, self.runner.step_drop, list(failed))
-        finally:
-            self._progress_at = None
-        elapsed = time.perf_counter() - start
-        finished = [*failed, *(rid for rid, r in results.items() if r.output is not None)]
-        done = scheduler.finish_step(plan.step_id, list(results), finished)
-        # 4) Final outputs (errors included) of those that left; nothing for the aborted ones.
-        outputs: list[StageOutput] = []
-        for rid in finished:
-            # A request whose partial output could not be sent was marked released (_emit): its
-            # mark goes with it, or every such request would stay in the set for the replica's life.
-            self._released.discard(rid)
-            metrics = done.get(rid)
-            if metrics is None:
-                continue
-            out = failed[rid] if rid in failed else results[rid].output
-            metrics = {**metrics, "admission_wait_ms": 0.0, "replica_id": self.replica_id, **out.metrics}
-            outputs.append(self._final_output(rid, out, metrics))
-        self._emit_outputs(outputs)
-        # 5) Progress of those still running, when a burst is due.
-        if plan.run:
-            self._throttle.add_step(elapsed)
-            self._emit_progress(results)
-
-    def _step_context(self) -> ExecuteContext:
-        def is_aborted(rid: str) -> bool:
-            self._progress_at = time.monotonic()  # liveness: the step is moving
-            return self._closed or self.scheduler.is_aborted(rid)
-
-        return ExecuteContext(is_aborted=is_aborted)
-
-    def _step_job(self, plan: StepPlan, ctx: ExecuteContext) -> tuple[dict[str, RunnerOutput], dict[str, StepResult]]:
-        """In the forward thread: 1) free aborted state  2) admit the joiners (batched encode)
-        3) one batched step of the plan's key (decoding those done)."""
-        self.runner.step_drop(plan.drop)
-        failed = self.runner.step_admit([plan.payloads[rid] for rid in plan.join], ctx) if plan.join else {}
-        run = [rid for rid in plan.run if rid not in failed]
-        results = self.runner.step_run(run, ctx) if run else {}
-        # A runner may skip a request aborted meanwhile (it leaves with the next plan); any other
-        # it did not step would hold its slot forever.
-        for rid in run:
-            if rid not in results and not self.scheduler.is_aborted(rid):
-                err = StageExecutionError(
-                    "the runner returned no result for this request's step", stage_id=self.stage_id
-                )
-                failed[rid] = RunnerOutput(error=err)
-        return failed, results
-
-    def _emit_progress(self, results: dict[str, StepResult]) -> None:
-        """``{"progress": {"step": i, "steps": n}}`` partial outputs for every request that just took
-        a step and goes on, in one burst, when the throttle says one is due."""
-        now = time.monotonic()
-        if not self._throttle.due(now):
-            return
-        live = [(rid, r) for rid, r in results.items() if r.output is None and not self.scheduler.is_aborted(rid)]
-        if not live:
-            return
-        start = time.perf_counter()
-        self._emit_outputs([_progress_output(rid, r.step, r.steps) for rid, r in live])
-        self._throttle.sent(now, len(live), time.perf_counter() - start)
-
-    def _send_progress(self, ids: list[str], step: int, steps: int) -> None:
-        """A request-level wave's progress burst (the forward thread claimed it)."""
-        live = [rid for rid in ids if rid not in self._released and not self.scheduler.is_aborted(rid)]
-        if live:
-            start = time.perf_counter()
-            self._emit_outputs([_progress_output(rid, step, steps) for rid in live])
-            self._throttle.sent(time.monotonic(), len(live), time.perf_counter() - start)
-
-    def _emit_partial(self, rid: str, part: RunnerOutput) -> None:
-        if rid not in self._released:
+    def emit_partial(self, rid: str, part: RunnerOutput) -> None:
+        if rid not in self.released:
             payload = Payload(text=part.text, images=part.images, tensors=part.tensors, metrics=part.metrics)
             self._emit(StageOutput(request_id=rid, finished=False, payload=payload))
 
@@ -447,7 +245,7 @@ class StageWorker:
             logger.error("stage %d: cannot send %s: %s", self.stage_id, type(msg).__name__, e)
             if isinstance(msg, StageOutput) and msg.error is None:
                 if not msg.finished:
-                    self._released.add(msg.request_id)  # the rest of this request is not sent
+                    self.released.add(msg.request_id)  # the rest of this request is not sent
                 err = StageExecutionError(f"the stage's output cannot be sent: {e}", stage_id=self.stage_id)
                 self._emit(StageOutput(request_id=msg.request_id, error=ErrorInfo.from_exception(err, self.stage_id)))
             elif isinstance(msg, StageRpcResult) and msg.error is None:
@@ -478,20 +276,20 @@ class StageWorker:
         if method == "sleep":
             # Asleep first: from now on requests are refused and waves not yet begun fail with
             # StageAsleepError. The release runs on the forward thread, after the running wave.
-            self._asleep = True
-            result = await loop.run_in_executor(self._executor, self.runner.sleep)
+            self.asleep = True
+            result = await loop.run_in_executor(self.forward_thread, self.runner.sleep)
             gc.collect()
             return {"asleep": True, **(result or {})}
         if method == "wake_up":
             # Awake only once the model is back: requests meanwhile still get StageAsleepError.
-            result = await loop.run_in_executor(self._executor, self.runner.wake_up)
-            self._asleep = False
-            self._wake.set()
+            result = await loop.run_in_executor(self.forward_thread, self.runner.wake_up)
+            self.asleep = False
+            self.wake.set()
             return {"asleep": False, **(result or {})}
         handler = getattr(self.runner, f"rpc_{method}", None)
         if handler is None:
             raise RpcError(f"unknown control method {method!r}")
-        return await loop.run_in_executor(self._executor, lambda: handler(*args, **kwargs))
+        return await loop.run_in_executor(self.forward_thread, lambda: handler(*args, **kwargs))
 
     def _set_batching(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         # The bounds of the deploy YAML (config.FIELD_BOUNDS): a control call cannot set what a
@@ -500,7 +298,7 @@ class StageWorker:
         max_num_seqs = checked.get("max_num_seqs")
         request_batch_max_wait_ms = checked.get("request_batch_max_wait_ms")
         self.scheduler.set_config(max_num_seqs=max_num_seqs, max_wait_ms=request_batch_max_wait_ms)
-        self._wake.set()
+        self.wake.set()
         # max_num_seqs as applied: never above what the runner declared it can take.
         return {
             "max_num_seqs": self.scheduler.max_num_seqs,
@@ -510,9 +308,6 @@ class StageWorker:
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()
-        step = {"step_execution": self._step_mode}
-        if self._step_mode:
-            step.update(steps=s.get("steps", 0), paused=s.get("num_paused", 0), **self._throttle.stats())
         return {
             "stage_id": self.stage_id,
             "replica_id": self.replica_id,
@@ -523,15 +318,8 @@ class StageWorker:
             "running": s.get("num_running", 0),
             "batch_size_histogram": {str(k): v for k, v in s.get("batch_size_histogram", {}).items()},
             "waves": s.get("waves", 0),
-            "asleep": self._asleep,
+            "asleep": self.asleep,
             # What torch really runs with (OMP_NUM_THREADS set by the stage process); None if unused.
             "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
-            **step,
+            **self.executor.stats(),
         }
-
-
-def _progress_output(rid: str, step: int, steps: int) -> StageOutput:
-    """A partial output that says only how far a request's denoising got."""
-    return StageOutput(
-        request_id=rid, finished=False, payload=Payload(metrics={"progress": {"step": step, "steps": steps}})
-    )

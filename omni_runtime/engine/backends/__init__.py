@@ -5,25 +5,21 @@ from __future__ import annotations
 from omni_runtime.config import DeployConfig
 
 from .base import EngineResources, StageBackend, StageClient
+from .registry import BACKENDS, backend_class, register_backend
 
 
 def make_backends(config: DeployConfig, resources: EngineResources) -> dict[str, StageBackend]:
-    """One backend for each ``runtime.backend`` the config's stages use."""
-    kinds = {s.runtime.backend for s in config.stage_args}
-    backends: dict[str, StageBackend] = {}
-    if "process" in kinds:
-        from .process import ProcessBackend
-
-        backends["process"] = ProcessBackend(config, resources)
-    if "inproc" in kinds:
-        from .inproc import InProcBackend
-
-        backends["inproc"] = InProcBackend(config, resources)
-    if "ray" in kinds:
-        from .ray_backend import RayBackend
-
-        backends["ray"] = RayBackend(config, resources)
-    return backends
+    """One backend for each ``runtime.backend`` the config's stages use (see :mod:`.registry`)."""
+    kinds = dict.fromkeys(s.runtime.backend for s in config.stage_args)
+    return {kind: backend_class(kind)(config, resources) for kind in kinds}
 
 
-__all__ = ["EngineResources", "StageBackend", "StageClient", "make_backends"]
+__all__ = [
+    "BACKENDS",
+    "EngineResources",
+    "StageBackend",
+    "StageClient",
+    "backend_class",
+    "make_backends",
+    "register_backend",
+]

@@ -7,8 +7,9 @@ share, and decides how an output's arrays reach their next consumer. Everything 
 outside Python objects is registered with its one :class:`EngineResources`, made before the first
 such thing exists and released on every exit path.
 
-Backends: ``process`` (:mod:`.process`: a spawned process per replica, ZMQ, shared memory; the
-default) and ``inproc`` (:mod:`.inproc`: the same worker on the orchestrator's loop; the test seam).
+Backends, by name in :mod:`.registry`: ``process`` (:mod:`.process`: a spawned process per replica,
+ZMQ, shared memory; the default), ``inproc`` (:mod:`.inproc`: the same worker on the orchestrator's
+loop; the test seam) and ``ray`` (:mod:`.ray_backend`: Ray actors across a cluster).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
+
+import msgspec
 
 from omni_runtime.config import DeployConfig, StageConfig
 from omni_runtime.messages import StageOutput, StageReady
@@ -70,15 +73,28 @@ class StageClient(ABC):
         Always returns: every wait is bounded."""
 
 
+class NoOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The settings of a backend that reads no ``runtime:`` key of its own."""
+
+
 class StageBackend(ABC):
     """Makes the replicas of the stages that run on it, and owns what they share."""
 
-    #: The ``runtime.backend`` value that selects it.
+    #: The ``runtime.backend`` value that selects it (its name in :mod:`.registry`).
     name: ClassVar[str]
+    #: Its own settings: the ``runtime:`` keys only this backend reads, decoded at load into
+    #: ``stage.runtime.options`` (a YAML keeps writing them flat, beside the shared keys).
+    options: ClassVar[type[msgspec.Struct]] = NoOptions
 
     def __init__(self, config: DeployConfig, resources: EngineResources) -> None:
         self.config = config
         self.resources = resources
+
+    @classmethod
+    def check_stages(cls, stages: list[StageConfig]) -> list[str]:
+        """What is wrong with ``stages`` (every stage of a config on this backend) taken together,
+        found when the config is resolved; each their own options struct already validated."""
+        return []
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Set up what the replicas share (registering each piece with ``resources`` as it is

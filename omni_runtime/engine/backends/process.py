@@ -26,7 +26,7 @@ import sys
 import tempfile
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -50,8 +50,21 @@ logger = logging.getLogger(__name__)
 _IPC_PREFIX = "omni_runtime-ipc-"
 
 
+class ProcessOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``runtime:`` keys only the ``process`` backend reads."""
+
+    #: Transport to a process replica: ``ipc`` (a unix socket in a private directory) or ``tcp``
+    #: (loopback). Tensors use shared memory over ipc and raw msgpack buffers over tcp.
+    transport: Literal["ipc", "tcp"] = "ipc"
+
+
+def _transport(stage: StageConfig) -> str:
+    return stage.runtime.options.transport if isinstance(stage.runtime.options, ProcessOptions) else "ipc"
+
+
 class ProcessBackend(StageBackend):
     name = "process"
+    options = ProcessOptions
 
     def __init__(self, config: DeployConfig, resources: EngineResources) -> None:
         super().__init__(config, resources)
@@ -62,7 +75,7 @@ class ProcessBackend(StageBackend):
         self.shm_pool: shm.ShmPool | None = None
         stages = [s for s in config.stage_args if s.runtime.backend == self.name]
         self._process_replicas = sum(s.runtime.num_replicas for s in stages)
-        self._uses_shm = any(s.runtime.transport == "ipc" for s in stages)
+        self._uses_shm = any(_transport(s) == "ipc" for s in stages)
 
     async def open(self) -> None:
         import zmq
@@ -102,7 +115,7 @@ class ProcessBackend(StageBackend):
 
     def passes_shm(self, stage: StageConfig) -> bool:
         """Whether ``stage`` maps this engine's shared memory (a process replica over ipc)."""
-        return self.shm_prefix is not None and stage.runtime.backend == self.name and stage.runtime.transport == "ipc"
+        return self.shm_prefix is not None and stage.runtime.backend == self.name and _transport(stage) == "ipc"
 
 
 class ProcessStageClient(StageClient):
@@ -125,7 +138,7 @@ class ProcessStageClient(StageClient):
         self._generation = generation
         # Shared memory only over ipc, and only with the engine's pool for what we send.
         shm_engine = backend.shm_prefix
-        use_shm = stage.runtime.transport == "ipc" and shm_engine is not None
+        use_shm = _transport(stage) == "ipc" and shm_engine is not None
         shm_pool = backend.shm_pool
         self._shm_engine = shm_engine if use_shm else None
         self.shm_prefix = shm.replica_prefix(shm_engine, self.stage_id, replica_id, generation) if use_shm else None
@@ -144,7 +157,7 @@ class ProcessStageClient(StageClient):
         self._decoder = outbound_decoder(self._shm_engine)
 
     def _bind(self, sock: Any, name: str) -> str:
-        if self.stage.runtime.transport == "tcp":
+        if _transport(self.stage) == "tcp":
             sock.bind("tcp://127.0.0.1:*")
             return sock.getsockopt_string(__import__("zmq").LAST_ENDPOINT)
         addr = f"ipc://{self._ipc_dir}/s{self.stage_id}r{self.replica_id}g{self._generation}-{name}"

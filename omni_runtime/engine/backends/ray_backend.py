@@ -29,7 +29,7 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -45,14 +45,55 @@ from .ray_connection import ray_module
 logger = logging.getLogger(__name__)
 
 
+class RayOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``runtime:`` keys only the ``ray`` backend reads."""
+
+    #: Ray resources each replica needs, e.g. ``{"GPU": 1}`` or a custom node resource
+    #: ``{"stage_node_a": 1}`` (``CPU`` defaults to 1).
+    resources: dict[str, Annotated[float, msgspec.Meta(ge=0)]] = msgspec.field(default_factory=dict)
+    #: ``spread`` the replicas over the nodes, or ``pack`` them (Ray's default).
+    placement: Literal["spread", "pack"] = "pack"
+    #: The cluster to join: ``auto`` (the one this machine belongs to), a ``host:port`` /
+    #: ``ray://`` address, or ``local`` (start one in this process). Every ray stage of a config
+    #: must name the same; ``Omni(..., ray_address=...)`` and ``serve --ray-address`` set it for
+    #: all of them.
+    ray_address: str = "auto"
+    #: With ``ray_address: local``: the directory the local cluster keeps its sessions in (logs,
+    #: sockets), kept when the cluster stops. Unset: a fresh ``omr-ray-*`` directory under the
+    #: system temp dir, removed when the last engine of the process closes. Keep it short: Ray's
+    #: socket paths in it must fit 107 bytes.
+    ray_temp_dir: str | None = None
+    #: Arrays at least this large travel through Ray's object store (handed from actor to
+    #: actor); smaller ones ride in the message, as each stored object costs a few ms.
+    object_store_min_bytes: Annotated[int, msgspec.Meta(ge=0)] = 1 << 20
+
+
+def ray_options(stage: StageConfig) -> RayOptions:
+    """The ray settings of ``stage`` (their defaults for a stage of another backend)."""
+    options = stage.runtime.options
+    return options if isinstance(options, RayOptions) else RayOptions()
+
+
 class RayBackend(StageBackend):
     name = "ray"
+    options = RayOptions
+
+    @classmethod
+    def check_stages(cls, stages: list[StageConfig]) -> list[str]:
+        # One process joins one Ray cluster.
+        errors = []
+        for field, what in (("ray_address", "clusters"), ("ray_temp_dir", "temp dirs")):
+            values = {str(getattr(ray_options(s), field)) for s in stages}
+            if len(values) > 1:
+                errors.append(f"the ray stages name different {what}: {sorted(values)}")
+        return errors
 
     def __init__(self, config: DeployConfig, resources: EngineResources) -> None:
         super().__init__(config, resources)
         stages = [s for s in config.stage_args if s.runtime.backend == self.name]
-        self.address = stages[0].runtime.ray_address if stages else "auto"
-        self.temp_dir = stages[0].runtime.ray_temp_dir if stages else None
+        first = ray_options(stages[0]) if stages else RayOptions()
+        self.address = first.ray_address
+        self.temp_dir = first.ray_temp_dir
         #: Connecting is part of starting: bounded like the slowest stage's start.
         self.connect_timeout_s = max((s.runtime.startup_timeout_s for s in stages), default=300.0)
         self._actor_class: Any = None
@@ -95,7 +136,7 @@ class RayBackend(StageBackend):
     def _env(self, stage: StageConfig) -> dict[str, str]:
         # The actor imports what this process can (runners named ``module:Class``), and its torch
         # uses the threads the stage asked for, or the CPUs Ray gives it.
-        cpus = stage.runtime.resources.get("CPU", 1)
+        cpus = ray_options(stage).resources.get("CPU", 1)
         threads = str(stage.runtime.torch_threads or max(1, int(cpus)))
         return {
             "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
@@ -105,7 +146,7 @@ class RayBackend(StageBackend):
         }
 
     def actor_options(self, stage: StageConfig) -> dict[str, Any]:
-        resources = dict(stage.runtime.resources)
+        resources = dict(ray_options(stage).resources)
         options: dict[str, Any] = {
             "num_cpus": resources.pop("CPU", 1),
             "num_gpus": resources.pop("GPU", 0),
@@ -115,7 +156,7 @@ class RayBackend(StageBackend):
             "max_concurrency": 1000,  # an async actor: calls interleave at awaits
             "runtime_env": {"env_vars": self._env(stage)},
         }
-        if stage.runtime.placement == "spread":
+        if ray_options(stage).placement == "spread":
             options["scheduling_strategy"] = "SPREAD"
         return options
 
@@ -185,7 +226,7 @@ class RayStageClient(StageClient):
             msgspec.to_builtins(stage),
             self.replica_id,
             orphan_timeout_s=max(10.0, 3 * heartbeat) if heartbeat else 0.0,
-            remote_min_bytes=stage.runtime.object_store_min_bytes,
+            remote_min_bytes=ray_options(stage).object_store_min_bytes,
         )
         token = self._backend.resources.add(
             f"stage {self.stage_id} replica {self.replica_id} (ray actor)", lambda actor=self._actor: ray.kill(actor)
