@@ -45,11 +45,12 @@ from ..jobs.store import (
     StreamBudgetError,
 )
 from ..jobs.tracing import OtlpExporter, span, stage_spans
+from .fields import FieldMap
 from .files import MEDIA_TYPES, encode_images
 from .protocol import ApiError, GenerateRequest, classify_error
 
 if TYPE_CHECKING:
-    from .server import ServerState
+    from .state import ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,23 @@ RECORD_RETRY_S = (0.25, 5.0)
 
 #: A job id: ``job-`` and the 24 characters of ``secrets.token_urlsafe(18)`` (see ``submit``).
 _JOB_ID = re.compile(r"job-[A-Za-z0-9_-]{24}")
-_IMAGE_PARAMS = ("negative_prompt", "num_inference_steps", "guidance_scale", "seed")
+#: ``POST /v1/generate``: request field -> engine param, and back in errors. Image params go to
+#: the stages that take them, shared ones to every stage that has the param.
+JOB_IMAGE_FIELDS = FieldMap(
+    {
+        "inputs.negative_prompt": "negative_prompt",
+        "inputs.num_inference_steps": "num_inference_steps",
+        "inputs.guidance_scale": "guidance_scale",
+        "inputs.seed": "seed",
+        "inputs.size": ("width", "height"),
+    },
+    read={"inputs.size": lambda body: body.inputs.dimensions()},
+    computed={"inputs.prompt": "prompt"},
+)
+JOB_SHARED_FIELDS = FieldMap(
+    {"config.timeout": "timeout", "priority": "priority"}, read={"priority": lambda body: body.priority or None}
+)
+JOB_FIELDS = JOB_IMAGE_FIELDS | JOB_SHARED_FIELDS
 
 
 @dataclass(frozen=True)
@@ -234,22 +251,12 @@ class JobManager:
         if self.state.image_stage is None:
             message = f"the model `{self.state.model_name}` has no image output"
             raise ApiError(400, message, param="model", code="no_image")
-        image: dict[str, Any] = {k: getattr(body.inputs, k) for k in _IMAGE_PARAMS}
-        size = body.inputs.dimensions()
-        if size is not None:
-            image["width"], image["height"] = size
         # ``priority`` reaches every stage whose params take it (and none where no params class does).
-        shared = {"timeout": body.config.timeout, "priority": body.priority or None}
         try:
-            params = omni.sampling_params(image=image, shared=shared)
+            params = omni.sampling_params(image=JOB_IMAGE_FIELDS.params(body), shared=JOB_SHARED_FIELDS.params(body))
             return omni.validate(body.inputs.prompt, params, modalities=["image"])
         except InvalidRequestError as e:
-            if e.param in ("height", "width"):
-                e.param = "inputs.size"
-            elif e.param in (*_IMAGE_PARAMS, "prompt"):
-                e.param = f"inputs.{e.param}"
-            elif e.param == "timeout":
-                e.param = "config.timeout"
+            JOB_FIELDS.rename(e)
             raise
 
     async def submit(self, body: GenerateRequest, base_url: str, traceparent: str | None = None) -> dict[str, Any]:
