@@ -107,8 +107,7 @@ async def cancel_job(job_id: str, manager: Jobs) -> JSONResponse:
 @router.get("/jobs/{job_id}/trace")
 async def get_trace(job_id: str, manager: Jobs) -> JSONResponse:
     record = await manager.get_record(job_id)
-    body = {"job_id": job_id, "status": record["status"], "trace_id": record.get("trace_id"), "spans": []}
-    body["spans"] = record.get("trace") or []
+    body = {"job_id": job_id, "status": record.status, "trace_id": record.trace_id, "spans": record.trace or []}
     return SafeJSONResponse(body)
 
 
