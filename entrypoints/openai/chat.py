@@ -9,10 +9,10 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
 
 from omni_runtime.exceptions import InvalidRequestError, OmniError
 from omni_runtime.outputs import OmniRequestOutput
@@ -20,12 +20,40 @@ from omni_runtime.params import MAX_PROMPT_CHARS
 
 from ..async_omni import AsyncOmni, ValidRequest
 from . import protocol as proto
+from .dependencies import AUTH, JSON_BODY, State
+from .fields import FieldMap
 from .files import encode_images
 from .images import chat_image
 from .protocol import DISCONNECTED, error_body
+from .responses import json_with_id
+from .state import ServerState
 
-if TYPE_CHECKING:
-    from .server import ServerState
+router = APIRouter(prefix="/v1", dependencies=[AUTH])
+
+#: Request field -> engine param (shared by every stage that takes it), and back in errors.
+CHAT_FIELDS = FieldMap(
+    {
+        "max_tokens": "max_tokens",
+        "temperature": "temperature",
+        "top_p": "top_p",
+        "stop": "stop",
+        "seed": "seed",
+        "timeout": "timeout",
+        "lora": "lora",
+        "priority": "priority",
+    },
+    read={
+        "max_tokens": lambda body: body.max_completion_tokens or body.max_tokens,
+        "stop": lambda body: [body.stop] if isinstance(body.stop, str) else body.stop,
+        "lora": lambda body: body.lora.params() if body.lora else None,
+    },
+)
+
+
+@router.post("/chat/completions", dependencies=[JSON_BODY])
+async def chat(body: proto.ChatCompletionRequest, request: Request, state: State) -> Response:
+    answer = await chat_completion(state, body, request)
+    return answer if isinstance(answer, Response) else json_with_id(answer)
 
 
 async def chat_completion(
@@ -40,23 +68,16 @@ async def chat_completion(
     if len(prompt) > MAX_PROMPT_CHARS:
         message = f"the prompt is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}"
         raise InvalidRequestError(message, param=where)
-    shared = {
-        "max_tokens": body.max_completion_tokens or body.max_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
-        "seed": body.seed,
-        "timeout": body.timeout,
-        "lora": body.lora.params() if body.lora else None,
-        "priority": body.priority,
-    }
+    shared = CHAT_FIELDS.params(body)
     modalities = list(body.modalities) if body.modalities else None
     image = await chat_image(state, body)
     try:
         valid = omni.validate(prompt, omni.sampling_params(image=image, shared=shared), modalities=modalities)
     except InvalidRequestError as e:
-        if image is not None and e.param == "image":
+        if image is not None and e.param == "image":  # where in the messages the image was
             e.param = body.image_urls()[0][1]
+        else:
+            CHAT_FIELDS.rename(e)
         raise
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:

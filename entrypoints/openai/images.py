@@ -1,6 +1,6 @@
-"""The images routes' shared steps (generations, edits, variations) and the input image of a chat
-request: admission checks, validation of the ``n`` engine requests, running them together and
-answering in the images API's shape. Runs on the server's event loop."""
+"""The images routes (``/v1/images/generations``, ``edits``, ``variations``), their shared steps
+and the input image of a chat request: admission checks, validation of the ``n`` engine requests,
+running them together and answering in the images API's shape. Runs on the server's event loop."""
 
 from __future__ import annotations
 
@@ -8,22 +8,57 @@ import asyncio
 import base64
 import uuid
 from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from fastapi import Request
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from omni_runtime.exceptions import InvalidRequestError
 
 from ..async_omni import AsyncOmni, ValidRequest
 from . import protocol as proto
+from .dependencies import AUTH, JSON_BODY, MULTIPART_BODY, State
+from .fields import FieldMap
 from .files import MEDIA_TYPES, encode_images
 from .protocol import ApiError
-from .uploads import HTTP_FIELDS, Upload, decode_async, decode_data_url, decode_image
-
-if TYPE_CHECKING:
-    from .server import ServerState
+from .responses import json_with_id
+from .state import ServerState
+from .uploads import Upload, decode_async, decode_data_url, decode_image, image_params, read_image_form
 
 T = TypeVar("T")
+
+#: ``/v1/images/generations``: request field -> engine param (and back, in errors). The seed is
+#: the route's own: image ``i`` gets ``seed + i``.
+GENERATION_FIELDS = FieldMap(
+    {
+        "negative_prompt": "negative_prompt",
+        "num_inference_steps": "num_inference_steps",
+        "guidance_scale": "guidance_scale",
+        "timeout": "timeout",
+        "lora": "lora",
+        "priority": "priority",
+        "size": ("width", "height"),
+    },
+    read={"lora": lambda body: body.lora.params() if body.lora else None, "size": lambda body: body.dimensions()},
+    computed={"seed": "seed"},
+)
+#: ``/v1/images/edits`` and ``variations`` (multipart forms): the image, its mask and ``size``
+#: (which resizes the upload) are decoded by the route (uploads.image_params).
+INPUT_IMAGE_FIELDS = FieldMap(
+    {
+        "negative_prompt": "negative_prompt",
+        "num_inference_steps": "num_inference_steps",
+        "guidance_scale": "guidance_scale",
+        "timeout": "timeout",
+    },
+    computed={
+        "image": "image",
+        "mask": "mask_image",
+        "strength": "strength",
+        "seed": "seed",
+        "size": ("width", "height"),
+    },
+)
 
 
 async def gather_or_abort(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
@@ -52,10 +87,11 @@ def images_engine(state: ServerState, model: str | None, n: int) -> AsyncOmni:
 
 
 def validate_images(
-    omni: AsyncOmni, prompt: str, image: dict[str, Any], n: int, seed: int | None
+    omni: AsyncOmni, prompt: str, image: dict[str, Any], n: int, seed: int | None, fields: FieldMap
 ) -> list[ValidRequest]:
     """Each of the ``n`` requests of an images call, validated before any of them is admitted;
-    image ``i`` gets ``seed + i``. Errors name the HTTP field (``size``, ``mask``)."""
+    image ``i`` gets ``seed + i``. Errors name the request field as ``fields`` maps it (``size``,
+    ``mask``)."""
 
     def params(i: int) -> list[dict | None]:
         extra = {} if seed is None else {"seed": seed + i}
@@ -64,7 +100,7 @@ def validate_images(
     try:
         return [omni.validate(prompt, params(i), modalities=["image"]) for i in range(n)]
     except InvalidRequestError as e:
-        e.param = HTTP_FIELDS.get(e.param, e.param)
+        fields.rename(e)
         raise
 
 
@@ -115,3 +151,39 @@ async def chat_image(state: ServerState, body: proto.ChatCompletionRequest) -> d
     limit = state.started.max_input_pixels()
     decoded = await decode_async(decode_image, Upload(decode_data_url(url, where), where, limit))
     return {"image": decoded.rgb}
+
+
+router = APIRouter(prefix="/v1/images", dependencies=[AUTH])
+
+
+@router.post("/generations", dependencies=[JSON_BODY])
+async def create_images(body: proto.ImageGenerationRequest, request: Request, state: State) -> JSONResponse:
+    omni = images_engine(state, body.model, body.n)
+    image = GENERATION_FIELDS.params(body)
+    valid = validate_images(omni, body.prompt, image, body.n, body.seed, GENERATION_FIELDS)
+    return json_with_id(await run_images(state, omni, request, valid, body))
+
+
+@router.post("/edits", dependencies=[MULTIPART_BODY])
+async def edit_images(request: Request, state: State) -> JSONResponse:
+    body, files = await read_image_form(request, proto.ImageEditForm)
+    omni = images_engine(state, body.model, body.n)
+    # Without a mask, the image's own transparent pixels are the region to edit (as OpenAI's
+    # edits take it); an opaque image without a mask is redrawn as a whole (img2img).
+    params = await image_params(
+        body, files, body.strength, alpha_as_mask=True, limit=omni.max_input_pixels(), fields=INPUT_IMAGE_FIELDS
+    )
+    valid = validate_images(omni, body.prompt, params, body.n, body.seed, INPUT_IMAGE_FIELDS)
+    return json_with_id(await run_images(state, omni, request, valid, body))
+
+
+@router.post("/variations", dependencies=[MULTIPART_BODY])
+async def image_variations(request: Request, state: State) -> JSONResponse:
+    body, files = await read_image_form(request, proto.ImageVariationForm)
+    omni = images_engine(state, body.model, body.n)
+    strength = body.strength if body.strength is not None else proto.VARIATION_STRENGTH
+    params = await image_params(
+        body, files, strength, alpha_as_mask=False, limit=omni.max_input_pixels(), fields=INPUT_IMAGE_FIELDS
+    )
+    valid = validate_images(omni, "", params, body.n, body.seed, INPUT_IMAGE_FIELDS)
+    return json_with_id(await run_images(state, omni, request, valid, body))

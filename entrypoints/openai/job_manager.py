@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, UnavailableError
 
 from ..async_omni import AsyncOmni, ValidRequest
+from ..jobs.record import JobRecord
 from ..jobs.store import (
     TERMINAL,
     Event,
@@ -45,11 +46,13 @@ from ..jobs.store import (
     StreamBudgetError,
 )
 from ..jobs.tracing import OtlpExporter, span, stage_spans
+from .fields import FieldMap
 from .files import MEDIA_TYPES, encode_images
-from .protocol import ApiError, GenerateRequest, classify_error
+from .job_end import RECORD_RETRY_S, JobEnds, error_of
+from .protocol import ApiError, GenerateRequest
 
 if TYPE_CHECKING:
-    from .server import ServerState
+    from .state import ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +60,26 @@ logger = logging.getLogger(__name__)
 MAX_REQUEUES = 1
 #: How long ``DELETE`` waits for the job to end before answering with it as it is.
 CANCEL_WAIT_S = 10.0
-#: Backoff between tries to record a job's end while the store is unreachable, seconds.
-RECORD_RETRY_S = (0.25, 5.0)
 
 #: A job id: ``job-`` and the 24 characters of ``secrets.token_urlsafe(18)`` (see ``submit``).
 _JOB_ID = re.compile(r"job-[A-Za-z0-9_-]{24}")
-_IMAGE_PARAMS = ("negative_prompt", "num_inference_steps", "guidance_scale", "seed")
+#: ``POST /v1/generate``: request field -> engine param, and back in errors. Image params go to
+#: the stages that take them, shared ones to every stage that has the param.
+JOB_IMAGE_FIELDS = FieldMap(
+    {
+        "inputs.negative_prompt": "negative_prompt",
+        "inputs.num_inference_steps": "num_inference_steps",
+        "inputs.guidance_scale": "guidance_scale",
+        "inputs.seed": "seed",
+        "inputs.size": ("width", "height"),
+    },
+    read={"inputs.size": lambda body: body.inputs.dimensions()},
+    computed={"inputs.prompt": "prompt"},
+)
+JOB_SHARED_FIELDS = FieldMap(
+    {"config.timeout": "timeout", "priority": "priority"}, read={"priority": lambda body: body.priority or None}
+)
+JOB_FIELDS = JOB_IMAGE_FIELDS | JOB_SHARED_FIELDS
 
 
 @dataclass(frozen=True)
@@ -139,9 +156,10 @@ class JobManager:
         self._local: dict[str, _LocalJob] = {}
         self._background: asyncio.Task | None = None
         self._closing = False
-        #: Job ends the store did not take yet (it was unreachable): job id -> the write.
-        self._unrecorded: dict[str, tuple[str, dict[str, Any], dict[str, Any], Fence]] = {}
-        self._recorder: asyncio.Task | None = None
+        #: How jobs end: their end written once, kept through store outages.
+        self.ends = JobEnds(
+            store, self.gateway_id, otlp, on_recorded=lambda status: self.state.metrics.jobs.labels(status).inc()
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -214,11 +232,11 @@ class JobManager:
         """Stop following jobs. In memory, unfinished jobs fail (``shutdown``); in a shared store
         they stay owned by this gateway, whose lease is dropped: the next gateway recovers them."""
         self._closing = True
-        for task in (self._background, self._recorder):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        if self._background is not None:
+            self._background.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._background
+        await self.ends.close()
         jobs = list(self._local.values())
         for job in jobs:
             if job.task is not None:
@@ -234,22 +252,12 @@ class JobManager:
         if self.state.image_stage is None:
             message = f"the model `{self.state.model_name}` has no image output"
             raise ApiError(400, message, param="model", code="no_image")
-        image: dict[str, Any] = {k: getattr(body.inputs, k) for k in _IMAGE_PARAMS}
-        size = body.inputs.dimensions()
-        if size is not None:
-            image["width"], image["height"] = size
         # ``priority`` reaches every stage whose params take it (and none where no params class does).
-        shared = {"timeout": body.config.timeout, "priority": body.priority or None}
         try:
-            params = omni.sampling_params(image=image, shared=shared)
+            params = omni.sampling_params(image=JOB_IMAGE_FIELDS.params(body), shared=JOB_SHARED_FIELDS.params(body))
             return omni.validate(body.inputs.prompt, params, modalities=["image"])
         except InvalidRequestError as e:
-            if e.param in ("height", "width"):
-                e.param = "inputs.size"
-            elif e.param in (*_IMAGE_PARAMS, "prompt"):
-                e.param = f"inputs.{e.param}"
-            elif e.param == "timeout":
-                e.param = "config.timeout"
+            JOB_FIELDS.rename(e)
             raise
 
     async def submit(self, body: GenerateRequest, base_url: str, traceparent: str | None = None) -> dict[str, Any]:
@@ -259,34 +267,23 @@ class JobManager:
         valid = self._validate(omni, body)
         job_id = "job-" + secrets.token_urlsafe(18)
         now = time.time()
-        record: dict[str, Any] = {
-            "job_id": job_id,
-            "object": "job",
-            "task": body.task,
-            "model": self.state.model_name,
-            "status": "queued",
-            "priority": body.priority,
-            "created_at": now,
-            "started_at": None,
-            "finished_at": None,
-            "progress": None,
-            "result": None,
-            "error": None,
-            "timings": {},
-            "owner": self.gateway_id,
-            "attempts": 1,
-            "request": body.model_dump(mode="json", exclude={"async_run"}),
-            "base_url": base_url,
-            "traceparent": traceparent,
-            "trace_id": None,
-            "trace": [],
-        }
+        record = JobRecord(
+            job_id=job_id,
+            task=body.task,
+            model=self.state.model_name,
+            priority=body.priority,
+            created_at=now,
+            owner=self.gateway_id,
+            request=body.model_dump(mode="json", exclude={"async_run"}),
+            base_url=base_url,
+            traceparent=traceparent,
+        )
         await self._launch(record, omni, valid, new=True)
-        return self.public(record)
+        return record.public()
 
-    async def _launch(self, record: dict[str, Any], omni: AsyncOmni, valid: ValidRequest, *, new: bool) -> None:
-        job_id = record["job_id"]
-        job = _LocalJob(job_id, (self.gateway_id, record["attempts"]))
+    async def _launch(self, record: JobRecord, omni: AsyncOmni, valid: ValidRequest, *, new: bool) -> None:
+        job_id = record.job_id
+        job = _LocalJob(job_id, (self.gateway_id, record.attempts))
         agen = omni.generate(valid, request_id=job.request_id)
         first = asyncio.ensure_future(agen.__anext__())
         # The engine admits the request in the generator's first step, which runs now: a full
@@ -297,14 +294,14 @@ class JobManager:
             raise first.exception()  # type: ignore[misc]
         self._local[job_id] = job
         admitted = time.time()
-        record["trace"] = [span("admission", record["created_at"], admitted, job_id=job_id)]
+        record.trace = [span("admission", record.created_at, admitted, job_id=job_id)]
         try:
-            event = {"job_id": job_id, "priority": record["priority"], "attempt": record["attempts"], "at": time.time()}
+            event = {"job_id": job_id, "priority": record.priority, "attempt": record.attempts, "at": time.time()}
             if new:
-                await self.store.create(record, ("queued", event))
+                await self.store.create(record.to_store(), ("queued", event))
             else:
                 await self.store.append_event(
-                    job_id, "queued", event, {"status": "queued", "trace": record["trace"]}, fence=job.fence
+                    job_id, "queued", event, {"status": "queued", "trace": record.trace}, fence=job.fence
                 )
         except Exception:
             self._local.pop(job_id, None)
@@ -331,7 +328,7 @@ class JobManager:
         else:
             job.unwritten = {}
 
-    async def _follow(self, job: _LocalJob, record: dict[str, Any], agen: AsyncIterator[Any], first: Any) -> None:
+    async def _follow(self, job: _LocalJob, record: JobRecord, agen: AsyncIterator[Any], first: Any) -> None:
         job_id = job.job_id
         seen: set[int] = set()
         last = None
@@ -345,7 +342,7 @@ class JobManager:
                 out = await agen.__anext__()
             self.state.metrics.observe_output(last)
             result = await self._result(record, last)
-            await self._end(job, record, "completed", result=result, out=last)
+            await self.ends.end(job, record, "completed", result=result, out=last)
         except JobFencedError as e:
             # Claimed by another gateway (this one was paused or cut off past its lease), or ended
             # already: nothing of this run is written.
@@ -357,33 +354,33 @@ class JobManager:
                 self.state.omni.abort(job.request_id)
                 with contextlib.suppress(Exception):
                     error = {"message": "the server shut down before the job finished", "code": "shutdown"}
-                    await asyncio.shield(self._end(job, record, "failed", error=error))
+                    await asyncio.shield(self.ends.end(job, record, "failed", error=error))
             raise
         except Exception as e:
             if job.dropped:
                 return
             status = "cancelled" if job.cancelled and isinstance(e, RequestAbortedError) else "failed"
-            await self._end(job, record, status, error=None if status == "cancelled" else _error(e), out=last)
+            await self.ends.end(job, record, status, error=None if status == "cancelled" else error_of(e), out=last)
         finally:
             self._local.pop(job_id, None)
             with contextlib.suppress(Exception):
                 await agen.aclose()  # type: ignore[attr-defined]
 
     async def _started(
-        self, job: _LocalJob, record: dict[str, Any], batch_id: Any, batch_size: Any, at: float | None = None
+        self, job: _LocalJob, record: JobRecord, batch_id: Any, batch_size: Any, at: float | None = None
     ) -> None:
         job.started = True
-        record["started_at"] = max(record["created_at"], at or time.time())
-        record["status"] = "running"
+        record.started_at = max(record.created_at, at or time.time())
+        record.status = "running"
         await self._emit(
             job,
             "started",
             {"batch_id": batch_id, "batch_size": batch_size},
-            {"status": "running", "started_at": record["started_at"]},
+            {"status": "running", "started_at": record.started_at},
         )
         self.state.metrics.jobs.labels("running").inc()
 
-    async def _observe(self, job: _LocalJob, record: dict[str, Any], out: Any, seen: set[int]) -> None:
+    async def _observe(self, job: _LocalJob, record: JobRecord, out: Any, seen: set[int]) -> None:
         """One engine output: a denoising step, an inner stage done (both ``out.progress``), or a
         final stage's result."""
         progress = out.progress
@@ -391,7 +388,7 @@ class JobManager:
             if not job.started:
                 await self._started(job, record, progress.get("batch_id"), progress.get("batch_size"))
             step = {"stage_id": progress.get("stage_id"), "step": progress.get("step"), "steps": progress.get("steps")}
-            record["progress"] = step
+            record.progress = step
             await self._emit(job, "step", step, {"progress": step})
             return
         if progress:  # an inner stage is done: its timings come in the output's metrics
@@ -414,8 +411,8 @@ class JobManager:
             await self._started(job, record, m.get("batch_id"), m.get("batch_size"), at)
         spans = stage_spans(sid, now, m)
         for s in spans:  # clocks: never before the job existed
-            s["start"] = max(s["start"], record["created_at"])
-        record["trace"].extend(spans)
+            s["start"] = max(s["start"], record.created_at)
+        record.trace.extend(spans)
         done = {
             "stage_id": sid,
             "batch_id": m.get("batch_id"),
@@ -425,10 +422,10 @@ class JobManager:
         }
         if progress:
             self.state.metrics.observe_stage(sid, m)  # final stages are observed with the result
-        await self._emit(job, "stage_done", done, {"trace": record["trace"]})
+        await self._emit(job, "stage_done", done, {"trace": record.trace})
 
-    async def _result(self, record: dict[str, Any], out: Any) -> dict[str, Any]:
-        request = GenerateRequest.model_validate(record["request"] | {"async_run": True})
+    async def _result(self, record: JobRecord, out: Any) -> dict[str, Any]:
+        request = GenerateRequest.model_validate(record.request | {"async_run": True})
         fmt = request.config.output_format
         start = time.time()
         blobs = await encode_images(out.images, fmt, request.config.output_compression)
@@ -438,24 +435,24 @@ class JobManager:
         # the job was submitted through, unless another gateway took the job over (then its own).
         base = self.state.public_url
         if base is None:
-            taken_over = record.get("attempts", 1) > 1 and self.state.local_url is not None
-            base = self.state.local_url if taken_over else record["base_url"].rstrip("/")
+            taken_over = record.attempts > 1 and self.state.local_url is not None
+            base = self.state.local_url if taken_over else record.base_url.rstrip("/")
         for blob, seed in zip(blobs, seeds, strict=False):
             item: dict[str, Any] = {"seed": seed}
             if request.response_format == "url":
-                file_id = await self._put_file(record["job_id"], blob, MEDIA_TYPES[fmt])
+                file_id = await self._put_file(record.job_id, blob, MEDIA_TYPES[fmt])
                 item["url"] = f"{base}/v1/files/{file_id}"
             else:
                 item["b64_json"] = base64.b64encode(blob).decode()
             images.append(item)
         self.state.metrics.images.inc(len(images))
-        record["trace"].append(span("encode", start, time.time(), images=len(images), format=fmt))
+        record.trace.append(span("encode", start, time.time(), images=len(images), format=fmt))
         size = f"{out.images[0].width}x{out.images[0].height}" if out.images else None
         return {"images": images, "output_format": fmt, "size": size}
 
     async def _put_file(self, job_id: str, blob: bytes, media_type: str) -> str:
         """Store a result file, waiting out an unreachable file store (Redis) with backoff: the
-        job's result is kept until it can be stored, like its end (``_record_end``), never
+        job's result is kept until it can be stored, like its end (job_end.py), never
         turned into a failure by an outage."""
         delay = RECORD_RETRY_S[0]
         while True:
@@ -466,89 +463,6 @@ class JobManager:
                     logger.warning("job %s: its result waits for the file store (%s)", job_id, e)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RECORD_RETRY_S[1])
-
-    async def _end(
-        self,
-        job: _LocalJob,
-        record: dict[str, Any],
-        status: str,
-        *,
-        result: dict[str, Any] | None = None,
-        error: dict[str, Any] | None = None,
-        out: Any = None,
-    ) -> None:
-        now = time.time()
-        timings = _timings(record, out, now)
-        root = span(
-            "job",
-            record["created_at"],
-            now,
-            job_id=job.job_id,
-            status=status,
-            attempt=record["attempts"],
-            gateway=self.gateway_id,
-        )
-        trace = [root, *record["trace"]]
-        trace_id = None
-        if self.otlp is not None:
-            try:
-                trace_id = self.otlp.export(root, record["trace"], record.get("traceparent"))
-            except Exception as e:  # tracing never fails a job
-                logger.warning("job %s: trace export failed: %s", job.job_id, e)
-        fields = {
-            **job.unwritten,
-            "status": status,
-            "finished_at": now,
-            "result": result,
-            "error": error,
-            "timings": timings,
-            "trace": trace,
-            "trace_id": trace_id,
-        }
-        record.update(fields)
-        data: dict[str, Any] = {"job_id": job.job_id, "at": now}
-        if result is not None:
-            data["result"] = result
-        if error is not None:
-            data["error"] = error
-        await self._record_end(job.job_id, status, data, fields, job.fence)
-
-    async def _record_end(
-        self, job_id: str, status: str, data: dict[str, Any], fields: dict[str, Any], fence: Fence
-    ) -> bool:
-        """Write a job's end; True once the store took it or refused it for good (the job ended
-        already, or is another gateway's now). An unreachable store keeps it for the recorder,
-        which tries again with backoff until the store is back: the end is never lost, and the
-        store takes it once (a write to a finished job is refused)."""
-        try:
-            await self.store.append_event(job_id, status, data, fields, fence=fence)
-        except JobFencedError as e:
-            logger.warning("job %s ended %s here, not recorded: %s", job_id, status, e)
-            self._unrecorded.pop(job_id, None)
-            return True
-        except Exception as e:  # unreachable (or failing): kept, never lost
-            if job_id not in self._unrecorded:
-                logger.warning("job %s ended %s; the store is unreachable (%s): recording it when it is back",
-                               job_id, status, e)  # fmt: skip
-            self._unrecorded[job_id] = (status, data, fields, fence)
-            if self._recorder is None or self._recorder.done():
-                self._recorder = asyncio.create_task(self._record_pending(), name="job-end-recorder")
-            return False
-        self._unrecorded.pop(job_id, None)
-        self.state.metrics.jobs.labels(status).inc()
-        return True
-
-    async def _record_pending(self) -> None:
-        """Retry the unrecorded ends, with backoff, until every one is written."""
-        delay = RECORD_RETRY_S[0]
-        while self._unrecorded:
-            await asyncio.sleep(delay)
-            for job_id, (status, data, fields, fence) in list(self._unrecorded.items()):
-                if not await self._record_end(job_id, status, data, fields, fence):
-                    delay = min(delay * 2, RECORD_RETRY_S[1])
-                    break
-            else:
-                delay = RECORD_RETRY_S[0]
 
     # ------------------------------------------------------------------ cancel
 
@@ -567,13 +481,13 @@ class JobManager:
         """Cancel a job wherever it runs; the job as it is once it ended (or after CANCEL_WAIT_S).
         A finished job is returned as it is: cancelling it again is no error."""
         record = await self.get_record(job_id)
-        if record["status"] in TERMINAL:
-            return self.public(record)
+        if record.status in TERMINAL:
+            return record.public()
         job = self._local.get(job_id)
         if job is not None:
             self._cancel_local(job)
         else:
-            await self.store.signal_cancel(record)
+            await self.store.signal_cancel(record.to_store())
         deadline = time.monotonic() + CANCEL_WAIT_S
         async for _ in self.follow(job_id, None, keepalive_s=max(0.05, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
@@ -582,24 +496,18 @@ class JobManager:
 
     # ------------------------------------------------------------------ reading
 
-    async def get_record(self, job_id: str) -> dict[str, Any]:
+    async def get_record(self, job_id: str) -> JobRecord:
         # Only the form ``submit`` makes reaches the store: another key of the store (the job's
         # ``...:events`` stream, say) is not a job.
         if not _JOB_ID.fullmatch(job_id):
             raise _not_found(job_id)
-        record = await self.store.get(job_id)
-        if record is None:
+        stored = await self.store.get(job_id)
+        if stored is None:
             raise _not_found(job_id)
-        return record
+        return JobRecord.from_store(stored)
 
     async def get(self, job_id: str) -> dict[str, Any]:
-        return self.public(await self.get_record(job_id))
-
-    @staticmethod
-    def public(record: dict[str, Any]) -> dict[str, Any]:
-        """What clients see of a record (not the stored request, owner or trace)."""
-        hidden = {"request", "base_url", "traceparent", "trace", "owner", "cancel_requested"}
-        return {k: v for k, v in record.items() if k not in hidden}
+        return (await self.get_record(job_id)).public()
 
     async def follow(self, job_id: str, after: str | None, *, keepalive_s: float = 15.0) -> AsyncIterator[Event | None]:
         """The job's events after ``after`` (None: all), then new ones as they come, until the job
@@ -632,31 +540,32 @@ class JobManager:
 
     async def _recover(self, job_id: str) -> None:
         """A job whose gateway died: run it again here once, else fail it with ``gateway_lost``."""
-        record = await self.store.get(job_id)
-        if record is None or record["status"] in TERMINAL:
+        stored = await self.store.get(job_id)
+        if stored is None or stored["status"] in TERMINAL:
             return
+        record = JobRecord.from_store(stored)
         lost = {"message": "the gateway running this job was lost", "code": "gateway_lost"}
-        job = _LocalJob(job_id, (self.gateway_id, record.get("attempts", 1)))
-        if record.get("cancel_requested") or record.get("attempts", 1) > MAX_REQUEUES:
-            status = "cancelled" if record.get("cancel_requested") else "failed"
-            await self._end(job, record, status, error=None if status == "cancelled" else lost)
+        job = _LocalJob(job_id, (self.gateway_id, record.attempts))
+        if record.cancel_requested or record.attempts > MAX_REQUEUES:
+            status = "cancelled" if record.cancel_requested else "failed"
+            await self.ends.end(job, record, status, error=None if status == "cancelled" else lost)
             return
-        record["attempts"] = record.get("attempts", 1) + 1
-        record["owner"] = self.gateway_id
+        record.attempts += 1
+        record.owner = self.gateway_id
         await self._emit(
             job,
             "requeued",
-            {"reason": "gateway_lost", "attempt": record["attempts"]},
-            {"attempts": record["attempts"], "status": "queued", "progress": None},
+            {"reason": "gateway_lost", "attempt": record.attempts},
+            {"attempts": record.attempts, "status": "queued", "progress": None},
         )
         self.state.metrics.jobs.labels("requeued").inc()
         try:
             omni = self.state.started
-            body = GenerateRequest.model_validate(record["request"] | {"async_run": True})
+            body = GenerateRequest.model_validate(record.request | {"async_run": True})
             valid = self._validate(omni, body)
             await self._launch(record, omni, valid, new=False)
         except Exception as e:
-            await self._end(job, record, "failed", error=_error(e))
+            await self.ends.end(job, record, "failed", error=error_of(e))
 
 
 async def _close(agen: Any, first: asyncio.Future) -> None:
@@ -674,22 +583,3 @@ async def _close(agen: Any, first: asyncio.Future) -> None:
 def _not_found(job_id: str) -> ApiError:
     shown = job_id[:64]
     return ApiError(404, f"job `{shown}` does not exist or has expired", param="job_id", code="not_found")
-
-
-def _error(exc: BaseException) -> dict[str, Any]:
-    status, type_, param, code, message = classify_error(exc)
-    return {"message": message, "type": type_, "param": param, "code": code, "status": status}
-
-
-def _timings(record: dict[str, Any], out: Any, now: float) -> dict[str, Any]:
-    timings: dict[str, Any] = {"total_ms": round((now - record["created_at"]) * 1000.0, 3)}
-    if record.get("started_at"):
-        timings["queued_ms"] = round((record["started_at"] - record["created_at"]) * 1000.0, 3)
-    if out is not None:
-        for sid, r in sorted(out.outputs_by_stage.items()):
-            for key in ("queue_wait_ms", "execution_ms", "batch_size", "batch_id"):
-                if key in r.metrics:
-                    timings.setdefault("stages", {}).setdefault(str(sid), {})[key] = r.metrics[key]
-        if isinstance(out.metrics.get("e2e_ms"), int | float):
-            timings["engine_e2e_ms"] = out.metrics["e2e_ms"]
-    return timings

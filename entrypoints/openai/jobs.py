@@ -19,19 +19,18 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from omni_runtime.exceptions import InvalidRequestError, UnavailableError
 
 from ..jobs.store import Event, JobStoreUnavailableError
+from .dependencies import AUTH, JSON_BODY, Jobs, State, get_jobs
 from .protocol import ApiError, ClientDisconnected, GenerateRequest, error_body
-
-if TYPE_CHECKING:
-    from .server import ServerState
+from .responses import SafeJSONResponse
 
 #: Seconds without an event after which an SSE stream sends a keep-alive comment.
 KEEPALIVE_S = 15.0
@@ -49,137 +48,144 @@ def _sse_error(exc: BaseException) -> str:
     return f"retry: 2000\nevent: error\ndata: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-def add_job_routes(app: FastAPI, state: ServerState, response_class: type[JSONResponse]) -> None:
-    def jobs():
-        if state.jobs is None:
-            raise ApiError(503, "the job manager is not running", type="service_unavailable", code="loading")
-        return state.jobs
+router = APIRouter(prefix="/v1", dependencies=[AUTH])
 
-    @app.post("/v1/generate")
-    async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
-        manager = jobs()
-        base_url = state.public_url or str(request.base_url).rstrip("/")
-        traceparent = request.headers.get("traceparent")
-        if traceparent is not None and len(traceparent) > 128:
-            traceparent = None
-        if body.async_run:
-            job = await manager.submit(body, base_url, traceparent)
-            headers = {"X-Request-Id": job["job_id"], "Location": f"/v1/jobs/{job['job_id']}"}
-            return response_class(job, status_code=202, headers=headers)
-        # The synchronous form: the same job, once it ended. A client that goes away cancels it.
-        # Its wait takes a stream slot, before the job exists: no slot, no job (503).
-        slot = manager.stream_slot()
+
+@router.post("/generate", dependencies=[JSON_BODY])
+async def generate(body: GenerateRequest, request: Request, state: State) -> JSONResponse:
+    manager = get_jobs(state)
+    base_url = state.public_url or str(request.base_url).rstrip("/")
+    traceparent = request.headers.get("traceparent")
+    if traceparent is not None and len(traceparent) > 128:
+        traceparent = None
+    if body.async_run:
+        job = await manager.submit(body, base_url, traceparent)
+        headers = {"X-Request-Id": job["job_id"], "Location": f"/v1/jobs/{job['job_id']}"}
+        return SafeJSONResponse(job, status_code=202, headers=headers)
+    # The synchronous form: the same job, once it ended. A client that goes away cancels it.
+    # Its wait takes a stream slot, before the job exists: no slot, no job (503).
+    slot = manager.stream_slot()
+    try:
+        job = await manager.submit(body, base_url, traceparent)
+        job_id = job["job_id"]
+        headers = {"X-Request-Id": job_id, "Location": f"/v1/jobs/{job_id}"}
         try:
-            job = await manager.submit(body, base_url, traceparent)
-            job_id = job["job_id"]
-            headers = {"X-Request-Id": job_id, "Location": f"/v1/jobs/{job_id}"}
-            try:
-                await state.until_disconnect(request, [], _until_done(manager, job_id))
-                return response_class(await manager.get(job_id), headers=headers)
-            except ClientDisconnected:
-                await manager.cancel(job_id)
-                raise
-            except UnavailableError as e:
-                # The store went away during the wait: the job goes on and is recorded when the
-                # store is back; the client gets its id to poll it then.
-                status, body = error_body(e)
-                body["error"]["job_id"] = job_id
-                headers["Retry-After"] = str(max(1, round(e.retry_after_s)))
-                return response_class(body, status_code=status, headers=headers)
-        finally:
-            slot.release()
-
-    @app.post("/v1/jobs")
-    async def post_jobs() -> JSONResponse:
-        raise ApiError(
-            405, "jobs are created with POST /v1/generate; /v1/jobs/{id} reads, streams and cancels them",
-            type="invalid_request_error", code="method_not_allowed",
-        )  # fmt: skip
-
-    @app.get("/v1/jobs/{job_id}")
-    async def get_job(job_id: str) -> JSONResponse:
-        return response_class(await jobs().get(job_id))
-
-    @app.delete("/v1/jobs/{job_id}")
-    async def cancel_job(job_id: str) -> JSONResponse:
-        return response_class(await jobs().cancel(job_id))
-
-    @app.get("/v1/jobs/{job_id}/trace")
-    async def get_trace(job_id: str) -> JSONResponse:
-        record = await jobs().get_record(job_id)
-        body = {"job_id": job_id, "status": record["status"], "trace_id": record.get("trace_id"), "spans": []}
-        body["spans"] = record.get("trace") or []
-        return response_class(body)
-
-    @app.get("/v1/jobs/{job_id}/events")
-    async def job_events(job_id: str, request: Request) -> StreamingResponse:
-        manager = jobs()
-        await manager.get_record(job_id)  # 404 before the stream starts
-        after = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
-        if after is not None:
-            after = manager.store.check_event_id(after.strip())
-        slot = manager.stream_slot()
-
-        async def stream() -> AsyncIterator[str]:
-            try:
-                async for event in manager.follow(job_id, after, keepalive_s=KEEPALIVE_S):
-                    yield ": keep-alive\n\n" if event is None else _sse(event)
-            except JobStoreUnavailableError as e:
-                yield _sse_error(e)
-            finally:
-                slot.release()
-
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        # The slot is also released after the response, should the stream never have started.
-        return StreamingResponse(
-            stream(), media_type="text/event-stream", headers=headers, background=BackgroundTask(slot.release)
-        )
-
-    @app.websocket("/v1/jobs/{job_id}/stream")
-    async def job_stream(websocket: WebSocket, job_id: str) -> None:
-        # The HTTP middleware does not see WebSockets: the key is checked here, before accepting.
-        try:
-            state.check_auth(websocket.scope)
-            manager = jobs()
-            await manager.get_record(job_id)
-            after = websocket.query_params.get("last_event_id")
-            if after is not None:
-                after = manager.store.check_event_id(after)
-            slot = manager.stream_slot()
-        except (ApiError, InvalidRequestError, UnavailableError) as e:
+            await state.until_disconnect(request, [], _until_done(manager, job_id))
+            return SafeJSONResponse(await manager.get(job_id), headers=headers)
+        except ClientDisconnected:
+            await manager.cancel(job_id)
+            raise
+        except UnavailableError as e:
+            # The store went away during the wait: the job goes on and is recorded when the
+            # store is back; the client gets its id to poll it then.
             status, body = error_body(e)
-            await websocket.accept()
-            await websocket.send_json(body | {"type": "error"})
-            await websocket.close(code=4000 + status)
-            return
-        await websocket.accept()
-        sender = asyncio.create_task(_send_events(websocket, manager, job_id, after))
+            body["error"]["job_id"] = job_id
+            headers["Retry-After"] = str(max(1, round(e.retry_after_s)))
+            return SafeJSONResponse(body, status_code=status, headers=headers)
+    finally:
+        slot.release()
+
+
+@router.post("/jobs")
+async def post_jobs() -> JSONResponse:
+    raise ApiError(
+        405, "jobs are created with POST /v1/generate; /v1/jobs/{id} reads, streams and cancels them",
+        type="invalid_request_error", code="method_not_allowed",
+    )  # fmt: skip
+
+
+@router.get("/jobs/{job_id}")
+async def get_job(job_id: str, manager: Jobs) -> JSONResponse:
+    return SafeJSONResponse(await manager.get(job_id))
+
+
+@router.delete("/jobs/{job_id}")
+async def cancel_job(job_id: str, manager: Jobs) -> JSONResponse:
+    return SafeJSONResponse(await manager.cancel(job_id))
+
+
+@router.get("/jobs/{job_id}/trace")
+async def get_trace(job_id: str, manager: Jobs) -> JSONResponse:
+    record = await manager.get_record(job_id)
+    body = {"job_id": job_id, "status": record.status, "trace_id": record.trace_id, "spans": record.trace or []}
+    return SafeJSONResponse(body)
+
+
+@router.get("/jobs/{job_id}/events")
+async def job_events(job_id: str, request: Request, manager: Jobs) -> StreamingResponse:
+    await manager.get_record(job_id)  # 404 before the stream starts
+    after = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+    if after is not None:
+        after = manager.store.check_event_id(after.strip())
+    slot = manager.stream_slot()
+
+    async def stream() -> AsyncIterator[str]:
         try:
-            while not sender.done():
-                receiver = asyncio.ensure_future(websocket.receive())
-                await asyncio.wait((receiver, sender), return_when=asyncio.FIRST_COMPLETED)
-                if not receiver.done():
-                    receiver.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect):
-                        await receiver
-                    break
-                message = receiver.result()
-                if message["type"] == "websocket.disconnect":
-                    break
-                if _is_cancel(message.get("text")):
-                    await manager.cancel(job_id)
-                else:
-                    error = {"message": 'the only message taken is {"type": "cancel"}', "code": "invalid_value"}
-                    await websocket.send_json({"type": "error", "error": error})
-        except (WebSocketDisconnect, RuntimeError):
-            pass  # the client went away: the job goes on (DELETE or a cancel message stop it)
+            async for event in manager.follow(job_id, after, keepalive_s=KEEPALIVE_S):
+                yield ": keep-alive\n\n" if event is None else _sse(event)
+        except JobStoreUnavailableError as e:
+            yield _sse_error(e)
         finally:
             slot.release()
-            sender.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await sender
-        with contextlib.suppress(Exception):
-            await websocket.close()
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    # The slot is also released after the response, should the stream never have started.
+    return StreamingResponse(
+        stream(), media_type="text/event-stream", headers=headers, background=BackgroundTask(slot.release)
+    )
+
+
+@router.websocket("/jobs/{job_id}/stream")
+async def job_stream(websocket: WebSocket, job_id: str, state: State) -> None:
+    # The key was checked by the router's AUTH dependency, before accepting (a refusal is an
+    # error message and close code 4401: see refuse_websocket).
+    try:
+        manager = get_jobs(state)
+        await manager.get_record(job_id)
+        after = websocket.query_params.get("last_event_id")
+        if after is not None:
+            after = manager.store.check_event_id(after)
+        slot = manager.stream_slot()
+    except (ApiError, InvalidRequestError, UnavailableError) as e:
+        await refuse_websocket(websocket, e)
+        return
+    await websocket.accept()
+    sender = asyncio.create_task(_send_events(websocket, manager, job_id, after))
+    try:
+        while not sender.done():
+            receiver = asyncio.ensure_future(websocket.receive())
+            await asyncio.wait((receiver, sender), return_when=asyncio.FIRST_COMPLETED)
+            if not receiver.done():
+                receiver.cancel()
+                with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect):
+                    await receiver
+                break
+            message = receiver.result()
+            if message["type"] == "websocket.disconnect":
+                break
+            if _is_cancel(message.get("text")):
+                await manager.cancel(job_id)
+            else:
+                error = {"message": 'the only message taken is {"type": "cancel"}', "code": "invalid_value"}
+                await websocket.send_json({"type": "error", "error": error})
+    except (WebSocketDisconnect, RuntimeError):
+        pass  # the client went away: the job goes on (DELETE or a cancel message stop it)
+    finally:
+        slot.release()
+        sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await sender
+    with contextlib.suppress(Exception):
+        await websocket.close()
+
+
+async def refuse_websocket(websocket: WebSocket, exc: BaseException) -> None:
+    """Refuse a WebSocket before it starts: the error as one JSON message, then close code
+    4000 + the HTTP status (4401 without the key, 4404 for an unknown job)."""
+    status, body = error_body(exc)
+    await websocket.accept()
+    await websocket.send_json(body | {"type": "error"})
+    await websocket.close(code=4000 + status)
 
 
 async def _until_done(manager: Any, job_id: str) -> None:

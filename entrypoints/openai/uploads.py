@@ -37,6 +37,8 @@ import numpy as np
 from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.params import MAX_IMAGE_PIXELS
 
+from .fields import FieldMap
+
 #: Most pixels an uploaded image may declare when the request resizes it (``size``); without a
 #: resize the model's own limit applies, which is never more.
 MAX_UPLOAD_PIXELS = MAX_IMAGE_PIXELS
@@ -314,11 +316,12 @@ async def read_image_form(request: Any, form_cls: type[T]) -> tuple[T, dict[str,
 
 
 async def image_params(
-    form: Any, files: dict[str, bytes], strength: float | None, *, alpha_as_mask: bool, limit: int
+    form: Any, files: dict[str, bytes], strength: float | None, *, alpha_as_mask: bool, limit: int, fields: FieldMap
 ) -> dict[str, Any]:
     """Diffusion params of an edit / variation: the decoded image (resized to ``form.size`` if
     given), its mask (the ``mask`` file, or the image's own transparency when ``alpha_as_mask``),
-    and the form's extension fields. ``limit``: the model's pixel limit on input images."""
+    and the form's extension fields as ``fields`` maps them. ``limit``: the model's pixel limit
+    on input images."""
     size = form.dimensions()
     image = Upload(files["image"], "image", limit, size)
     if "mask" in files:
@@ -326,17 +329,5 @@ async def image_params(
     else:
         decoded = await decode_async(decode_image, image)
         mask = decoded.alpha_mask if alpha_as_mask else None
-    params = {
-        "image": decoded.rgb,
-        "mask_image": mask,
-        "strength": strength,
-        "negative_prompt": form.negative_prompt,
-        "num_inference_steps": form.num_inference_steps,
-        "guidance_scale": form.guidance_scale,
-        "timeout": form.timeout,
-    }
+    params = {"image": decoded.rgb, "mask_image": mask, "strength": strength} | fields.params(form)
     return {k: v for k, v in params.items() if v is not None}
-
-
-#: Engine param -> the HTTP field that carries it, for error messages.
-HTTP_FIELDS = {"mask_image": "mask", "height": "size", "width": "size"}

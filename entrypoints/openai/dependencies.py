@@ -1,0 +1,80 @@
+"""The checks a route declares with ``Depends``: the API key and the body's content type, and the
+shared state a route reads (:data:`State`).
+
+A router declares :data:`AUTH` for all its routes and a POST route declares :data:`JSON_BODY` or
+:data:`MULTIPART_BODY`; ``tests/entrypoints/openai/test_routes.py`` walks ``app.routes`` and fails
+for a route that forgets one. The HTTP middleware runs the :data:`GUARDS` a matched route declares
+before its body is read (so an unauthorized client's body is never parsed, and a 401 comes before
+a 413 and a 415), and they run again as the route's dependencies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any
+
+from fastapi import Depends
+from starlette.requests import HTTPConnection
+
+from .job_manager import JobManager
+from .protocol import ApiError
+from .state import ServerState, get_state
+
+#: The shared state, as a handler parameter: ``state: State``.
+State = Annotated[ServerState, Depends(get_state)]
+
+
+def require_api_key(conn: HTTPConnection) -> None:
+    """A 401 unless the request carries the API key (always passes when none is set)."""
+    get_state(conn).check_auth(conn.scope)
+
+
+def _content_type(conn: HTTPConnection) -> str:
+    return conn.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _check_content_type(conn: HTTPConnection, expected: str, described: str) -> None:
+    kind = _content_type(conn)
+    if kind != expected:
+        shown = kind or "none"
+        raise ApiError(415, f"the request body must be {described} (got {shown})", code="unsupported_media_type")
+
+
+def require_json(conn: HTTPConnection) -> None:
+    """A 415 unless the body is declared JSON (form-encoded is what ``curl -d`` sends, and would
+    read as a missing body)."""
+    _check_content_type(conn, "application/json", "JSON sent with 'Content-Type: application/json'")
+
+
+def require_multipart(conn: HTTPConnection) -> None:
+    """A 415 unless the body is multipart/form-data (file uploads, as the openai client sends them)."""
+    _check_content_type(conn, "multipart/form-data", "multipart/form-data with the image as a file part")
+
+
+def get_jobs(state: State) -> JobManager:
+    """The job manager, or a 503 while it is not running."""
+    if state.jobs is None:
+        raise ApiError(503, "the job manager is not running", type="service_unavailable", code="loading")
+    return state.jobs
+
+
+Jobs = Annotated[JobManager, Depends(get_jobs)]
+
+AUTH = Depends(require_api_key)
+JSON_BODY = Depends(require_json)
+MULTIPART_BODY = Depends(require_multipart)
+#: The checks the middleware runs early for the route that matched, in this order.
+GUARDS: tuple[Callable[[HTTPConnection], None], ...] = (require_api_key, require_json, require_multipart)
+
+
+def _calls(dependant: Any) -> Iterator[Callable[..., Any]]:
+    for dep in dependant.dependencies:
+        yield dep.call
+        yield from _calls(dep)
+
+
+def guards_of(route: Any) -> list[Callable[[HTTPConnection], None]]:
+    """The :data:`GUARDS` a route declares (directly, through its router, or nested), in
+    :data:`GUARDS` order; none for a route without dependencies (a mounted app, say)."""
+    dependant = getattr(route, "dependant", None)
+    declared = set(_calls(dependant)) if dependant is not None else set()
+    return [g for g in GUARDS if g in declared]
