@@ -15,7 +15,7 @@ from urllib.parse import quote
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from PIL import Image
@@ -244,6 +244,9 @@ def test_any_id_but_a_jobs_own_is_a_404(clients, finished_job, prefix, tail):
     _, b = clients
     job_id = finished_job["job_id"]
     candidate = prefix.replace("{id}", job_id) + tail
+    # "." and ".." are dot-segments: the client removes them from the path (RFC 3986), so they
+    # address other routes (GET /v1/jobs is a 405), never a job id.
+    assume(candidate not in (".", ".."))
     for r in _job_routes(b, candidate):
         if candidate == job_id:
             assert r.status_code == 200, r.text[:300]
