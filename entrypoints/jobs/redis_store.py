@@ -42,7 +42,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
 
-from .store import TERMINAL, Event, Fence, JobFencedError, JobStore, JobStoreUnavailableError
+from .store import TERMINAL, Backoff, Event, Fence, JobFencedError, JobStore, JobStoreUnavailableError
 from .stream_reader import StreamReader
 
 logger = logging.getLogger(__name__)
@@ -293,7 +293,7 @@ class RedisJobStore(JobStore):
         """Cancel signals of this gateway's channel. A lost connection (Redis restarted or
         unreachable) gets a new pub/sub connection and subscription, tried with backoff until
         the store answers: cross-gateway cancel works again without a gateway restart."""
-        delay = RESUBSCRIBE_S[0]
+        backoff = Backoff(*RESUBSCRIBE_S)
         while True:
             try:
                 if self._pubsub is None:
@@ -304,12 +304,11 @@ class RedisJobStore(JobStore):
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as e:
-                logger.warning("job cancel channel: %s; subscribing again in %g s", e, delay)
+                logger.warning("job cancel channel: %s; subscribing again in %g s", e, backoff.delay)
                 await self._drop_pubsub()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RESUBSCRIBE_S[1])
+                await backoff.wait()
                 continue
-            delay = RESUBSCRIBE_S[0]
+            backoff.reset()
             if message is not None and message.get("type") == "message":
                 on_cancel(str(message["data"]))
 

@@ -26,6 +26,23 @@ TERMINAL = frozenset({"completed", "failed", "cancelled"})
 TERMINAL_EVENTS = TERMINAL
 
 
+class Backoff:
+    """Waits that double from ``first`` to at most ``most`` seconds, for retrying a store that
+    cannot be reached; :meth:`reset` after a success starts again from ``first``."""
+
+    def __init__(self, first: float = 0.25, most: float = 5.0) -> None:
+        self.first, self.most = first, most
+        self.delay = first
+
+    async def wait(self) -> None:
+        """Sleep the current delay, then double it (up to ``most``)."""
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.delay * 2, self.most)
+
+    def reset(self) -> None:
+        self.delay = self.first
+
+
 class JobStoreUnavailableError(UnavailableError):
     """The store cannot be reached now (Redis down, stopped or too slow): HTTP 503."""
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..jobs.record import JobRecord
-from ..jobs.store import Fence, JobFencedError, JobStore
+from ..jobs.store import Backoff, Fence, JobFencedError, JobStore
 from ..jobs.tracing import OtlpExporter, span
 from .protocol import classify_error
 
@@ -118,15 +118,14 @@ class JobEnds:
 
     async def _record_pending(self) -> None:
         """Retry the unrecorded ends, with backoff, until every one is written."""
-        delay = RECORD_RETRY_S[0]
+        backoff = Backoff(*RECORD_RETRY_S)
         while self._unrecorded:
-            await asyncio.sleep(delay)
+            await backoff.wait()
             for job_id, (status, data, fields, fence) in list(self._unrecorded.items()):
                 if not await self.record(job_id, status, data, fields, fence):
-                    delay = min(delay * 2, RECORD_RETRY_S[1])
                     break
             else:
-                delay = RECORD_RETRY_S[0]
+                backoff.reset()
 
 
 def error_of(exc: BaseException) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from ..async_omni import AsyncOmni, ValidRequest
 from ..jobs.record import JobRecord
 from ..jobs.store import (
     TERMINAL,
+    Backoff,
     Event,
     Fence,
     JobFencedError,
@@ -454,15 +455,14 @@ class JobManager:
         """Store a result file, waiting out an unreachable file store (Redis) with backoff: the
         job's result is kept until it can be stored, like its end (job_end.py), never
         turned into a failure by an outage."""
-        delay = RECORD_RETRY_S[0]
+        backoff = Backoff(*RECORD_RETRY_S)
         while True:
             try:
                 return await self.state.files.put(blob, media_type)
             except UnavailableError as e:
-                if delay == RECORD_RETRY_S[0]:
+                if backoff.delay == backoff.first:
                     logger.warning("job %s: its result waits for the file store (%s)", job_id, e)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RECORD_RETRY_S[1])
+                await backoff.wait()
 
     # ------------------------------------------------------------------ cancel
 
