@@ -143,6 +143,7 @@ class Omni:
                 last.error, last.finished = StageExecutionError(f"{type(e).__name__}: {e}"), True
             if progress is not None:
                 progress.update(1)
+            assert last is not None  # generate ends with a finished output or raises
             return last
 
         try:

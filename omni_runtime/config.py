@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 import yaml
@@ -36,8 +36,7 @@ class Bounds:
     @property
     def annotated(self) -> Any:
         """The field's type for a msgspec Struct (what ``EngineArgs`` declares)."""
-        limits = {k: v for k, v in (("ge", self.ge), ("le", self.le)) if v is not None}
-        return Annotated[self.type, msgspec.Meta(**limits, description=self.doc)]
+        return Annotated[self.type, msgspec.Meta(ge=self.ge, le=self.le, description=self.doc)]
 
     def check(self, value: Any, param: str) -> int | float:
         """``value`` as the field's type, or InvalidRequestError naming ``param`` and the bound.
@@ -60,8 +59,12 @@ FIELD_BOUNDS: dict[str, Bounds] = {
         float, ge=0, le=60_000, doc="Extra admission wait (ms) before a new wave; 0 dispatches at once."
     ),
 }
-MaxNumSeqs = FIELD_BOUNDS["max_num_seqs"].annotated
-RequestBatchMaxWaitMs = FIELD_BOUNDS["request_batch_max_wait_ms"].annotated
+if TYPE_CHECKING:  # built at run time from FIELD_BOUNDS; to a type checker the plain number types
+    MaxNumSeqs = int
+    RequestBatchMaxWaitMs = float
+else:
+    MaxNumSeqs = FIELD_BOUNDS["max_num_seqs"].annotated
+    RequestBatchMaxWaitMs = FIELD_BOUNDS["request_batch_max_wait_ms"].annotated
 
 #: The fields each built-in control call takes; their bounds are those of :data:`FIELD_BOUNDS`.
 CONTROL_CALL_FIELDS: dict[str, tuple[str, ...]] = {
@@ -144,6 +147,12 @@ class RuntimeConfig(msgspec.Struct, **_Struct):
             self.options = msgspec.convert(self.options or {}, cls)
         elif not isinstance(self.options, cls):
             raise TypeError(f"`options` of a {self.backend} stage must be a {cls.__name__}")
+
+    @property
+    def backend_name(self) -> Backend:
+        """``backend`` as resolved at load (``process: ...`` and the default filled in): never None."""
+        assert self.backend is not None
+        return self.backend
 
 
 def _split_runtime(runtime: Any, at: str, source: str) -> Any:
@@ -313,7 +322,9 @@ def _value_at(data: Any, path: str) -> Any:
 
 def _decode_error(e: msgspec.ValidationError, data: Any, prefix: str, source: str) -> ConfigError:
     """msgspec's ``"<what> - at `$.a.b`"`` as a ConfigError at the YAML path ``prefix.a.b``."""
-    message, path = _AT_RE.match(str(e)).groups()
+    match = _AT_RE.match(str(e))
+    assert match is not None  # every part of the pattern is optional
+    message, path = match.groups()
     path = (path or "").lstrip(".")
     unknown = re.search(r"unknown field `([^`]*)`", message)
     if unknown:

@@ -14,6 +14,10 @@ from __future__ import annotations
 class OmniError(Exception):
     """Base of every error raised by omni_runtime."""
 
+    # Where known; set by RequestError and by an error re-created from the wire (ErrorInfo).
+    param: str | None = None
+    stage_id: int | None = None
+
 
 # --------------------------------------------------------------------------- config
 

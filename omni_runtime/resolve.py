@@ -96,8 +96,8 @@ def resolve_config(config: DeployConfig, source: str = "<config>") -> ResolvedCo
     # What a backend checks across its stages (the ray stages must join one cluster).
     from omni_runtime.engine.backends.registry import backend_class
 
-    for name in dict.fromkeys(s.runtime.backend for s in config.stage_args):
-        mine = [s for s in config.stage_args if s.runtime.backend == name]
+    for name in dict.fromkeys(s.runtime.backend_name for s in config.stage_args):
+        mine = [s for s in config.stage_args if s.runtime.backend_name == name]
         errors.extend(ConfigError(m, path="stage_args", source=source) for m in backend_class(name).check_stages(mine))
     if errors:
         raise ConfigError.of(errors, source=source)

@@ -16,6 +16,7 @@ in place (released once the worker drops them); the orchestrator's (``shm_refs=T
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -182,9 +183,9 @@ def find_unencodable(value: Any, path: str = "", _depth: int = 0) -> tuple[str, 
             if found is not None:
                 return found
         return None
-    found = _as_numpy(value) if isinstance(value, np.ndarray) or type(value).__module__ == "torch" else None
-    if found is not None:
-        if found[0].dtype.hasobject:
+    as_array = _as_numpy(value) if isinstance(value, np.ndarray) or type(value).__module__ == "torch" else None
+    if as_array is not None:
+        if as_array[0].dtype.hasobject:
             return path, "arrays of Python objects cannot be sent"
         return None
     return path, (
@@ -263,7 +264,8 @@ class Encoder:
                 return self._shm_ext(handle)
         if self._remote_put is not None and arr.nbytes >= self._remote_min:
             return self._remote_ext(RemoteArray(self._remote_put(arr), dtype, tuple(arr.shape), is_torch))
-        self._frames.append(memoryview(arr).cast("B"))
+        # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only.
+        self._frames.append(memoryview(arr).cast("B"))  # type: ignore[arg-type]
         return msgspec.msgpack.Ext(
             _EXT_ARRAY_FRAME, _meta_encoder.encode((dtype, arr.shape, len(self._frames), is_torch))
         )
@@ -340,7 +342,7 @@ class Decoder:
             self._lost.append(str(e))
         return None
 
-    def decode(self, frames: list[Any], remote: list[Any] = (), remote_values: list[Any] | None = None) -> Any:
+    def decode(self, frames: list[Any], remote: Sequence[Any] = (), remote_values: list[Any] | None = None) -> Any:
         """Raises msgspec.DecodeError / ValidationError for a malformed or foreign message.
 
         ``remote``: the remote handles that came with the frames; their arrays decode as

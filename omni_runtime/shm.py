@@ -297,7 +297,8 @@ def map_array(handle: ShmHandle) -> Any:
     # it dies exactly when the last alias of this memory does. It also keeps the mapping alive.
     exporter = (ctypes.c_char * handle.nbytes).from_buffer(seg.mm, handle.offset)
     weakref.finalize(exporter, _release_slot, seg, handle.gen).atexit = False
-    arr = np.frombuffer(exporter, dtype=dtype).reshape(handle.shape)
+    # A ctypes array is a buffer; numpy's stubs accept only a fixed list of buffer types on 3.11.
+    arr = np.frombuffer(exporter, dtype=dtype).reshape(handle.shape)  # type: ignore[call-overload]
     return to_value(arr, handle.dtype, handle.is_torch)
 
 

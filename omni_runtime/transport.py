@@ -30,7 +30,9 @@ class SocketReader:
         self._on_frames = on_frames
         self._budget = budget
         self._loop = asyncio.get_running_loop()
-        self._fd = sock.getsockopt(zmq.FD)
+        fd = sock.getsockopt(zmq.FD)
+        assert isinstance(fd, int)  # an int option (bytes only for string options)
+        self._fd = fd
         self._closed = False
         self._loop.add_reader(self._fd, self._drain)
         # Messages may already be queued: the edge that announced them came before we listened.

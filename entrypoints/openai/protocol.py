@@ -537,7 +537,7 @@ def classify_error(exc: BaseException) -> tuple[int, str, str | None, str | None
         return exc.status, exc.type, exc.param, exc.code, str(exc)
     if isinstance(exc, RequestValidationError):
         errors = list(exc.errors())
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        first: dict[str, Any] = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
         param = _validation_param(first.get("loc", ()))
         if first.get("type") == "json_invalid":
             return 400, "invalid_request_error", None, "invalid_json", f"malformed JSON body: {first.get('msg')}"

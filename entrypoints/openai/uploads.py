@@ -324,6 +324,7 @@ async def image_params(
     on input images."""
     size = form.dimensions()
     image = Upload(files["image"], "image", limit, size)
+    mask: np.ndarray | None
     if "mask" in files:
         decoded, mask = await decode_async(decode_image_and_mask, image, Upload(files["mask"], "mask", limit, size))
     else:

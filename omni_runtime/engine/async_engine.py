@@ -277,7 +277,8 @@ class AsyncOmniEngine:
         wanted = {"image" if m == "images" else m for m in modalities}
         chosen = [s.stage_id for s in finals if s.final_output_type in wanted]
         if not chosen:
-            available = sorted({s.final_output_type for s in finals})
+            # A final stage has a type (checked at load).
+            available = sorted({s.final_output_type for s in finals if s.final_output_type is not None})
             check_encodable(sorted(wanted), "modalities")
             raise InvalidRequestError(
                 f"no final stage produces {sorted(wanted)}; this pipeline offers {available}", param="modalities"
@@ -569,17 +570,16 @@ class AsyncOmniEngine:
         """End every pending request and control call (of ``channel`` only, if given)."""
         with self._lock:
             pending = [p for p in self._pending.values() if channel is None or p.channel is channel]
-            rpcs = [(c, call_id) for call_id, c in self._rpcs.items() if channel is None or c[0] is channel]
+            ended = [(c, call_id) for call_id, c in self._rpcs.items() if channel is None or c[0] is channel]
             for p in pending:
                 del self._pending[p.request_id]
-            for _, call_id in rpcs:
+            for _, call_id in ended:
                 del self._rpcs[call_id]
-            rpcs = [c for c, _ in rpcs]
         info = ErrorInfo.from_exception(error)
         for p in pending:
             self._end(p, info)
-        for channel, fut in rpcs:
-            _on_loop(channel.loop, _fail_future, fut, info)
+        for (rpc_channel, fut), _ in ended:
+            _on_loop(rpc_channel.loop, _fail_future, fut, info)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the orchestrator and every stage process; pending requests end with EngineClosedError.

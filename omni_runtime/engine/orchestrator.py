@@ -200,7 +200,7 @@ class Orchestrator:
 
     async def _start_pools(self) -> None:
         for stage in self.config.stage_args:
-            backend = self._backend_of[stage.stage_id] = self.backends[stage.runtime.backend]
+            backend = self._backend_of[stage.stage_id] = self.backends[stage.runtime.backend_name]
             self.pools[stage.stage_id] = StagePool(
                 stage, backend, self._on_stage_output, self._on_requests_lost, self._on_stage_gone
             )
@@ -495,6 +495,7 @@ class Orchestrator:
     def _on_stage_gone(self, stage_id: int, reason: str) -> None:
         """A stage has no live replica and no restart left: no request can be served any more."""
         self._die(f"stage {stage_id} has no live replica and no restart left ({reason})")
+        assert self.dead is not None  # set by _die
         self._fail_all(self.dead)
 
     def _fail_all(self, exc: BaseException) -> None:

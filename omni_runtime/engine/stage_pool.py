@@ -120,7 +120,9 @@ class StagePool:
             if isinstance(first, OmniError | asyncio.CancelledError):
                 raise first
             raise StageStartupError(f"stage {self.stage_id} failed to start: {type(first).__name__}: {first}")
-        self.constraints = dict(results[0].constraints)
+        ready = results[0]
+        assert not isinstance(ready, BaseException)  # failures were raised above
+        self.constraints = dict(ready.constraints)
 
     def _new_client(self, replica_id: int, generation: int) -> StageClient:
         return self._backend.client(self.stage, replica_id, generation, self._on_message, self._on_dead)

@@ -49,9 +49,8 @@ def build_tiny_sd_lora(
     layers: dict[str, Any] = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        parts: list[tuple[str, torch.nn.Module, tuple[str, ...]]] = [
-            ("unet", UNet2DConditionModel(**unet_config), UNET_TARGETS)
-        ]
+        # diffusers / transformers models: add_adapter and peft_config come from their PEFT mixins.
+        parts: list[tuple[str, Any, tuple[str, ...]]] = [("unet", UNet2DConditionModel(**unet_config), UNET_TARGETS)]
         if text_encoder:
             parts.append(("text_encoder", CLIPTextModel(CLIPTextConfig(**TEXT_ENCODER)), TEXT_TARGETS))
         generator = torch.Generator().manual_seed(seed)

@@ -10,7 +10,7 @@ from .registry import BACKENDS, backend_class, register_backend
 
 def make_backends(config: DeployConfig, resources: EngineResources) -> dict[str, StageBackend]:
     """One backend for each ``runtime.backend`` the config's stages use (see :mod:`.registry`)."""
-    kinds = dict.fromkeys(s.runtime.backend for s in config.stage_args)
+    kinds = dict.fromkeys(s.runtime.backend_name for s in config.stage_args)
     return {kind: backend_class(kind)(config, resources) for kind in kinds}
 
 

@@ -170,6 +170,8 @@ class StepFamily:
         # 1) Inputs per sample: latents (scaled by each request's scheduler) and timesteps.
         inputs, times = [], []
         for s in states:
+            # Set by prepare, before a request's first step.
+            assert s.timesteps is not None and s.latents is not None
             t = s.timesteps[s.index]
             inputs.append(s.scheduler.scale_model_input(s.latents, t) if self.scales_input else s.latents)
             times.append(t.expand(s.rows))
@@ -203,13 +205,18 @@ class StepFamily:
 
     def advance(self, state: StepState, pred: torch.Tensor) -> None:
         """The request's scheduler takes the step: x_t -> x_t-1."""
+        assert state.timesteps is not None  # set by prepare
         t = state.timesteps[state.index]
         state.latents = state.scheduler.step(pred, t, state.latents, **state.extra_step_kwargs, return_dict=False)[0]
         state.index += 1
 
     def decode(self, states: list[StepState]) -> list[np.ndarray]:
         """Images of finished requests of one size, batched: floats in [0, 1], NHWC, per request."""
-        latents = torch.cat([s.latents for s in states])
+        parts = []
+        for s in states:
+            assert s.latents is not None  # set by prepare
+            parts.append(s.latents)
+        latents = torch.cat(parts)
         image = self.to_image(latents, states)
         floats = self.postprocess(image, states)
         out, offset = [], 0

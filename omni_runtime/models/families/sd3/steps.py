@@ -37,6 +37,7 @@ class StableDiffusion3Family(StepFamily):
         scheduler = self.pipe.scheduler
         kwargs = {}
         if scheduler.config.get("use_dynamic_shifting", None):
+            assert state.latents is not None  # made just above
             _, _, h, w = state.latents.shape
             patch = self.pipe.transformer.config.patch_size
             kwargs["mu"] = self.module.calculate_shift(
