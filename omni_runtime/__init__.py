@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 # folder answer for ``omni_runtime.entrypoints`` too, so the tree runs without reinstalling.
 _checkout = _Path(__file__).resolve().parent.parent
 if (_checkout / "pyproject.toml").is_file() and (_checkout / "entrypoints" / "__init__.py").is_file():
-    __path__.append(str(_checkout))  # type: ignore[name-defined]
+    __path__.append(str(_checkout))
 
 from omni_runtime.exceptions import *  # noqa: E402, F403 - light, and what callers catch
 

@@ -242,12 +242,12 @@ class StepExecutor(Executor):
         except Exception as e:
             # The runner failed as a whole (asleep under us, or a bug): the plan's requests fail.
             logger.warning("stage %d: step %d failed: %s", self.stage_id, plan.step_id, e)
-            err = (
+            error: OmniError = (
                 e
                 if isinstance(e, OmniError)
                 else StageExecutionError(f"{type(e).__name__}: {e}", stage_id=self.stage_id)
             )
-            failed = {rid: RunnerOutput(error=err) for rid in dict.fromkeys([*plan.join, *plan.run])}
+            failed = {rid: RunnerOutput(error=error) for rid in dict.fromkeys([*plan.join, *plan.run])}
             with contextlib.suppress(Exception):
                 await loop.run_in_executor(w.forward_thread, w.runner.step_drop, list(failed))
         finally:
@@ -265,6 +265,7 @@ class StepExecutor(Executor):
             if metrics is None:
                 continue
             out = failed[rid] if rid in failed else results[rid].output
+            assert out is not None  # finished: failed, or its step result has an output
             metrics = {**metrics, "admission_wait_ms": 0.0, "replica_id": w.replica_id, **out.metrics}
             outputs.append(w.final_output(rid, out, metrics))
         w.emit_outputs(outputs)

@@ -110,6 +110,7 @@ async def _serve(args: StageProcessArgs) -> int:
     # A worker whose scheduling loop died would take requests and never answer them: exit
     # non-zero instead, so the parent fails what it held with StageDeadError and restarts it.
     main, fatal = asyncio.current_task(), []
+    assert main is not None  # called from a coroutine
 
     def on_fatal(exc: BaseException) -> None:
         fatal.append(exc)

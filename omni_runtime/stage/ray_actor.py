@@ -70,10 +70,12 @@ class StageActor:
     async def handle(self, frames: list[bytes], refs: list[Any]) -> None:
         """Queue one message from the orchestrator (handled in the order they come)."""
         self._heard_at = time.monotonic()
+        assert self._inbox is not None  # made by start, which the backend awaits first
         self._inbox.put_nowait((frames, refs))
 
     async def outputs(self):
         """Everything the worker says, as ``(frames, refs)``, for as long as the actor lives."""
+        assert self._outbox is not None  # made by start
         while True:
             msg = await self._outbox.get()
             try:
@@ -104,6 +106,7 @@ class StageActor:
         from omni_runtime.serialization import inbound_decoder
 
         decoder = inbound_decoder()
+        assert self._inbox is not None  # made by start, before this task
         while True:
             frames, refs = await self._inbox.get()
             try:

@@ -154,9 +154,11 @@ class StageWorker:
         self.forward_thread.shutdown(wait=False, cancel_futures=True)
 
     def _on_loop_done(self, task: asyncio.Task) -> None:
-        if task.cancelled() or task.exception() is None:
+        if task.cancelled():
             return
         exc = task.exception()
+        if exc is None:
+            return
         logger.critical("stage %d: the scheduling loop died", self.stage_id, exc_info=exc)
         if self._on_fatal is not None:
             self._on_fatal(exc)
@@ -249,8 +251,9 @@ class StageWorker:
                 err = StageExecutionError(f"the stage's output cannot be sent: {e}", stage_id=self.stage_id)
                 self._emit(StageOutput(request_id=msg.request_id, error=ErrorInfo.from_exception(err, self.stage_id)))
             elif isinstance(msg, StageRpcResult) and msg.error is None:
-                err = RpcError(f"the result cannot be sent: {e}")
-                self._emit(StageRpcResult(call_id=msg.call_id, error=ErrorInfo.from_exception(err, self.stage_id)))
+                rpc_err = RpcError(f"the result cannot be sent: {e}")
+                info = ErrorInfo.from_exception(rpc_err, self.stage_id)
+                self._emit(StageRpcResult(call_id=msg.call_id, error=info))
         except Exception:
             logger.exception("stage %d: could not send %s", self.stage_id, type(msg).__name__)
 

@@ -8,13 +8,16 @@ unit tests, and for debugging a runner in one process.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import StageDeadError, StageStartupError
 from omni_runtime.messages import StageReady
 
 from .base import OnDead, OnMessage, StageBackend, StageClient
+
+if TYPE_CHECKING:
+    from omni_runtime.stage.worker import StageWorker
 
 
 class InProcBackend(StageBackend):
@@ -31,18 +34,22 @@ class InProcStageClient(StageClient):
 
     def __init__(self, stage: StageConfig, replica_id: int, on_message: OnMessage, on_dead: OnDead) -> None:
         super().__init__(stage, replica_id, on_message, on_dead)
-        self._worker = None
+        self._worker: StageWorker | None = None
 
     async def start(self) -> StageReady:
         from omni_runtime.stage.worker import StageWorker
 
         loop = asyncio.get_running_loop()
-        try:
+
+        def send(msg: Any) -> None:
             # Delivered on the next loop turn, as a socket would, so handlers never re-enter each other.
+            loop.call_soon(self._on_message, self, msg)
+
+        try:
             self._worker = StageWorker(
                 self.stage,
                 self.replica_id,
-                send=lambda msg: loop.call_soon(self._on_message, self, msg),
+                send=send,
                 on_fatal=self._on_worker_fatal,
             )
             self.ready = await self._worker.start()

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -44,6 +44,9 @@ from omni_runtime.messages import (
 from omni_runtime.transport import SocketReader
 
 from .base import EngineResources, OnDead, OnMessage, StageBackend, StageClient
+
+if TYPE_CHECKING:
+    import zmq
 
 logger = logging.getLogger(__name__)
 
@@ -141,13 +144,16 @@ class ProcessStageClient(StageClient):
         use_shm = _transport(stage) == "ipc" and shm_engine is not None
         shm_pool = backend.shm_pool
         self._shm_engine = shm_engine if use_shm else None
-        self.shm_prefix = shm.replica_prefix(shm_engine, self.stage_id, replica_id, generation) if use_shm else None
+        self.shm_prefix = (
+            shm.replica_prefix(self._shm_engine, self.stage_id, replica_id, generation) if self._shm_engine else None
+        )
         self._resource: int | None = None  # the process's registration with the engine's resources
         self._sent: list[shm.ShmHandle] = []  # handles this replica has not released yet (maybe)
         self._sent_check_at = 256
         self._proc: subprocess.Popen | None = None
         self._pidfd: int | None = None
-        self._push = self._pull = None
+        self._push: zmq.Socket | None = None
+        self._pull: zmq.Socket | None = None
         self._reader: SocketReader | None = None
         self._ready_fut: asyncio.Future | None = None
         self._closing = False
@@ -236,8 +242,10 @@ class ProcessStageClient(StageClient):
         except BrokenPipeError:
             pass  # it exited at once; the pidfd reports why
         # 4) READY handshake with a time-out.
-        self.ready = await asyncio.wait_for(asyncio.shield(self._ready_fut), self.stage.runtime.startup_timeout_s)
-        return self.ready
+        timeout = self.stage.runtime.startup_timeout_s
+        ready: StageReady = await asyncio.wait_for(asyncio.shield(self._ready_fut), timeout)
+        self.ready = ready
+        return ready
 
     def _on_frames(self, frames: list[Any]) -> None:
         try:
@@ -267,12 +275,14 @@ class ProcessStageClient(StageClient):
 
     def _on_exit(self) -> None:
         loop = asyncio.get_running_loop()
-        loop.remove_reader(self._pidfd)
-        code = self._proc.wait()  # reaps it: no zombie
-        os.close(self._pidfd)
+        proc, pidfd = self._proc, self._pidfd
+        assert proc is not None and pidfd is not None  # set by _start before this reader was added
+        loop.remove_reader(pidfd)
+        code = proc.wait()  # reaps it: no zombie
+        os.close(pidfd)
         self._pidfd = None
         was_alive, self.alive = self.alive, False
-        reason = f"stage {self.stage_id} replica {self.replica_id} (pid {self._proc.pid}) exited with code {code}"
+        reason = f"stage {self.stage_id} replica {self.replica_id} (pid {proc.pid}) exited with code {code}"
         if self._ready_fut is not None and not self._ready_fut.done() and self._reader is not None:
             self._reader.drain()  # its last words (why it failed to load) may be queued already
         if self._ready_fut is not None and not self._ready_fut.done():
@@ -403,7 +413,12 @@ async def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
     loop = asyncio.get_running_loop()
     fd = os.pidfd_open(proc.pid)
     fut = loop.create_future()
-    loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+
+    def on_exit() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(fd, on_exit)
     try:
         await asyncio.wait_for(fut, timeout)
         return True

@@ -29,6 +29,7 @@ import asyncio
 import logging
 import os
 import sys
+from functools import partial
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -229,7 +230,7 @@ class RayStageClient(StageClient):
             remote_min_bytes=ray_options(stage).object_store_min_bytes,
         )
         token = self._backend.resources.add(
-            f"stage {self.stage_id} replica {self.replica_id} (ray actor)", lambda actor=self._actor: ray.kill(actor)
+            f"stage {self.stage_id} replica {self.replica_id} (ray actor)", partial(ray.kill, self._actor)
         )
         timeout = stage.runtime.startup_timeout_s
         deadline = loop.time() + timeout

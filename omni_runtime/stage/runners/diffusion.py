@@ -133,13 +133,14 @@ def apply_engine_options(pipe: Any, args: EngineArgs) -> list[str]:
         for name in ("unet", "vae"):
             module = getattr(pipe, name, None)
             if isinstance(module, torch.nn.Module):
-                module.to(memory_format=torch.channels_last)
+                # Module.to takes memory_format, which torch's overloads of it leave out.
+                module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
                 applied.append(f"{name} channels-last")
     if args.attention_slicing is not None and hasattr(pipe, "enable_attention_slicing"):
         pipe.enable_attention_slicing(args.attention_slicing)
         applied.append(f"attention slicing {args.attention_slicing}")
     vae = getattr(pipe, "vae", None)
-    if args.vae_tiling and hasattr(vae, "enable_tiling"):
+    if args.vae_tiling and vae is not None and hasattr(vae, "enable_tiling"):
         vae.enable_tiling()
         applied.append("VAE tiling")
     if args.torch_compile:
@@ -205,6 +206,7 @@ class DiffusionRunner(StageRunner):
     def load(self) -> None:
         # Model families registered from outside the package, imported here in the stage process.
         import_family_modules(self.stage.runner_args.get("families") or [])
+        assert self.stage.model is not None  # needs_model: checked when the config is resolved
         self._model_dir = resolve_model(self.stage.model)
         self._load_pipeline()
         self.loras.check_registry()
@@ -243,6 +245,7 @@ class DiffusionRunner(StageRunner):
         # local_files_only: a model directory is complete on disk; never reach for a hub. A
         # registered family's pipeline class outside diffusers loads through that class.
         pipeline_cls = DiffusionPipeline
+        assert self._model_dir is not None  # set by load
         spec = for_pipeline(_index_class_name(self._model_dir))
         if spec is not None and spec.pipeline_class:
             pipeline_cls = spec.load_pipeline_class()
@@ -373,7 +376,7 @@ class DiffusionRunner(StageRunner):
 
         # 1) Seeds: the request's own, or a fresh one reported back so the image can be redone.
         seeds = request_seeds(batch)
-        metrics = [{"seed": s, "batch_size": len(batch)} for s in seeds]
+        metrics: list[dict[str, float | int]] = [{"seed": s, "batch_size": len(batch)} for s in seeds]
 
         def aborted_outputs(ms: float) -> list[RunnerOutput]:
             return [
@@ -404,9 +407,8 @@ class DiffusionRunner(StageRunner):
         rows = per_prompt if form.kind != TEXT and batched else 1
         prompts = [r.prompt for r in batch for _ in range(rows)]
         # "" is what pipelines use for a missing negative prompt, so a list may mix both.
-        negatives: list[str] | None = [r.params.get("negative_prompt") or "" for r in batch for _ in range(rows)]
-        if not any(negatives):
-            negatives = None
+        given = [r.params.get("negative_prompt") or "" for r in batch for _ in range(rows)]
+        negatives = given if any(given) else None
         kwargs: dict[str, Any] = {
             "prompt": prompts if batched else prompts[0],
             "generator": generators if batched else generators[0],
@@ -512,9 +514,15 @@ class DiffusionRunner(StageRunner):
         return (
             p.get("height") or self._native_size[0],
             p.get("width") or self._native_size[1],
-            self._step_family.uses_cfg(self._guidance(p)),
+            self._family.uses_cfg(self._guidance(p)),
             LoraAdapters.key(p.get("lora")),
         )
+
+    @property
+    def _family(self) -> StepFamily:
+        """The step family; the step methods run only where :meth:`step_support` said yes."""
+        assert self._step_family is not None
+        return self._step_family
 
     def _guidance(self, params: dict[str, Any]) -> float:
         scale = params.get("guidance_scale")
@@ -529,9 +537,12 @@ class DiffusionRunner(StageRunner):
         steps = p.get("num_inference_steps") or self._default("num_inference_steps")
         if not steps:
             raise ValueError("num_inference_steps is not set and the pipeline has no default")
-        if p.get("mask_image") is not None or (p.get("image") is not None and not self._step_family.takes_images):
+        if p.get("mask_image") is not None or (p.get("image") is not None and not self._family.takes_images):
             # Refused before the queue (constraints); a direct call still gets a clear error.
             raise ValueError("this input image request does not run step by step (see the stage's image_inputs)")
+        height, width = p.get("height") or self._native_size[0], p.get("width") or self._native_size[1]
+        if height is None or width is None:
+            raise ValueError("height and width are not set and the pipeline has no native size")
         return StepState(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -539,9 +550,9 @@ class DiffusionRunner(StageRunner):
             seed=seed,
             rows=rows,
             guidance=guidance,
-            cfg=self._step_family.uses_cfg(guidance),
-            height=p.get("height") or self._native_size[0],
-            width=p.get("width") or self._native_size[1],
+            cfg=self._family.uses_cfg(guidance),
+            height=height,
+            width=width,
             num_inference_steps=int(steps),
             output_type=p.get("output_type") or "pil",
             generators=image_generators([seed], rows, self.device),
@@ -631,7 +642,7 @@ class DiffusionRunner(StageRunner):
 
     def _step_denoise(self, states: list[StepState]) -> list[torch.Tensor]:
         """The batched denoiser call of one step (a seam for tests that inject a failure)."""
-        return self._step_family.denoise(states)
+        return self._family.denoise(states)
 
     @staticmethod
     def _isolated(states: list[StepState], fn: Any, failed: dict[str, RunnerOutput]) -> None:
@@ -656,6 +667,7 @@ class DiffusionRunner(StageRunner):
         to_decode: dict[tuple[int, int], list[StepState]] = {}
         for s in done:
             if s.output_type == "latent":
+                assert s.latents is not None  # set by prepare
                 latents = s.latents.detach().float().cpu()  # float() first: numpy has no bfloat16
                 outputs[s.request_id] = RunnerOutput(tensors={"latents": np.asarray(latents, dtype=np.float32)})
             else:
@@ -665,7 +677,7 @@ class DiffusionRunner(StageRunner):
 
         def decode(group: list[StepState]) -> None:
             start = time.perf_counter()
-            for s, floats in zip(group, self._step_family.decode(group), strict=True):
+            for s, floats in zip(group, self._family.decode(group), strict=True):
                 decoded[s.request_id] = np.asarray(floats, dtype=np.float32)
             for s in group:
                 decode_ms[s.request_id] = (time.perf_counter() - start) * 1e3

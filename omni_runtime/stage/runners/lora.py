@@ -184,7 +184,7 @@ class LoraAdapters:
                     param="lora.name",
                 )
             pinned = spec.get("pinned")
-            if pinned in self._loaded:
+            if pinned is not None and pinned in self._loaded:
                 return pinned, repr(name)
             if pinned is not None:
                 if not os.path.exists(pinned):
@@ -300,7 +300,7 @@ class LoraAdapters:
 
     def describe(self) -> dict[str, Any]:
         """What ``list_loras`` answers."""
-        names: dict[str, list[str]] = {}
+        names: dict[str | None, list[str]] = {}  # None: names whose file no longer resolves
         for name, source in self._files.items():
             names.setdefault(source, []).append(name)
         active = None

@@ -87,6 +87,7 @@ class _SplitRunner(StageRunner):
         # A stage process has no terminal to draw on: loading bars are only noise in server logs.
         diffusers_logging.disable_progress_bar()
         transformers_logging.disable_progress_bar()
+        assert self.stage.model is not None  # needs_model: checked when the config is resolved
         self._model_dir = resolve_model(self.stage.model)
         self._load_modules()
 

@@ -112,6 +112,7 @@ class TextRunner(StageRunner):
     def load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        assert self.stage.model is not None  # needs_model: checked when the config is resolved
         path = resolve_model(self.stage.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         # Batched generation appends on the right, so prompts are aligned on the left padding.
