@@ -9,7 +9,7 @@ which params) and :meth:`on_dead`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,7 @@ class AsyncOmni:
         request_id: str | None = None,
         *,
         modalities: Sequence[str] | None = None,
-    ) -> AsyncIterator[OmniRequestOutput]:
+    ) -> AsyncGenerator[OmniRequestOutput, None]:
         """Yield an output each time a final stage delivers (or streams text); the last has
         ``finished=True``. A failed request raises its typed error (StageDeadError,
         RequestTimeoutError, RequestAbortedError, StageExecutionError...) after what it delivered.

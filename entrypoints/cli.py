@@ -294,7 +294,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         where = Path(args.lora).expanduser()
         spec = {"path": str(where.resolve())} if where.exists() else {"name": args.lora}
         image["lora"] = {**spec, "scale": args.lora_scale}
-    jobs = []  # (prompt, seed) for every image: each is its own request, so they batch together
+    # (prompt, seed) for every image: each is its own request, so they batch together
+    jobs: list[tuple[str, int | None]] = []
     for prompt in args.prompts:
         jobs.extend((prompt, None if args.seed is None else args.seed + i) for i in range(args.n))
     say = (lambda *_: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
@@ -463,7 +464,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     from omni_runtime.config import bundled_config_names, load_config
     from omni_runtime.models.builtin import builtin_names
 
-    configs = []
+    configs: list[dict[str, Any]] = []
     for name in bundled_config_names():
         try:
             config = load_config(name)

@@ -202,7 +202,8 @@ class RedisJobStore(JobStore):
             fields = await self.redis.hgetall(self._job(job_id))
         if not fields:
             return None
-        return {k: json.loads(v) for k, v in fields.items()}
+        # The pool decodes responses (decode_responses=True), which redis's types cannot express.
+        return {k: json.loads(v) for k, v in fields.items()}  # type: ignore[misc]
 
     async def update(self, job_id: str, fields: dict[str, Any]) -> None:
         # Only an existing, unfinished record is updated: an expired job is not brought back.
@@ -251,7 +252,8 @@ class RedisJobStore(JobStore):
     async def events(self, job_id: str, after: str | None) -> list[Event]:
         start = "-" if after is None else f"({after}"
         with _reachable():
-            return self._decode(await self.redis.xrange(self._events(job_id), start, "+"))
+            entries = await self.redis.xrange(self._events(job_id), start, "+")
+            return self._decode(entries)  # type: ignore[arg-type]  # str: the pool decodes (see get)
 
     async def wait_events(self, job_id: str, after: str | None, timeout: float) -> list[Event]:
         found = await self.events(job_id, after)
@@ -392,7 +394,8 @@ class RedisJobStore(JobStore):
     async def claim_orphans(self) -> list[str]:
         assert self.gateway_id is not None
         claimed: list[str] = []
-        for gateway in await self.writes.smembers(f"{self.prefix}gws"):
+        gateways: set[str] = await self.writes.smembers(f"{self.prefix}gws")  # type: ignore[assignment]  # decoded
+        for gateway in gateways:
             if gateway == self.gateway_id or await self.writes.exists(self._lease(gateway)):
                 continue
             ids = await self._claim(

@@ -66,8 +66,8 @@ async def chat_completion(
     except ValueError as e:
         raise InvalidRequestError(str(e), param="messages") from None
     if len(prompt) > MAX_PROMPT_CHARS:
-        message = f"the prompt is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}"
-        raise InvalidRequestError(message, param=where)
+        too_long = f"the prompt is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}"
+        raise InvalidRequestError(too_long, param=where)
     shared = CHAT_FIELDS.params(body)
     modalities = list(body.modalities) if body.modalities else None
     image = await chat_image(state, body)

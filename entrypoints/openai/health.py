@@ -54,7 +54,7 @@ async def readyz(request: Request, state: State) -> JSONResponse:
         # Open to orchestrators without the key, but only the verdict: the stages, hosts,
         # queues and gateway id are for whoever holds it.
         ready = h.ok and not state.draining
-        body = {"ready": ready, "draining": state.draining}
+        body: dict[str, Any] = {"ready": ready, "draining": state.draining}
         return SafeJSONResponse(body, status_code=200 if ready else 503)
     stages = [
         {k: s.get(k) for k in _READYZ_FIELDS}

@@ -122,8 +122,10 @@ async def run_images(
     images = [(img, out) for out in outs for img in out.images]
     encoded = await encode_images([img for img, _ in images], body.output_format, body.output_compression)
     data = []
+    image_stage = state.image_stage
+    assert image_stage is not None  # images_engine refuses a model without one
     for (_, out), blob in zip(images, encoded, strict=True):
-        seed = out.outputs_by_stage.get(state.image_stage)
+        seed = out.outputs_by_stage.get(image_stage)
         item = proto.ImageData(seed=seed.metrics.get("seed") if seed else None)
         if body.response_format == "url":
             file_id = await state.files.put(blob, MEDIA_TYPES[body.output_format])

@@ -351,7 +351,7 @@ class JobManager:
             self._drop(job)
         except asyncio.CancelledError:
             # The gateway is stopping. In memory nobody could finish the job later.
-            if self.store.backend == "memory":
+            if self.store.backend == "memory" and self.state.omni is not None:
                 self.state.omni.abort(job.request_id)
                 with contextlib.suppress(Exception):
                     error = {"message": "the server shut down before the job finished", "code": "shutdown"}

@@ -78,10 +78,10 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> JSO
         except UnavailableError as e:
             # The store went away during the wait: the job goes on and is recorded when the
             # store is back; the client gets its id to poll it then.
-            status, body = error_body(e)
-            body["error"]["job_id"] = job_id
+            status, error = error_body(e)
+            error["error"]["job_id"] = job_id
             headers["Retry-After"] = str(max(1, round(e.retry_after_s)))
-            return SafeJSONResponse(body, status_code=status, headers=headers)
+            return SafeJSONResponse(error, status_code=status, headers=headers)
     finally:
         slot.release()
 

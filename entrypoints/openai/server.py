@@ -206,7 +206,7 @@ def create_app(
     # redirect_slashes off: `/v1/files/x/` is a JSON 404 like any unknown path, not an empty 307.
     # With a key, the schema and docs pages are off: they list every route and field, and a
     # browser opening /docs sends no Authorization header to check.
-    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    docs: dict[str, Any] = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(
         title="omni_runtime",
         lifespan=lifespan,
@@ -224,9 +224,11 @@ def create_app(
             allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type"],
         )
+    # One handler for HTTP and WebSocket (starlette calls the same one for both), which
+    # starlette's types can only declare as two separate kinds of handler.
     for exc_class in (Exception, OmniError, ApiError, ClientDisconnected, RequestValidationError):
-        app.add_exception_handler(exc_class, _handle)
-    app.add_exception_handler(HTTPException, _handle)
+        app.add_exception_handler(exc_class, _handle)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _handle)  # type: ignore[arg-type]
     for router in ROUTERS:
         app.include_router(router)
     return app

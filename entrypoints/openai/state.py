@@ -66,7 +66,7 @@ class ServerState:
         self.jobs: JobManager | None = None
         self.config = config = resolved.config
         self.api_key = api_key.encode() if api_key else None
-        self._engine_kwargs = {"max_pending": max_pending, "default_timeout": default_timeout}
+        self._max_pending, self._default_timeout = max_pending, default_timeout
         self.omni: AsyncOmni | None = None
         self._closed = False
         #: Set when the engine died for good; the server then stops (non-zero exit) to be restarted.
@@ -140,7 +140,8 @@ class ServerState:
         try:
             # Stage processes load their models here: off the loop, which keeps serving.
             omni = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: AsyncOmni(self.resolved, **self._engine_kwargs)
+                None,
+                lambda: AsyncOmni(self.resolved, max_pending=self._max_pending, default_timeout=self._default_timeout),
             )
         except Exception as e:
             self.failed = e
@@ -249,7 +250,8 @@ class ServerState:
             request.scope[DISCONNECTED] = True
             live = [rid for rid in ids if rid in self.inflight]
             self.metrics.aborted.labels("client_disconnect").inc(len(live))
-            self.omni.abort(live)
+            if self.omni is not None:  # None only before the engine started, when nothing runs
+                self.omni.abort(live)
             raise ClientDisconnected()
         finally:
             watcher.cancel()
