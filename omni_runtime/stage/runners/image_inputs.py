@@ -217,7 +217,7 @@ def _derive(loaded: Any, kind: str, family: FamilySpec | None) -> tuple[Any | No
     """``loaded`` as the pipeline of another form (shared components), or (None, why not): the
     form's class in ``family``'s spec, or diffusers' ``AutoPipelineFor*`` for no family."""
     if family is not None:
-        cls = family.load_form_class(kind)
+        cls: Any = family.load_form_class(kind)  # a diffusers pipeline class (from_pipe)
         if cls is None:
             return None, f"{type(loaded).__name__}'s family ({family.name}) has no {kind} pipeline"
         try:
