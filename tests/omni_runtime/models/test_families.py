@@ -265,6 +265,7 @@ def test_the_registry_is_lazy_and_refuses_a_second_family_for_a_pipeline() -> No
     code = (
         "import sys; from omni_runtime.models.builtin import builtin_names; "
         "from omni_runtime.models.families import families; families(); builtin_names(); "
+        "from omni_runtime.stage.runners.stage_types import stage_types; stage_types(); "
         "print(sorted(m for m in ('diffusers', 'transformers', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -278,3 +279,23 @@ def test_the_registry_is_lazy_and_refuses_a_second_family_for_a_pipeline() -> No
         with pytest.raises(ValueError, match="already"):
             register(clash)
     assert registry.family("sd").step_class().__name__ == "StableDiffusionFamily"
+
+
+def test_a_family_brings_its_stage_types() -> None:
+    from omni_runtime.stage.runners.base import runner_class
+    from omni_runtime.stage.runners.stage_types import BUILTIN_RUNNERS, StageType, stage_type, stage_types
+
+    # The SD family's split stages are builtin names, beside the core ones, read from its spec.
+    names = list(stage_types())
+    assert names[: len(BUILTIN_RUNNERS)] == list(BUILTIN_RUNNERS)
+    assert {"sd_text_encoder", "sd_denoise", "sd_vae_decode"} <= set(names)
+    assert stage_type("sd_denoise") == registry.family("sd").stage_types["sd_denoise"]
+    assert runner_class("sd_denoise").__name__ == "SDDenoiseRunner"
+    # The former module:Class path loads the same class.
+    assert runner_class("omni_runtime.stage.runners.sd_split:SDDenoiseRunner") is runner_class("sd_denoise")
+    assert load_config("tiny-sd-split").stage_args[1].stage_type == "sd_denoise"
+    # A stage type name means one runner: a family may not take a core name or another family's.
+    some = StageType("x:Y", registry.family("sd").stage_types["sd_denoise"].params_cls, needs_model=True)
+    for clash in ({"diffusion": some}, {"sd_denoise": some}):
+        with pytest.raises(ValueError, match="already"):
+            register(FamilySpec("other", ("OtherPipeline",), "UNet2DConditionModel", stage_types=clash))
