@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
-from omni_runtime.stage.runners.stage_types import StageType
+from omni_runtime.stage.runners.stage_types import BUILTIN_RUNNERS, StageType
 
 if TYPE_CHECKING:
     from omni_runtime.stage.runners.sizes import SizeLimits
@@ -155,8 +155,6 @@ def register(spec: FamilySpec) -> FamilySpec:
     """Add a family (a module outside this package calls this at import). Its pipelines, builtin
     names and stage types must be new: a second family for a pipeline would make the lookup
     ambiguous, a second runner for a stage type name would make a config mean two things."""
-    from omni_runtime.stage.runners.stage_types import BUILTIN_RUNNERS
-
     if clash := set(BUILTIN_RUNNERS) & set(spec.stage_types):
         raise ValueError(f"model family {spec.name!r}: stage type {', '.join(sorted(clash))} already a builtin")
     with _LOCK:
