@@ -221,7 +221,7 @@ def _derive(loaded: Any, kind: str, family: FamilySpec | None) -> tuple[Any | No
         if cls is None:
             return None, f"{type(loaded).__name__}'s family ({family.name}) has no {kind} pipeline"
         try:
-            derived = cls.from_pipe(loaded)
+            derived = _from_pipe(cls, loaded)
         except Exception as e:
             return None, f"{cls.__name__} cannot be made from {type(loaded).__name__} ({type(e).__name__}: {e})"
     else:
@@ -247,6 +247,21 @@ def _derive(loaded: Any, kind: str, family: FamilySpec | None) -> tuple[Any | No
         return None, f"its {kind} pipeline {type(derived).__name__} needs inputs this runtime cannot supply"
     derived.set_progress_bar_config(disable=True)
     return derived, ""
+
+
+def _from_pipe(cls: Any, loaded: Any) -> Any:
+    """A ``cls`` pipeline of ``loaded``'s modules (shared, not copied) and the config entries its
+    constructor takes, as ``AutoPipelineFor*.from_pipe`` makes one. Not ``cls.from_pipe``: that
+    casts every shared module to one dtype (float32 unless told), so the loaded model would change
+    dtype, modules a model keeps in float32 included."""
+    init = inspect.signature(cls.__init__).parameters
+    modules, options = cls._get_signature_keys(cls)
+    kwargs = {name: module for name, module in loaded.components.items() if name in modules}
+    kwargs.update({name: value for name, value in loaded.config.items() if name in options})
+    optional = set(cls._optional_components) | {n for n in modules if init[n].default is not inspect.Parameter.empty}
+    if missing := set(modules) - optional - set(kwargs):
+        raise ValueError(f"{type(loaded).__name__} has no {', '.join(sorted(missing))}")
+    return cls(**kwargs)
 
 
 def image_call_kwargs(batch: list[RunnerRequest], form: PipelineForm, per_prompt: int) -> dict[str, Any]:
