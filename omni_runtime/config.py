@@ -392,8 +392,9 @@ def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
 
 def validate_graph(config: DeployConfig, source: str = "<config>") -> None:
     """Stage ids unique, sources known, no cycles, every stage reaches a final output."""
-    from omni_runtime.stage.runners.stage_types import BUILTIN_RUNNERS  # the one stage-type registry
+    from omni_runtime.stage.runners.stage_types import stage_types  # the one stage-type registry
 
+    known = stage_types()
     ids: dict[int, int] = {}
     for i, s in enumerate(config.stage_args):
         if s.stage_id in ids:
@@ -403,9 +404,9 @@ def validate_graph(config: DeployConfig, source: str = "<config>") -> None:
                 source=source,
             )
         ids[s.stage_id] = i
-        if ":" not in s.stage_type and s.stage_type not in BUILTIN_RUNNERS:
+        if ":" not in s.stage_type and s.stage_type not in known:
             raise ConfigError(
-                f"unknown stage_type {s.stage_type!r}; expected one of {', '.join(BUILTIN_RUNNERS)} or module:Class",
+                f"unknown stage_type {s.stage_type!r}; expected one of {', '.join(known)} or module:Class",
                 path=f"stage_args[{i}].stage_type",
                 source=source,
             )

@@ -115,13 +115,13 @@ def config_errors(config: DeployConfig, source: str = "<config>") -> list[Config
 
 def _resolve_stage(stage: StageConfig, at: str, source: str, errors: list[ConfigError]) -> ResolvedStage | None:
     from omni_runtime.stage.runners.base import runner_class
-    from omni_runtime.stage.runners.stage_types import BUILTIN_RUNNERS
+    from omni_runtime.stage.runners.stage_types import stage_type
 
     def fail(path: str, message: str) -> None:
         errors.append(ConfigError(message, path=f"{at}.{path}", source=source))
 
     # 1) the runner: a builtin's facts from the table, a custom one imported
-    builtin = BUILTIN_RUNNERS.get(stage.stage_type)
+    builtin = stage_type(stage.stage_type)
     if builtin is not None:
         params_cls, needs_model, max_batch = builtin.params_cls, builtin.needs_model, builtin.max_batch_size
     else:

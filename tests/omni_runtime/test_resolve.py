@@ -9,7 +9,8 @@ from omni_runtime.config import load_config, parse_config
 from omni_runtime.exceptions import ConfigError
 from omni_runtime.params import DiffusionSamplingParams, EchoSamplingParams, GenericSamplingParams
 from omni_runtime.resolve import config_errors, resolve_config
-from omni_runtime.stage.runners.base import BUILTIN_RUNNERS, runner_class
+from omni_runtime.stage.runners.base import runner_class
+from omni_runtime.stage.runners.stage_types import stage_types
 
 
 def stage(sid: int = 0, **kw: object) -> dict:
@@ -73,7 +74,9 @@ def test_decoding_reports_a_broken_key_in_each_stage():
 
 
 def test_builtin_runner_facts_agree_with_the_runner_classes():
-    for name, spec in BUILTIN_RUNNERS.items():
+    # The core stage types and those the families bring (the SD split stages).
+    assert {"diffusion", "text", "echo", "sd_text_encoder", "sd_denoise", "sd_vae_decode"} <= set(stage_types())
+    for name, spec in stage_types().items():
         cls = runner_class(name)
         assert (cls.params_cls, cls.needs_model, cls.max_batch_size) == (
             spec.params_cls,

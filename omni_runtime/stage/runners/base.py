@@ -21,7 +21,7 @@ import msgspec
 
 from omni_runtime.config import StageConfig
 from omni_runtime.params import GenericSamplingParams
-from omni_runtime.stage.runners.stage_types import BUILTIN_RUNNERS
+from omni_runtime.stage.runners.stage_types import stage_type as builtin_stage_type
 
 
 @dataclass
@@ -166,7 +166,7 @@ class StageRunner(ABC):
 def runner_class(stage_type: str) -> type[StageRunner]:
     """The runner class for a ``stage_type``: a builtin name or ``module:Class``. Raises
     ImportError, AttributeError or TypeError (not a StageRunner) for a bad ``module:Class``."""
-    builtin = BUILTIN_RUNNERS.get(stage_type)
+    builtin = builtin_stage_type(stage_type)
     module_name, _, class_name = (builtin.path if builtin else stage_type).partition(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     if not (isinstance(cls, type) and issubclass(cls, StageRunner)):

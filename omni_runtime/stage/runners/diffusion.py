@@ -19,7 +19,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Hashable, Iterator
@@ -31,12 +30,13 @@ import torch
 from omni_runtime.config import EngineArgs, StageConfig, TorchCompile
 from omni_runtime.exceptions import RequestAbortedError, RequestError, StageAsleepError
 from omni_runtime.models.builtin import resolve_model
-from omni_runtime.models.families import DEFAULT_FIXED_KWARGS, for_pipeline, import_family_modules
+from omni_runtime.models.families import DEFAULT_FIXED_KWARGS, CallbackStyle, for_pipeline, import_family_modules
 from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner, StepResult
 from omni_runtime.stage.runners.diffusion_steps import StepFamily, StepState, step_family
 from omni_runtime.stage.runners.image_inputs import TEXT, PipelineForm, PipelineForms, image_call_kwargs, size_kwargs
 from omni_runtime.stage.runners.lora import LoraAdapters
+from omni_runtime.stage.runners.sizes import denoiser, derive_size_limits
 from omni_runtime.stage.runners.step_limits import step_constraints
 from omni_runtime.stage.runners.torch_common import WaveAborted, image_generators, release_memory, request_seeds
 
@@ -67,63 +67,6 @@ def accepts_batched_inputs(signature: inspect.Signature) -> bool:
 NATIVE_AREA_FACTOR = 4
 
 
-def size_multiple(pipe: Any) -> int:
-    """The step of the sizes a pipeline can make: VAE scale factor x the denoiser's patch size.
-
-    The scale is the pipeline's image processor's, which includes latent packing (Flux packs 2x2
-    latents into one token, so its processor works in VAE factor x 2). The SD-family and PixArt
-    pipelines reject sizes that are not multiples of 8 whatever their VAE, so never less than that;
-    Sana's rejects non-multiples of 32, which is the scale factor of its DC-AE autoencoders.
-    """
-    _, scale, patch = _size_factors(pipe)
-    return math.lcm(8, scale * patch)
-
-
-def size_multiple_reason(pipe: Any) -> str:
-    """Why sizes must be multiples of :func:`size_multiple`, in the model's own terms (for the 400
-    a user gets): the VAE scale factor, the latent packing, the denoiser's patch size, or the
-    pipeline's own floor of 8."""
-    vae, scale, patch = _size_factors(pipe)
-    parts = [f"the VAE scale factor {vae}"]
-    if scale != vae:
-        parts.append(f"latent packing x{scale // vae}")
-    if patch > 1:
-        parts.append(f"the {type(_denoiser(pipe)).__name__} patch size {patch}")
-    reason = " x ".join(parts)
-    if math.lcm(8, scale * patch) != scale * patch:
-        reason += ", and the pipeline takes multiples of 8 only"
-    return reason
-
-
-def _size_factors(pipe: Any) -> tuple[int, int, int]:
-    """The VAE scale factor, the image processor's scale (the VAE's, x 2 with Flux's latent
-    packing) and the denoiser's patch size."""
-    vae = int(getattr(pipe, "vae_scale_factor", None) or 8)
-    processor = getattr(getattr(pipe, "image_processor", None), "config", None)
-    scale = int(getattr(processor, "vae_scale_factor", None) or vae)
-    patch = int(getattr(getattr(_denoiser(pipe), "config", None), "patch_size", None) or 1)
-    return vae, scale, patch
-
-
-def native_size(pipe: Any) -> tuple[int | None, int | None]:
-    """The size a pipeline's model was made for, in pixels, from its components' configs.
-
-    1) the denoiser's ``sample_size`` (in latent pixels) x the VAE scale factor (SD, SDXL, SD3,
-       PixArt, Sana); 2) else the VAE's own ``sample_size`` in pixels (Flux's transformer has
-       none); 3) else the pipeline's ``default_sample_size``. Signature defaults are not used:
-       Sana's says 1024 and Flux's 128 x VAE factor, whatever model is loaded.
-    """
-    scale = int(getattr(pipe, "vae_scale_factor", None) or 8)
-    sample = getattr(getattr(_denoiser(pipe), "config", None), "sample_size", None)
-    if sample:
-        return _pair(sample, scale)
-    vae_sample = getattr(getattr(getattr(pipe, "vae", None), "config", None), "sample_size", None)
-    if vae_sample:
-        return _pair(vae_sample, 1)
-    default = getattr(pipe, "default_sample_size", None)
-    return _pair(default, scale) if default else (None, None)
-
-
 def apply_engine_options(pipe: Any, args: EngineArgs) -> list[str]:
     """The model-running options of ``engine_args`` (channels-last, attention slicing, VAE tiling,
     ``torch.compile``), applied to a loaded pipeline; returns what was applied, for the log.
@@ -145,25 +88,12 @@ def apply_engine_options(pipe: Any, args: EngineArgs) -> list[str]:
         applied.append("VAE tiling")
     if args.torch_compile:
         options = args.torch_compile if isinstance(args.torch_compile, TorchCompile) else TorchCompile()
-        denoiser = _denoiser(pipe)
+        module = denoiser(pipe)
         # In place (the module stays the pipeline's, so its config and hooks are as they were);
         # compilation itself happens at the first forward of each shape.
-        denoiser.compile(
-            backend=options.backend, mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic
-        )
-        applied.append(f"torch.compile of the {type(denoiser).__name__} ({options.backend})")
+        module.compile(backend=options.backend, mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic)
+        applied.append(f"torch.compile of the {type(module).__name__} ({options.backend})")
     return applied
-
-
-def _denoiser(pipe: Any) -> Any:
-    unet = getattr(pipe, "unet", None)
-    return unet if unet is not None else getattr(pipe, "transformer", None)
-
-
-def _pair(size: Any, scale: int) -> tuple[int, int]:
-    if isinstance(size, list | tuple):
-        return int(size[0]) * scale, int(size[1]) * scale
-    return int(size) * scale, int(size) * scale
 
 
 class DiffusionRunner(StageRunner):
@@ -190,6 +120,9 @@ class DiffusionRunner(StageRunner):
         self._scheduler_name = ""
         self._step_limits: dict[str, Any] = {}
         self._fixed_kwargs: dict[str, Any] = {}
+        #: The loaded family's callback style; None: a pipeline of no registered family, read per
+        #: form from its signature (:func:`callback_style`).
+        self._callback: CallbackStyle | None = None
         # Step execution: the family's step loop (None: unsupported, for _step_reason) and the
         # state of each admitted request.
         self._step_family: StepFamily | None = None
@@ -223,16 +156,19 @@ class DiffusionRunner(StageRunner):
                 "%s does not take list prompts and generator lists; running requests one at a time",
                 type(pipe).__name__,
             )
-        self._size_multiple = size_multiple(pipe)
-        self._size_reason = size_multiple_reason(pipe)
-        self._native_size = native_size(pipe)
+        # The family's spec rules sizes, call arguments and callbacks; a pipeline of no registered
+        # family gets them derived from the pipeline itself.
+        spec = for_pipeline(type(pipe).__name__)
+        limits = spec.size_limits(pipe) if spec is not None else derive_size_limits(pipe)
+        self._size_multiple = limits.multiple
+        self._size_reason = limits.reason
+        self._native_size = limits.native
         self._scheduler_name = type(pipe.scheduler).__name__ if hasattr(pipe, "scheduler") else ""
         # What num_inference_steps the scheduler really runs (DDIM / PNDM: 999 of the 1,000 that
         # requests may ask for), reported at READY so a request past it is a 400, not a 500.
         self._step_limits = step_constraints(pipe.scheduler) if hasattr(pipe, "scheduler") else {}
-        # Call arguments the family pins (DEFAULT_FIXED_KWARGS for a pipeline of no registered family).
-        spec = for_pipeline(type(pipe).__name__)
         self._fixed_kwargs = dict(spec.fixed_kwargs if spec is not None else DEFAULT_FIXED_KWARGS)
+        self._callback = spec.callback if spec is not None else None
 
     def _load_pipeline(self) -> None:
         from diffusers import DiffusionPipeline
@@ -445,7 +381,8 @@ class DiffusionRunner(StageRunner):
             if all(ctx.is_aborted(rid) for rid in ids):
                 raise WaveAborted
 
-        if "callback_on_step_end" in call_params:
+        style = self._callback or callback_style(call_params)
+        if style == "on_step_end":
             # An image form runs int(steps x strength) steps, its pipeline's default strength
             # included: then the pipeline's own count is used.
             steps = _total_steps(kwargs) if form.kind == TEXT else None
@@ -456,7 +393,7 @@ class DiffusionRunner(StageRunner):
                 return callback_kwargs
 
             kwargs["callback_on_step_end"] = on_step_end
-        elif "callback" in call_params and "callback_steps" in call_params:
+        elif style == "legacy":
             kwargs["callback"] = lambda step, timestep, latents: check_abort()
             kwargs["callback_steps"] = 1
 
@@ -698,6 +635,15 @@ class DiffusionRunner(StageRunner):
             if rid in decode_ms:
                 out.metrics["decode_ms"] = decode_ms[rid]
         return outputs
+
+
+def callback_style(call_params: dict[str, inspect.Parameter]) -> CallbackStyle:
+    """The callback style of a pipeline of no registered family, from its ``__call__`` signature."""
+    if "callback_on_step_end" in call_params:
+        return "on_step_end"
+    if "callback" in call_params and "callback_steps" in call_params:
+        return "legacy"
+    return "none"
 
 
 def _index_class_name(model_dir: str) -> str:

@@ -7,12 +7,13 @@ A loaded model directory is one diffusers pipeline, but a request may want one o
 - ``inpaint``: inpainting (``image`` and ``mask_image``).
 
 :class:`PipelineForms` takes the loaded pipeline as the form it is, and makes the other forms with
-diffusers' ``AutoPipelineFor*.from_pipe``, which shares the loaded components (no second copy of
-the weights). They are made at load, not on the first image request: the stage's READY message
-then says exactly which inputs it takes (the caller refuses the rest with a 400), the first image
-request pays nothing extra, and the forward thread never builds pipelines. So a text-to-image
-directory also serves img2img and inpainting, and an img2img directory also serves text-to-image,
-wherever diffusers knows the matching pipeline of that family.
+``from_pipe``, which shares the loaded components (no second copy of the weights): for a pipeline
+of a registered family, that of the form's class its spec names (``FamilySpec.image_forms``); for
+one of no registered family, diffusers' ``AutoPipelineFor*``. They are made at load, not on the
+first image request: the stage's READY message then says exactly which inputs it takes (the caller
+refuses the rest with a 400), the first image request pays nothing extra, and the forward thread
+never builds pipelines. So a text-to-image directory also serves img2img and inpainting, and an
+img2img directory also serves text-to-image, wherever its family has the matching pipeline.
 
 A pipeline that needs inputs this runtime cannot supply (a ControlNet's or T2I-Adapter's
 conditioning image, a Flux Control ``control_image``) is refused at load with a ConfigError
@@ -28,10 +29,14 @@ import inspect
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni_runtime.exceptions import ConfigError
 from omni_runtime.stage.runners.base import RunnerRequest
+from omni_runtime.stage.runners.sizes import denoiser
+
+if TYPE_CHECKING:
+    from omni_runtime.models.families import FamilySpec
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +49,9 @@ CONDITIONING_PARAMS = ("control_image", "control_mask")
 
 def form_channels(pipeline: str) -> tuple[int, ...] | None:
     """Denoiser input channels a derived pipeline checks in its ``__call__`` (so would fail every
-    request), from the family specs' ``form_channels``: SD3's inpainting pipeline takes SD3's 16
-    latent channels (or a 33-channel inpainting model) only."""
+    request), from any family spec's ``form_channels`` (for a pipeline of no registered family that
+    diffusers maps to a family's form): SD3's inpainting pipeline takes SD3's 16 latent channels (or
+    a 33-channel inpainting model) only."""
     from omni_runtime.models.families import families
 
     return next((f.form_channels[pipeline] for f in families() if pipeline in f.form_channels), None)
@@ -104,19 +110,18 @@ def _own_kind(pipe: Any) -> tuple[str, bool]:
     return TEXT, False
 
 
-def _denoiser(pipe: Any) -> Any:
-    unet = getattr(pipe, "unet", None)
-    return unet if unet is not None else getattr(pipe, "transformer", None)
-
-
 class PipelineForms:
     """The forms (text, image, inpaint) one loaded model serves, made once at load."""
 
     def __init__(self, loaded: Any) -> None:
+        from omni_runtime.models.families import for_form
+
         problem = unsuppliable_inputs(loaded)
         if problem:
             raise ConfigError(problem)
         self.loaded_name = type(loaded).__name__
+        #: The family whose spec names the other forms' classes; None: diffusers' AutoPipeline.
+        self.family = for_form(self.loaded_name)
         logging.getLogger("diffusers.models.modeling_utils").addFilter(_NO_EMPTY_FP32_WARNING)
         own, needs_image = _own_kind(loaded)
         self.forms: dict[str, PipelineForm] = {}
@@ -126,7 +131,7 @@ class PipelineForms:
         #: Why a form is missing, for the caller's error messages.
         self.missing: dict[str, str] = {}
         # A 9-channel inpainting UNet only runs as an inpainting pipeline.
-        channels = getattr(getattr(_denoiser(loaded), "config", None), "in_channels", None)
+        channels = getattr(getattr(denoiser(loaded), "config", None), "in_channels", None)
         latent = getattr(getattr(getattr(loaded, "vae", None), "config", None), "latent_channels", None)
         inpaint_only = own == INPAINT and channels is not None and latent is not None and channels > latent
         for kind in (TEXT, IMAGE, INPAINT):
@@ -135,7 +140,7 @@ class PipelineForms:
             if inpaint_only:
                 self.missing[kind] = f"{self.loaded_name} has an inpainting-only denoiser ({channels} input channels)"
                 continue
-            derived, why = _derive(loaded, kind)
+            derived, why = _derive(loaded, kind, self.family)
             if derived is not None:
                 self._add(kind, derived)
             else:
@@ -208,30 +213,55 @@ class _NoEmptyFp32Warning(logging.Filter):
 _NO_EMPTY_FP32_WARNING = _NoEmptyFp32Warning()
 
 
-def _derive(loaded: Any, kind: str) -> tuple[Any | None, str]:
-    """``loaded`` as the pipeline of another form via ``AutoPipelineFor*.from_pipe`` (shared
-    components), or (None, why not)."""
-    import diffusers
+def _derive(loaded: Any, kind: str, family: FamilySpec | None) -> tuple[Any | None, str]:
+    """``loaded`` as the pipeline of another form (shared components), or (None, why not): the
+    form's class in ``family``'s spec, or diffusers' ``AutoPipelineFor*`` for no family."""
+    if family is not None:
+        cls: Any = family.load_form_class(kind)  # a diffusers pipeline class (from_pipe)
+        if cls is None:
+            return None, f"{type(loaded).__name__}'s family ({family.name}) has no {kind} pipeline"
+        try:
+            derived = _from_pipe(cls, loaded)
+        except Exception as e:
+            return None, f"{cls.__name__} cannot be made from {type(loaded).__name__} ({type(e).__name__}: {e})"
+    else:
+        import diffusers
 
-    auto = {
-        TEXT: diffusers.AutoPipelineForText2Image,
-        IMAGE: diffusers.AutoPipelineForImage2Image,
-        INPAINT: diffusers.AutoPipelineForInpainting,
-    }[kind]
-    try:
-        derived = auto.from_pipe(loaded)
-    except Exception as e:  # diffusers raises ValueError for a family without that form
-        return None, f"diffusers has no {kind} pipeline for {type(loaded).__name__} ({type(e).__name__}: {e})"
+        auto = {
+            TEXT: diffusers.AutoPipelineForText2Image,
+            IMAGE: diffusers.AutoPipelineForImage2Image,
+            INPAINT: diffusers.AutoPipelineForInpainting,
+        }[kind]
+        try:
+            derived = auto.from_pipe(loaded)
+        except Exception as e:  # diffusers raises ValueError for a family without that form
+            return None, f"diffusers has no {kind} pipeline for {type(loaded).__name__} ({type(e).__name__}: {e})"
     if type(derived).__name__ == type(loaded).__name__:
-        return None, f"diffusers maps {type(loaded).__name__} to itself for {kind}"
-    channels = getattr(getattr(_denoiser(derived), "config", None), "in_channels", None)
-    allowed = form_channels(type(derived).__name__)
+        return None, f"{type(loaded).__name__} maps to itself for {kind}"
+    channels = getattr(getattr(denoiser(derived), "config", None), "in_channels", None)
+    allowed = family.form_channels.get(type(derived).__name__) if family is not None else None
+    allowed = allowed or form_channels(type(derived).__name__)
     if allowed and channels not in allowed:
         return None, f"{type(derived).__name__} needs a denoiser of {' or '.join(map(str, allowed))} input channels"
     if unsuppliable_inputs(derived):
         return None, f"its {kind} pipeline {type(derived).__name__} needs inputs this runtime cannot supply"
     derived.set_progress_bar_config(disable=True)
     return derived, ""
+
+
+def _from_pipe(cls: Any, loaded: Any) -> Any:
+    """A ``cls`` pipeline of ``loaded``'s modules (shared, not copied) and the config entries its
+    constructor takes, as ``AutoPipelineFor*.from_pipe`` makes one. Not ``cls.from_pipe``: that
+    casts every shared module to one dtype (float32 unless told), so the loaded model would change
+    dtype, modules a model keeps in float32 included."""
+    init = inspect.signature(cls.__init__).parameters
+    modules, options = cls._get_signature_keys(cls)
+    kwargs = {name: module for name, module in loaded.components.items() if name in modules}
+    kwargs.update({name: value for name, value in loaded.config.items() if name in options})
+    optional = set(cls._optional_components) | {n for n in modules if init[n].default is not inspect.Parameter.empty}
+    if missing := set(modules) - optional - set(kwargs):
+        raise ValueError(f"{type(loaded).__name__} has no {', '.join(sorted(missing))}")
+    return cls(**kwargs)
 
 
 def image_call_kwargs(batch: list[RunnerRequest], form: PipelineForm, per_prompt: int) -> dict[str, Any]:

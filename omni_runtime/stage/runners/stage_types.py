@@ -1,5 +1,8 @@
 """The builtin stage types: the one registry of ``stage_type`` names.
 
+Core types (``diffusion``, ``text``, ``echo``) are listed here; a model family brings its own in
+its spec (:attr:`omni_runtime.models.families.FamilySpec.stage_types`: the SD family's split
+stages ``sd_text_encoder``, ``sd_denoise``, ``sd_vae_decode``), and :func:`stage_type` reads both.
 Read by config validation (which names are known), by ``resolve`` (params class, whether a model is
 needed) and by :func:`omni_runtime.stage.runners.base.runner_class` (the runner to import). It
 imports no runner: a process that only routes must not load torch and diffusers.
@@ -15,7 +18,7 @@ from omni_runtime.params import DiffusionSamplingParams, EchoSamplingParams, Tex
 
 
 @dataclass(frozen=True)
-class BuiltinRunner:
+class StageType:
     """What the caller's side knows of a builtin stage type without importing its runner (which
     would load torch and diffusers into a process that only routes)."""
 
@@ -26,10 +29,26 @@ class BuiltinRunner:
     max_batch_size: int | None = None
 
 
-BUILTIN_RUNNERS: dict[str, BuiltinRunner] = {
-    "diffusion": BuiltinRunner(
+#: The former name of :class:`StageType`.
+BuiltinRunner = StageType
+
+#: The core stage types; the families' own come from their specs (:func:`stage_type`).
+BUILTIN_RUNNERS: dict[str, StageType] = {
+    "diffusion": StageType(
         "omni_runtime.stage.runners.diffusion:DiffusionRunner", DiffusionSamplingParams, needs_model=True
     ),
-    "text": BuiltinRunner("omni_runtime.stage.runners.text:TextRunner", TextSamplingParams, needs_model=True),
-    "echo": BuiltinRunner("omni_runtime.stage.runners.echo:EchoRunner", EchoSamplingParams, needs_model=False),
+    "text": StageType("omni_runtime.stage.runners.text:TextRunner", TextSamplingParams, needs_model=True),
+    "echo": StageType("omni_runtime.stage.runners.echo:EchoRunner", EchoSamplingParams, needs_model=False),
 }
+
+
+def stage_types() -> dict[str, StageType]:
+    """Every builtin stage type: the core ones, then those the registered families bring."""
+    from omni_runtime.models.families import stage_types as family_stage_types
+
+    return {**BUILTIN_RUNNERS, **family_stage_types()}
+
+
+def stage_type(name: str) -> StageType | None:
+    """The builtin stage type ``name``, or None (a ``module:Class``, or unknown)."""
+    return BUILTIN_RUNNERS.get(name) or stage_types().get(name)

@@ -1,6 +1,9 @@
 """A model family registered from outside the package: a pipeline class of its own (a subclass
 of diffusers' SD pipeline defined here, so diffusers cannot find it by name), a builtin model, and
-a fixed call argument the runner pins. A config names this module in ``runner_args.families``.
+spec facts that differ from what the runner would derive, so a test sees that they are read: a
+fixed call argument the runner pins, a size floor of 16 (the tiny SD's own step is 8) and the
+legacy ``callback`` / ``callback_steps`` style (abort checks, no progress). A config names this
+module in ``runner_args.families``.
 """
 
 from __future__ import annotations
@@ -37,5 +40,7 @@ SPEC = register(
         pipeline_class=f"{MODULE}:FakeFamilyPipeline",
         # Observable from outside: every request runs without guidance, whatever it asks for.
         fixed_kwargs={"guidance_scale": 1.0},
+        size_floor=16,
+        callback="legacy",
     )
 )

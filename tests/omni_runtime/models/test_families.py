@@ -27,7 +27,7 @@ from omni_runtime.config import StageConfig, load_config
 from omni_runtime.exceptions import RequestAbortedError
 from omni_runtime.models import families as registry
 from omni_runtime.models.builtin import CACHE_VERSION, builder, builtin_names
-from omni_runtime.models.families import FamilySpec, families, register
+from omni_runtime.models.families import GOLDEN_PARAMS, GOLDEN_PROMPT, FamilySpec, families, register
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 
@@ -217,6 +217,17 @@ def test_batch_key_separates_what_changes_the_forward(runner: DiffusionRunner, n
         assert runner.batch_key(req(name, "c", **change)) != key, change
 
 
+def test_golden_slice(runner: DiffusionRunner, name: str) -> None:
+    """The tiny model with a fixed prompt and seed makes the spec's stored numbers, request by
+    request (test_diffusion_steps.py checks the step loop against the same numbers, for the
+    families that have one): a family without a step loop is checked here too."""
+    spec = FAMILIES[name]
+    out = run(runner, req(name, "golden", GOLDEN_PROMPT, **GOLDEN_PARAMS))[0]
+    got = [round(float(v), 4) for v in floats(out)[0, -3:, -3:, -1].flatten()]
+    assert spec.golden, f"{spec.name}: no golden slice stored; this run made {got}"
+    np.testing.assert_allclose(got, spec.golden, rtol=0, atol=1e-3, err_msg=f"{spec.name} made {got}")
+
+
 def test_abort_of_the_whole_wave_stops_denoising(runner: DiffusionRunner, name: str) -> None:
     calls: list[int] = []
     hook = denoiser(runner).register_forward_hook(lambda *args: calls.append(1))
@@ -265,6 +276,7 @@ def test_the_registry_is_lazy_and_refuses_a_second_family_for_a_pipeline() -> No
     code = (
         "import sys; from omni_runtime.models.builtin import builtin_names; "
         "from omni_runtime.models.families import families; families(); builtin_names(); "
+        "from omni_runtime.stage.runners.stage_types import stage_types; stage_types(); "
         "print(sorted(m for m in ('diffusers', 'transformers', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -278,3 +290,37 @@ def test_the_registry_is_lazy_and_refuses_a_second_family_for_a_pipeline() -> No
         with pytest.raises(ValueError, match="already"):
             register(clash)
     assert registry.family("sd").step_class().__name__ == "StableDiffusionFamily"
+
+
+def test_a_family_brings_its_stage_types() -> None:
+    from omni_runtime.stage.runners.base import runner_class
+    from omni_runtime.stage.runners.stage_types import BUILTIN_RUNNERS, StageType, stage_type, stage_types
+
+    # The SD family's split stages are builtin names, beside the core ones, read from its spec.
+    names = list(stage_types())
+    assert names[: len(BUILTIN_RUNNERS)] == list(BUILTIN_RUNNERS)
+    assert {"sd_text_encoder", "sd_denoise", "sd_vae_decode"} <= set(names)
+    assert stage_type("sd_denoise") == registry.family("sd").stage_types["sd_denoise"]
+    assert runner_class("sd_denoise").__name__ == "SDDenoiseRunner"
+    # The former module:Class path loads the same class.
+    assert runner_class("omni_runtime.stage.runners.sd_split:SDDenoiseRunner") is runner_class("sd_denoise")
+    assert load_config("tiny-sd-split").stage_args[1].stage_type == "sd_denoise"
+    # A stage type name means one runner: a family may not take a core name or another family's.
+    some = StageType("x:Y", registry.family("sd").stage_types["sd_denoise"].params_cls, needs_model=True)
+    for clash in ({"diffusion": some}, {"sd_denoise": some}):
+        with pytest.raises(ValueError, match="already"):
+            register(FamilySpec("other", ("OtherPipeline",), "UNet2DConditionModel", stage_types=clash))
+
+
+def test_each_builtin_family_declares_the_callback_style_of_its_pipelines() -> None:
+    """The runner calls a family's pipelines in its spec's style, without reading their signatures:
+    a wrong declaration would lose the abort checks (PixArt's is the legacy one)."""
+    import inspect
+
+    from omni_runtime.stage.runners.diffusion import callback_style
+
+    for spec in map(registry.family, registry.BUILTIN_FAMILIES):
+        for kind in ("text", "image", "inpaint"):
+            cls = spec.load_form_class(kind)
+            if cls is not None:
+                assert callback_style(dict(inspect.signature(cls.__call__).parameters)) == spec.callback, (spec, kind)

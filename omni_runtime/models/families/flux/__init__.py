@@ -11,6 +11,7 @@ SPEC = register(
         tiny="tiny-flux",
         native_size=64,
         size_multiple=8,
+        latent_packing=2,  # 2x2 latents per transformer token
         steps="omni_runtime.models.families.flux.steps:FluxFamily",
         image_forms={"image": "FluxImg2ImgPipeline", "mask": "FluxInpaintPipeline"},
         golden=(0.6983, 0.5327, 0.5878, 0.4745, 0.3867, 0.435, 0.435, 0.4386, 0.4298),

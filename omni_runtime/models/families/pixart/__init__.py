@@ -12,6 +12,7 @@ SPEC = register(
         native_size=64,
         size_multiple=8,
         steps="omni_runtime.models.families.pixart.steps:PixArtFamily",
+        callback="legacy",  # PixArtSigmaPipeline takes callback / callback_steps, not callback_on_step_end
         image_forms={"image": None, "mask": None},
         golden=(0.31, 0.4692, 0.398, 0.3727, 0.5344, 0.4348, 0.4299, 0.4553, 0.497),
     )

@@ -12,7 +12,7 @@ SPEC = register(
         native_size=64,
         size_multiple=8,
         steps="omni_runtime.models.families.sd3.steps:StableDiffusion3Family",
-        image_forms={"image": "StableDiffusion3Img2ImgPipeline", "mask": None},
+        image_forms={"image": "StableDiffusion3Img2ImgPipeline", "mask": "StableDiffusion3InpaintPipeline"},
         form_channels={"StableDiffusion3InpaintPipeline": (16, 33)},
         golden=(0.6015, 0.5518, 0.5159, 0.6161, 0.4558, 0.4299, 0.5955, 0.4978, 0.4808),
     )

@@ -14,7 +14,8 @@ import torch
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import ConfigError
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
-from omni_runtime.stage.runners.diffusion import DiffusionRunner, _denoiser
+from omni_runtime.stage.runners.diffusion import DiffusionRunner
+from omni_runtime.stage.runners.sizes import denoiser as _denoiser
 
 NOT_ABORTED = ExecuteContext(lambda rid: False)
 PARAMS = {"height": 64, "width": 64, "num_inference_steps": 2, "guidance_scale": 5.0, "seed": 4, "output_type": "np"}

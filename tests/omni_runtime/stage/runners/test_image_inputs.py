@@ -34,7 +34,10 @@ NOT_ABORTED = ExecuteContext(lambda rid: False)
 #: Builtin family -> (its img2img pipeline, its inpainting pipeline or None: SD3's takes 16-channel
 #: transformers only, and the tiny one has 4), from the family registry.
 FAMILIES = {
-    f.tiny: (f.image_forms["image"], f.image_forms.get("mask"))
+    f.tiny: (
+        f.image_forms["image"],
+        None if f.image_forms.get("mask") in f.form_channels else f.image_forms.get("mask"),
+    )
     for f in families()
     if f.tiny and f.image_forms.get("image")
 }
