@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 
 from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.messages import StageConstraints
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -311,21 +312,16 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
     return fields
 
 
-def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> None:
-    """Checks that need the loaded model: what a stage reported in its READY message.
+def check_constraints(params: dict[str, Any], constraints: StageConstraints) -> None:
+    """Checks that need the loaded model: what a stage reported in its READY message (each field
+    is described on :class:`~omni_runtime.messages.StageConstraints`).
 
-    ``size_multiple``: height and width must be multiples of it; ``size_multiple_reason`` says why
-    in the model's terms (VAE scale factor, latent packing, patch size).
-    ``max_pixels``: height * width may not exceed it (``native_size``, when known, is named).
-    ``min_inference_steps`` / ``max_inference_steps``: the step counts the model's scheduler runs
-    (``inference_steps_reason`` names it); found at load by running the scheduler.
-    ``lora``: whether the stage's model takes LoRA adapters; a stage that does not say so refuses them.
-    ``image_inputs``: which of ``image`` / ``mask_image`` the stage takes (absent: none), with
-    ``image_inputs_note`` saying why one is not; ``requires_image``: a pipeline that only edits
-    images (an img2img model directory without a text-to-image form) needs one. With an input
-    image the size is the image's, and size errors name ``image``.
+    ``size_multiple`` and ``max_pixels`` bound height and width; the step range bounds
+    ``num_inference_steps``; ``lora`` and ``image_inputs`` say which of those params the stage
+    takes at all, and ``requires_image`` that it needs an input image. With an input image the
+    size is the image's, and size errors name ``image``.
     """
-    if params.get("lora") is not None and not constraints.get("lora"):
+    if params.get("lora") is not None and not constraints.lora:
         raise InvalidRequestError(
             "invalid sampling param `lora`: this stage's model does not take LoRA adapters", param="lora"
         )
@@ -334,19 +330,19 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
     check_step_range(params.get("num_inference_steps"), constraints)
     h = params.get("height")
     w = params.get("width")
-    multiple = constraints.get("size_multiple")
+    multiple = constraints.size_multiple
     if multiple:
         for name, value in (("height", h), ("width", w)):
             if value is not None and value % multiple:
-                why = constraints.get("size_multiple_reason") or "the model's VAE scale factor"
+                why = constraints.size_multiple_reason or "the model's VAE scale factor"
                 param, shown = ("image", f"the input image's {name} {value}") if has_image else (name, str(value))
                 raise InvalidRequestError(
                     f"invalid sampling param `{param}`: {shown} is not a multiple of {multiple} ({why})",
                     param=param,
                 )
-    max_pixels = constraints.get("max_pixels")
+    max_pixels = constraints.max_pixels
     if max_pixels and h is not None and w is not None and h * w > max_pixels:
-        native = constraints.get("native_size")
+        native = constraints.native_size
         made_for = f"; the model was made for {native[1]}x{native[0]}" if native else ""
         if has_image:
             raise InvalidRequestError(
@@ -361,12 +357,12 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
         )
 
 
-def check_step_range(steps: int | None, constraints: dict[str, Any]) -> None:
+def check_step_range(steps: int | None, constraints: StageConstraints) -> None:
     """Refuse a step count the stage's scheduler cannot run (it would fail mid-denoise)."""
-    fewest, most = constraints.get("min_inference_steps"), constraints.get("max_inference_steps")
+    fewest, most = constraints.min_inference_steps, constraints.max_inference_steps
     if steps is None or fewest is None or most is None or fewest <= steps <= most:
         return
-    scheduler = constraints.get("inference_steps_reason") or "the model's scheduler"
+    scheduler = constraints.inference_steps_reason or "the model's scheduler"
     raise InvalidRequestError(
         f"invalid sampling param `num_inference_steps`: {steps} is outside {fewest}..{most}, the step counts "
         f"this stage's {scheduler} can run",
@@ -374,10 +370,10 @@ def check_step_range(steps: int | None, constraints: dict[str, Any]) -> None:
     )
 
 
-def check_image_capability(params: dict[str, Any], constraints: dict[str, Any]) -> None:
+def check_image_capability(params: dict[str, Any], constraints: StageConstraints) -> None:
     """Refuse image inputs a stage cannot use, and text-only requests to a stage that needs an image."""
-    accepted = constraints.get("image_inputs") or []
-    note = constraints.get("image_inputs_note")
+    accepted = constraints.image_inputs
+    note = constraints.image_inputs_note
     for name in ("image", "mask_image"):
         if params.get(name) is not None and name not in accepted:
             why = f" ({note})" if note else ""
@@ -386,7 +382,7 @@ def check_image_capability(params: dict[str, Any], constraints: dict[str, Any]) 
             )
     if params.get("image") is not None and params.get("num_inference_steps"):
         form = "inpaint" if params.get("mask_image") is not None else "image"
-        strength = params.get("strength") or (constraints.get("default_strength") or {}).get(form)
+        strength = params.get("strength") or constraints.default_strength.get(form)
         steps = params["num_inference_steps"]
         if strength is not None and int(steps * strength) < 1:
             raise InvalidRequestError(
@@ -394,5 +390,5 @@ def check_image_capability(params: dict[str, Any], constraints: dict[str, Any]) 
                 "step (an image request runs int(num_inference_steps x strength) steps); raise either",
                 param="strength",
             )
-    if params.get("image") is None and constraints.get("requires_image"):
-        raise InvalidRequestError(f"invalid sampling param `image`: {constraints['requires_image']}", param="image")
+    if params.get("image") is None and constraints.requires_image:
+        raise InvalidRequestError(f"invalid sampling param `image`: {constraints.requires_image}", param="image")

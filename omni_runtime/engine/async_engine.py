@@ -56,6 +56,7 @@ from omni_runtime.messages import (
     EngineShutdown,
     ErrorInfo,
     RpcReplicaResult,
+    StageConstraints,
 )
 from omni_runtime.params import MAX_IMAGE_PIXELS, MAX_PROMPT_CHARS, check_constraints, resolve_params
 from omni_runtime.resolve import ResolvedConfig
@@ -69,6 +70,8 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_RPC_TIMEOUT_S = 86_400.0
 #: How long after a request's deadline the caller is released even if the engine said nothing.
 DEADLINE_GRACE_S = 2.0
+#: The constraints of a stage that reported none (checks nothing).
+_NO_CONSTRAINTS = StageConstraints()
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,7 @@ class AsyncOmniEngine:
             limit
             for stage in self.resolved.stages
             if stage.takes_image_params
-            and isinstance(limit := self._orchestrator.constraints.get(stage.stage_id, {}).get("max_pixels"), int)
+            and (limit := self._orchestrator.constraints.get(stage.stage_id, _NO_CONSTRAINTS).max_pixels) is not None
         ]
         return min([MAX_IMAGE_PIXELS, *limits])
 
@@ -259,7 +262,7 @@ class AsyncOmniEngine:
         resolved = {}
         for stage, params in zip(stages, given, strict=True):
             fields = resolve_params(stage.params_cls, stage.defaults, params)
-            check_constraints(fields, self._orchestrator.constraints.get(stage.stage_id, {}))
+            check_constraints(fields, self._orchestrator.constraints.get(stage.stage_id, _NO_CONSTRAINTS))
             for name, value in fields.items():
                 check_encodable(value, name if isinstance(name, str) else repr(name))
             resolved[stage.stage_id] = fields

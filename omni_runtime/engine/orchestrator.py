@@ -46,6 +46,7 @@ from omni_runtime.messages import (
     EngineShutdown,
     ErrorInfo,
     Payload,
+    StageConstraints,
     StageOutput,
     StageRequest,
 )
@@ -96,7 +97,7 @@ class Orchestrator:
         #: Set once the engine is dead; every request is then refused with it.
         self.dead: EngineDeadError | None = None
         self.pools: dict[int, StagePool] = {}
-        self.constraints: dict[int, dict[str, Any]] = {}
+        self.constraints: dict[int, StageConstraints] = {}
         self._requests: dict[str, _Request] = {}
         self._downstream: dict[int, list[int]] = {s.stage_id: [] for s in config.stage_args}
         for s in config.stage_args:

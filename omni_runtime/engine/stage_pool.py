@@ -34,6 +34,7 @@ from omni_runtime.exceptions import (
 from omni_runtime.messages import (
     RpcReplicaResult,
     StageAbort,
+    StageConstraints,
     StageOutput,
     StageOutputs,
     StagePing,
@@ -79,7 +80,7 @@ class StagePool:
         self.restarts = [0] * n
         #: Replicas killed because they missed heartbeats or their forward stalled.
         self.unresponsive_kills = 0
-        self.constraints: dict[str, Any] = {}
+        self.constraints = StageConstraints()
         self._rpc: dict[int, tuple[int, asyncio.Future]] = {}
         self._tasks = BackgroundTasks()  # restarts, and the closing of dead replicas
         self._restarting: dict[int, asyncio.Task] = {}
@@ -120,7 +121,7 @@ class StagePool:
             if isinstance(first, OmniError | asyncio.CancelledError):
                 raise first
             raise StageStartupError(f"stage {self.stage_id} failed to start: {type(first).__name__}: {first}")
-        self.constraints = dict(results[0].constraints)
+        self.constraints = results[0].constraints
 
     def _new_client(self, replica_id: int, generation: int) -> StageClient:
         return self._backend.client(self.stage, replica_id, generation, self._on_message, self._on_dead)
