@@ -28,6 +28,7 @@ import msgspec
 from omni_runtime.config import DeployConfig, StageConfig
 from omni_runtime.engine.backends import EngineResources, StageBackend, make_backends
 from omni_runtime.engine.stage_pool import StagePool
+from omni_runtime.engine.status import StageStatus
 from omni_runtime.exceptions import (
     EngineClosedError,
     EngineDeadError,
@@ -138,7 +139,7 @@ class Orchestrator:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def status(self) -> dict[int, dict[str, Any]]:
+    def status(self) -> dict[int, StageStatus]:
         """A snapshot of every stage's replicas and queue depth (safe from any thread)."""
         # Read from the caller's thread: the pools' counters are plain ints and sets (read without
         # iterating them), and a snapshot a few microseconds stale is fine for health and metrics.

@@ -24,6 +24,7 @@ import msgspec
 
 from omni_runtime.config import StageConfig
 from omni_runtime.engine.backends import StageBackend, StageClient
+from omni_runtime.engine.status import ReplicaState, StageStatus
 from omni_runtime.exceptions import (
     InvalidRequestError,
     OmniError,
@@ -39,6 +40,7 @@ from omni_runtime.messages import (
     StageOutputs,
     StagePing,
     StagePong,
+    StageReady,
     StageRequest,
     StageRpc,
     StageRpcResult,
@@ -102,7 +104,7 @@ class StagePool:
         and a replica that hears nothing for a while exits by itself."""
         clients = [self._new_client(i, 0) for i in range(len(self.replicas))]
 
-        async def start_one(client: StageClient) -> Any:
+        async def start_one(client: StageClient) -> StageReady:
             ready = await client.start()
             self.replicas[client.replica_id] = client
             self._pong_at[client.replica_id] = time.monotonic()
@@ -121,7 +123,9 @@ class StagePool:
             if isinstance(first, OmniError | asyncio.CancelledError):
                 raise first
             raise StageStartupError(f"stage {self.stage_id} failed to start: {type(first).__name__}: {first}")
-        self.constraints = results[0].constraints
+        ready = results[0]
+        assert not isinstance(ready, BaseException)  # a failure was raised above
+        self.constraints = ready.constraints
 
     def _new_client(self, replica_id: int, generation: int) -> StageClient:
         return self._backend.client(self.stage, replica_id, generation, self._on_message, self._on_dead)
@@ -339,21 +343,21 @@ class StagePool:
             results.append(RpcReplicaResult(stage_id=self.stage_id, replica_id=i, error="replica is not alive"))
         return sorted(results, key=lambda r: r.replica_id)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StageStatus:
         live = {c.replica_id for c in self.live}
-        states = [
+        states: list[ReplicaState] = [
             "live" if i in live else "restarting" if i in self._restarting else "dead"
             for i in range(len(self.replicas))
         ]
-        return {
-            "stage_id": self.stage_id,
-            "stage_type": self.stage.stage_type,
-            "replicas": len(self.replicas),
-            "live_replicas": len(live),
-            "replica_states": states,
-            "replica_nodes": [None if c is None else c.node for c in self.replicas],
-            "restarts": sum(self.restarts),
-            "unresponsive_kills": self.unresponsive_kills,
-            "inflight": sum(len(s) for s in self.inflight),
-            "per_replica_inflight": [len(s) for s in self.inflight],
-        }
+        return StageStatus(
+            stage_id=self.stage_id,
+            stage_type=self.stage.stage_type,
+            replicas=len(self.replicas),
+            live_replicas=len(live),
+            replica_states=states,
+            replica_nodes=[None if c is None else c.node for c in self.replicas],
+            restarts=sum(self.restarts),
+            unresponsive_kills=self.unresponsive_kills,
+            inflight=sum(len(s) for s in self.inflight),
+            per_replica_inflight=[len(s) for s in self.inflight],
+        )
