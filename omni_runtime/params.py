@@ -15,26 +15,20 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 import numpy as np
 
+from omni_runtime.bounds import LORA_NAME_PATTERN as LORA_NAME_PATTERN
+from omni_runtime.bounds import MAX_LORA_SCALE as MAX_LORA_SCALE
+from omni_runtime.bounds import MAX_PROMPT_CHARS as MAX_PROMPT_CHARS
+from omni_runtime.bounds import MAX_SIDE, MIN_SIDE, meta
 from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.messages import StageConstraints
 
-Positive = Annotated[int, msgspec.Meta(ge=1)]
-Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-#: A per-request deadline in seconds; at most a week (a larger one is a mistake, not a deadline).
-Timeout = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
+Seed = Annotated[int, meta("seed")]
+#: A per-request deadline in seconds (see :data:`~omni_runtime.bounds.REQUEST_BOUNDS`).
+Timeout = Annotated[float, meta("timeout")]
 #: A request's priority: higher is served first (see docs/configuration.md, "Priority").
-Priority = Annotated[int, msgspec.Meta(ge=-1_000_000, le=1_000_000)]
+Priority = Annotated[int, meta("priority")]
 #: ``max_pixels`` of a stage when neither its config nor its model says: 2048 x 2048.
 FALLBACK_MAX_PIXELS = 2048 * 2048
-#: Longest prompt accepted, in characters.
-MAX_PROMPT_CHARS = 100_000
-#: What a LoRA adapter's registered name may look like (``engine_args.loras``, ``add_lora``).
-#: ``\Z``, not ``$``: Python's ``$`` also matches before a final newline, so ``"ink\n"`` would pass.
-LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z"
-#: Largest magnitude of a LoRA scale: past a few units an adapter only produces noise.
-MAX_LORA_SCALE = 10.0
-#: Longest adapter path accepted, in characters (Linux's PATH_MAX).
-MAX_LORA_PATH_CHARS = 4096
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -68,10 +62,10 @@ class LoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
     local directory or ``.safetensors`` file; Python API only, HTTP takes names), and its ``scale``.
     """
 
-    name: Annotated[str, msgspec.Meta(pattern=LORA_NAME_PATTERN)] | None = None
-    path: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_LORA_PATH_CHARS)] | None = None
+    name: Annotated[str, meta("lora.name")] | None = None
+    path: Annotated[str, meta("lora.path")] | None = None
     #: How strongly the adapter applies: 0 = not at all, 1 = as trained, negative = away from it.
-    scale: Annotated[float, msgspec.Meta(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)] = 1.0
+    scale: Annotated[float, meta("lora.scale")] = 1.0
 
     def __post_init__(self) -> None:
         if (self.name is None) == (self.path is None):
@@ -88,12 +82,12 @@ class DiffusionSamplingParams(SamplingParams):
 
     stage_type: ClassVar[str] = "diffusion"
 
-    height: Annotated[int, msgspec.Meta(ge=8, le=4096)] | None = None
-    width: Annotated[int, msgspec.Meta(ge=8, le=4096)] | None = None
-    num_inference_steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
-    guidance_scale: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None
-    negative_prompt: str | None = None
-    num_images_per_prompt: Annotated[int, msgspec.Meta(ge=1, le=16)] | None = None
+    height: Annotated[int, meta("height")] | None = None
+    width: Annotated[int, meta("width")] | None = None
+    num_inference_steps: Annotated[int, meta("num_inference_steps")] | None = None
+    guidance_scale: Annotated[float, meta("guidance_scale")] | None = None
+    negative_prompt: Annotated[str, meta("negative_prompt")] | None = None
+    num_images_per_prompt: Annotated[int, meta("num_images_per_prompt")] | None = None
     #: Seed of this request's own generator; a fresh one is drawn (and reported) when unset.
     seed: Seed | None = None
     #: ``pil`` images, ``np`` float arrays in [0, 1], or ``latent`` tensors.
@@ -107,7 +101,7 @@ class DiffusionSamplingParams(SamplingParams):
     mask_image: Any = None
     #: How far the input image is noised before denoising: 1 ignores it, near 0 keeps it; only
     #: with ``image``. Unset: the pipeline's own default.
-    strength: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    strength: Annotated[float, meta("strength")] | None = None
     #: A LoRA adapter to run with (a :class:`LoraRequest` or a dict of its fields); none when unset.
     lora: LoraRequest | None = None
 
@@ -117,10 +111,10 @@ class TextSamplingParams(SamplingParams):
 
     stage_type: ClassVar[str] = "text"
 
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=8192)] | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=10)] | None = None
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    max_tokens: Annotated[int, meta("max_tokens")] | None = None
+    temperature: Annotated[float, meta("temperature")] | None = None
+    top_p: Annotated[float, meta("top_p")] | None = None
+    top_k: Annotated[int, meta("top_k")] | None = None
     seed: Seed | None = None
     stop: list[str] | None = None
 
@@ -130,7 +124,7 @@ class EchoSamplingParams(SamplingParams):
 
     stage_type: ClassVar[str] = "echo"
 
-    delay_ms: Annotated[float, msgspec.Meta(ge=0, le=600_000)] | None = None
+    delay_ms: Annotated[float, meta("delay_ms")] | None = None
 
 
 class GenericSamplingParams(msgspec.Struct, kw_only=True):
@@ -144,7 +138,7 @@ class GenericSamplingParams(msgspec.Struct, kw_only=True):
 #: Largest input image accepted anywhere (a stage's own ``max_pixels`` applies on top).
 MAX_IMAGE_PIXELS = 4096 * 4096
 #: Smallest and largest side of an input image, as of ``height`` / ``width``.
-MIN_IMAGE_SIDE, MAX_IMAGE_SIDE = 8, 4096
+MIN_IMAGE_SIDE, MAX_IMAGE_SIDE = MIN_SIDE, MAX_SIDE
 
 
 def _is_pil(value: Any) -> bool:
