@@ -21,6 +21,7 @@ from omni_runtime.bounds import MAX_PROMPT_CHARS as MAX_PROMPT_CHARS
 from omni_runtime.bounds import MAX_SIDE, MIN_SIDE, meta
 from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.messages import StageConstraints
+from omni_runtime.serialization import check_encodable
 
 Seed = Annotated[int, meta("seed")]
 #: A per-request deadline in seconds (see :data:`~omni_runtime.bounds.REQUEST_BOUNDS`).
@@ -268,7 +269,9 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
     the fields that are set. A params class that does not forbid unknown fields (the generic
     params of a custom runner) keeps them: that runner reads them.
 
-    Raises InvalidRequestError naming the field (unknown key, wrong type, out of range).
+    Raises InvalidRequestError naming the field (unknown key, wrong type, out of range, or a value
+    no message can carry: a lone surrogate, an integer past 64 bits; the one encodability check
+    of a request's params).
     """
     if isinstance(params, msgspec.Struct) and not isinstance(params, params_cls):
         raise InvalidRequestError(
@@ -279,6 +282,7 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
     merged = {**defaults, **given}
     images = check_image_params(merged, given) if issubclass(params_cls, DiffusionSamplingParams) else {}
     merged.update(images)
+    typed: msgspec.Struct | None = None
     try:
         typed = msgspec.convert(merged, params_cls, strict=False)
     except msgspec.ValidationError as e:
@@ -286,14 +290,11 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
         name = f"`{field}`: " if field else ""
         raise InvalidRequestError(f"invalid sampling param {name}{message}", param=field) from None
     except UnicodeEncodeError:
-        # msgspec quotes an unknown nested key in its error, and fails to when UTF-8 cannot
-        # encode it (a lone surrogate): name the param that holds it instead.
-        from omni_runtime.serialization import find_unencodable
-
-        field = next((k for k, v in merged.items() if find_unencodable(v, k) is not None), None)
-        raise InvalidRequestError(
-            f"invalid sampling param `{field}`: contains text that cannot be encoded as UTF-8", param=field
-        ) from None
+        pass  # msgspec failed to quote a key in its error (a lone surrogate): the check names it
+    # Everything the stage will be sent (defaults, the request's own fields, a custom runner's
+    # extra ones) can travel; the error names the path of what cannot.
+    check_encodable(merged, "")
+    assert typed is not None  # only an unencodable key fails the conversion without a ValidationError
     # ``lora`` travels as a plain dict of its set fields, like the rest of the params.
     fields = {
         k: {f: x for f, x in msgspec.structs.asdict(v).items() if x is not None} if isinstance(v, LoraRequest) else v

@@ -252,8 +252,6 @@ class AsyncOmniEngine:
         for stage, params in zip(stages, given, strict=True):
             fields = resolve_params(stage.params_cls, stage.defaults, params)
             check_constraints(fields, self._orchestrator.constraints.get(stage.stage_id, _NO_CONSTRAINTS))
-            for name, value in fields.items():
-                check_encodable(value, name if isinstance(name, str) else repr(name))
             resolved[stage.stage_id] = fields
         return resolved
 

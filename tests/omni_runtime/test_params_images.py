@@ -178,7 +178,7 @@ def test_a_surrogate_key_in_a_nested_param_is_a_clear_error():
     found by the LoRA params' hypothesis test once both branches met."""
     with pytest.raises(InvalidRequestError, match="cannot be encoded as UTF-8") as info:
         resolve_params(DiffusionSamplingParams, {}, {"lora": {"\ud800": None}})
-    assert info.value.param == "lora"
+    assert info.value.param == "lora.\\ud800"  # the path to the key, the key escaped
 
 
 #: In a fresh interpreter: the peak RSS (ru_maxrss, KiB) before and after a 30000x30000 image is
