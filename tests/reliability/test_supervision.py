@@ -149,7 +149,7 @@ async def test_a_stage_side_queue_full_is_a_queue_full_error_not_a_hang(typed):
     refused = [r for r in results if isinstance(r, QueueFullError)]
     assert refused and all(isinstance(r, QueueFullError) or r.text for r in results)
     assert refused[0].stage_id == 0
-    assert typed.engine.num_pending == 0 and status(typed)["inflight"] == 0
+    assert typed.engine.num_pending == 0 and status(typed).inflight == 0
 
 
 async def test_a_typed_error_raised_by_a_runner_keeps_its_type(typed):
