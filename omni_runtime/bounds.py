@@ -57,7 +57,8 @@ class Bounds:
 
     def meta(self) -> msgspec.Meta:
         """The bounds as a msgspec constraint: ``Annotated[int, bounds.meta()]``."""
-        return msgspec.Meta(**self.limits(), **({"description": self.doc} if self.doc else {}))
+        # One call for every combination of bounds, which msgspec's overloads spell one by one.
+        return msgspec.Meta(**self.limits(), **({"description": self.doc} if self.doc else {}))  # type: ignore[call-overload]
 
     def pydantic(self) -> dict[str, Any]:
         """The bounds as keyword arguments of pydantic's ``Field(...)``."""

@@ -8,7 +8,7 @@ they are rejected rather than half-honoured.
 
 Bounds are checked here, so absurd input (a 100000x100000 size, n=1000, a megabyte prompt) is
 refused before anything reaches the engine; a field that the engine's params also take gets its
-bounds from the one table of :mod:`omni_runtime.bounds` (``Field(**bounds("seed"))``).
+bounds from the one table of :mod:`omni_runtime.bounds` (``Annotated[int, Field(**bounds("seed"))]``).
 
 The error ladder lives here too, :func:`error_body`: the one place where every exception
 (pydantic validation, the engine's typed errors, the server's own) becomes a status code and
@@ -103,8 +103,8 @@ class LoraSpec(_Request):
     # Python's regex engine: the name pattern is shared with msgspec and ends in ``\Z``.
     model_config = ConfigDict(extra="forbid", regex_engine="python-re")
 
-    name: str = Field(**bounds("lora.name"))
-    scale: float = Field(1.0, **bounds("lora.scale"), allow_inf_nan=False)
+    name: Annotated[str, Field(**bounds("lora.name"))]
+    scale: Annotated[float, Field(**bounds("lora.scale"), allow_inf_nan=False)] = 1.0
     #: Declared only to be refused with the reason.
     path: Any = None
 
@@ -152,9 +152,9 @@ class _ImagesRequest(_SizedRequest):
     #: JPEG / WebP quality (0-100).
     output_compression: int | None = Field(None, ge=0, le=100)
     # Extensions (``extra_body`` of the openai client) beyond here.
-    negative_prompt: str | None = Field(None, **bounds("negative_prompt"))
-    num_inference_steps: int | None = Field(None, **bounds("num_inference_steps"))
-    guidance_scale: float | None = Field(None, **bounds("guidance_scale"))
+    negative_prompt: Annotated[str, Field(**bounds("negative_prompt"))] | None = None
+    num_inference_steps: Annotated[int, Field(**bounds("num_inference_steps"))] | None = None
+    guidance_scale: Annotated[float, Field(**bounds("guidance_scale"))] | None = None
     #: Seed of the first image; image i gets ``seed + i``.
     seed: Seed | None = None
     timeout: Timeout | None = None
@@ -188,7 +188,7 @@ class _ImageInputForm(_ImagesRequest):
     size: str | None = None
     #: How far the input is noised (0 < strength <= 1); unset: the pipeline's default for edits,
     #: :data:`VARIATION_STRENGTH` for variations.
-    strength: float | None = Field(None, **bounds("strength"))
+    strength: Annotated[float, Field(**bounds("strength"))] | None = None
     # Sent by OpenAI callers; no meaning for this runtime.
     user: str | None = Field(None, max_length=256)
     safety_identifier: str | None = Field(None, max_length=256)
@@ -238,13 +238,13 @@ class GenerateInputs(_SizedRequest):
     """What to generate: ``inputs`` of ``POST /v1/generate`` (task ``text2image``)."""
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
-    negative_prompt: str | None = Field(None, **bounds("negative_prompt"))
+    negative_prompt: Annotated[str, Field(**bounds("negative_prompt"))] | None = None
     #: ``WxH``; or ``width`` and ``height``; unset: the stage's default size.
     size: str | None = None
-    width: int | None = Field(None, **bounds("width"))
-    height: int | None = Field(None, **bounds("height"))
-    num_inference_steps: int | None = Field(None, **bounds("num_inference_steps"))
-    guidance_scale: float | None = Field(None, **bounds("guidance_scale"))
+    width: Annotated[int, Field(**bounds("width"))] | None = None
+    height: Annotated[int, Field(**bounds("height"))] | None = None
+    num_inference_steps: Annotated[int, Field(**bounds("num_inference_steps"))] | None = None
+    guidance_scale: Annotated[float, Field(**bounds("guidance_scale"))] | None = None
     seed: Seed | None = None
 
     @model_validator(mode="after")
@@ -336,10 +336,10 @@ class ChatCompletionRequest(_Request):
     modalities: list[Literal["text", "image"]] | None = Field(None, min_length=1, max_length=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, **bounds("max_tokens"))
-    max_completion_tokens: int | None = Field(None, **bounds("max_tokens"))
-    temperature: float | None = Field(None, **bounds("temperature"))
-    top_p: float | None = Field(None, **bounds("top_p"))
+    max_tokens: Annotated[int, Field(**bounds("max_tokens"))] | None = None
+    max_completion_tokens: Annotated[int, Field(**bounds("max_tokens"))] | None = None
+    temperature: Annotated[float, Field(**bounds("temperature"))] | None = None
+    top_p: Annotated[float, Field(**bounds("top_p"))] | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
     #: Only one choice is produced per request.
