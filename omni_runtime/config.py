@@ -7,58 +7,20 @@ path, e.g. ``tiny-sd.yaml: stage_args[0].engine_args.max_num_seqs: Expected `int
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 import yaml
 
+from omni_runtime.bounds import FIELD_BOUNDS, LORA_NAME_PATTERN
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
-from omni_runtime.params import LORA_NAME_PATTERN, check_lora_path
+from omni_runtime.params import check_lora_path
 
 _Struct = {"kw_only": True, "forbid_unknown_fields": True}
 
 
-@dataclass(frozen=True, slots=True)
-class Bounds:
-    """The type and range of one numeric field, declared once: the deploy YAML validates the field
-    with :attr:`annotated`, and a control call that sets it at run time with :meth:`check`, so both
-    accept exactly the same values."""
-
-    type: type[int] | type[float]
-    ge: float | None = None
-    le: float | None = None
-    doc: str = ""
-
-    @property
-    def annotated(self) -> Any:
-        """The field's type for a msgspec Struct (what ``EngineArgs`` declares)."""
-        return Annotated[self.type, msgspec.Meta(ge=self.ge, le=self.le, description=self.doc)]
-
-    def check(self, value: Any, param: str) -> int | float:
-        """``value`` as the field's type, or InvalidRequestError naming ``param`` and the bound.
-        Strict: no bool for a number, no float for an int; NaN is out of every range."""
-        try:
-            return msgspec.convert(value, self.annotated, strict=True)
-        except msgspec.ValidationError as e:
-            message = str(e)
-            if "got" not in message:  # a range error: say what was given (NaN fails every bound)
-                message += f", got {'nan' if isinstance(value, float) and math.isnan(value) else repr(value)}"
-            raise InvalidRequestError(f"`{param}`: {message}", param=param) from None
-
-
-#: Bounds of the fields that both a deploy YAML (``engine_args``) and a control call may set; one
-#: declaration for both paths. A field that gains a run-time setter is declared here, and
-#: :data:`CONTROL_CALL_FIELDS` names it.
-FIELD_BOUNDS: dict[str, Bounds] = {
-    "max_num_seqs": Bounds(int, ge=1, le=1024, doc="Most requests fused into one forward()."),
-    "request_batch_max_wait_ms": Bounds(
-        float, ge=0, le=60_000, doc="Extra admission wait (ms) before a new wave; 0 dispatches at once."
-    ),
-}
 if TYPE_CHECKING:  # built at run time from FIELD_BOUNDS; to a type checker the plain number types
     MaxNumSeqs = int
     RequestBatchMaxWaitMs = float

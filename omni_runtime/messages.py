@@ -113,12 +113,43 @@ WorkerInbound = StageRequest | StageAbort | StageRpc | StageShutdown | StagePing
 # --------------------------------------------------------------------------- worker -> orchestrator
 
 
+class StageConstraints(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """What a stage's loaded model allows, reported in its READY message and checked by the caller
+    before enqueue (:func:`omni_runtime.params.check_constraints`). Every field's default checks
+    nothing; a runner that names a field this struct lacks fails at load, not silently."""
+
+    #: Height and width must be multiples of it (the VAE scale factor, latent packing, patch size).
+    size_multiple: int | None = None
+    #: Why, in the model's terms, for the error.
+    size_multiple_reason: str | None = None
+    #: Most pixels (height x width) a request may ask for.
+    max_pixels: int | None = None
+    #: The (height, width) the model was made for, named in the ``max_pixels`` error.
+    native_size: tuple[int, int] | None = None
+    #: Whether the model takes LoRA adapters; a stage that does not say so refuses them.
+    lora: bool = False
+    #: The step counts the model's scheduler runs (found at load by running it)...
+    min_inference_steps: int | None = None
+    max_inference_steps: int | None = None
+    #: ...and the scheduler's name, for the error.
+    inference_steps_reason: str | None = None
+    #: Which of ``image`` / ``mask_image`` the stage takes (empty: none).
+    image_inputs: tuple[str, ...] = ()
+    #: Why an image input is not taken, for the error.
+    image_inputs_note: str | None = None
+    #: The pipelines' own default ``strength`` per form (``image``, ``inpaint``), so that a request
+    #: is checked to run at least one denoising step.
+    default_strength: dict[str, float] = {}
+    #: Set (to the reason) when the pipeline only edits images: a request needs an input image.
+    requires_image: str | None = None
+
+
 class StageReady(msgspec.Struct, tag="ready", **_Msg):
     stage_id: int
     replica_id: int
     pid: int
-    #: Checks the caller makes before enqueue (``size_multiple``, ``max_pixels``).
-    constraints: dict[str, Any] = {}
+    #: Checks the caller makes before enqueue (``size_multiple``, ``max_pixels``...).
+    constraints: StageConstraints = msgspec.field(default_factory=StageConstraints)
 
 
 class Payload(msgspec.Struct, **_Msg):

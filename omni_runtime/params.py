@@ -15,25 +15,21 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 import numpy as np
 
+from omni_runtime.bounds import LORA_NAME_PATTERN as LORA_NAME_PATTERN
+from omni_runtime.bounds import MAX_LORA_SCALE as MAX_LORA_SCALE
+from omni_runtime.bounds import MAX_PROMPT_CHARS as MAX_PROMPT_CHARS
+from omni_runtime.bounds import MAX_SIDE, MIN_SIDE, meta
 from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.messages import StageConstraints
+from omni_runtime.serialization import check_encodable
 
-Positive = Annotated[int, msgspec.Meta(ge=1)]
-Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-#: A per-request deadline in seconds; at most a week (a larger one is a mistake, not a deadline).
-Timeout = Annotated[float, msgspec.Meta(gt=0, le=7 * 86400)]
+Seed = Annotated[int, meta("seed")]
+#: A per-request deadline in seconds (see :data:`~omni_runtime.bounds.REQUEST_BOUNDS`).
+Timeout = Annotated[float, meta("timeout")]
 #: A request's priority: higher is served first (see docs/configuration.md, "Priority").
-Priority = Annotated[int, msgspec.Meta(ge=-1_000_000, le=1_000_000)]
+Priority = Annotated[int, meta("priority")]
 #: ``max_pixels`` of a stage when neither its config nor its model says: 2048 x 2048.
 FALLBACK_MAX_PIXELS = 2048 * 2048
-#: Longest prompt accepted, in characters.
-MAX_PROMPT_CHARS = 100_000
-#: What a LoRA adapter's registered name may look like (``engine_args.loras``, ``add_lora``).
-#: ``\Z``, not ``$``: Python's ``$`` also matches before a final newline, so ``"ink\n"`` would pass.
-LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z"
-#: Largest magnitude of a LoRA scale: past a few units an adapter only produces noise.
-MAX_LORA_SCALE = 10.0
-#: Longest adapter path accepted, in characters (Linux's PATH_MAX).
-MAX_LORA_PATH_CHARS = 4096
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -67,10 +63,10 @@ class LoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
     local directory or ``.safetensors`` file; Python API only, HTTP takes names), and its ``scale``.
     """
 
-    name: Annotated[str, msgspec.Meta(pattern=LORA_NAME_PATTERN)] | None = None
-    path: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_LORA_PATH_CHARS)] | None = None
+    name: Annotated[str, meta("lora.name")] | None = None
+    path: Annotated[str, meta("lora.path")] | None = None
     #: How strongly the adapter applies: 0 = not at all, 1 = as trained, negative = away from it.
-    scale: Annotated[float, msgspec.Meta(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)] = 1.0
+    scale: Annotated[float, meta("lora.scale")] = 1.0
 
     def __post_init__(self) -> None:
         if (self.name is None) == (self.path is None):
@@ -87,12 +83,12 @@ class DiffusionSamplingParams(SamplingParams):
 
     stage_type: ClassVar[str] = "diffusion"
 
-    height: Annotated[int, msgspec.Meta(ge=8, le=4096)] | None = None
-    width: Annotated[int, msgspec.Meta(ge=8, le=4096)] | None = None
-    num_inference_steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
-    guidance_scale: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None
-    negative_prompt: str | None = None
-    num_images_per_prompt: Annotated[int, msgspec.Meta(ge=1, le=16)] | None = None
+    height: Annotated[int, meta("height")] | None = None
+    width: Annotated[int, meta("width")] | None = None
+    num_inference_steps: Annotated[int, meta("num_inference_steps")] | None = None
+    guidance_scale: Annotated[float, meta("guidance_scale")] | None = None
+    negative_prompt: Annotated[str, meta("negative_prompt")] | None = None
+    num_images_per_prompt: Annotated[int, meta("num_images_per_prompt")] | None = None
     #: Seed of this request's own generator; a fresh one is drawn (and reported) when unset.
     seed: Seed | None = None
     #: ``pil`` images, ``np`` float arrays in [0, 1], or ``latent`` tensors.
@@ -106,7 +102,7 @@ class DiffusionSamplingParams(SamplingParams):
     mask_image: Any = None
     #: How far the input image is noised before denoising: 1 ignores it, near 0 keeps it; only
     #: with ``image``. Unset: the pipeline's own default.
-    strength: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    strength: Annotated[float, meta("strength")] | None = None
     #: A LoRA adapter to run with (a :class:`LoraRequest` or a dict of its fields); none when unset.
     lora: LoraRequest | None = None
 
@@ -116,10 +112,10 @@ class TextSamplingParams(SamplingParams):
 
     stage_type: ClassVar[str] = "text"
 
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=8192)] | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=10)] | None = None
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    max_tokens: Annotated[int, meta("max_tokens")] | None = None
+    temperature: Annotated[float, meta("temperature")] | None = None
+    top_p: Annotated[float, meta("top_p")] | None = None
+    top_k: Annotated[int, meta("top_k")] | None = None
     seed: Seed | None = None
     stop: list[str] | None = None
 
@@ -129,7 +125,7 @@ class EchoSamplingParams(SamplingParams):
 
     stage_type: ClassVar[str] = "echo"
 
-    delay_ms: Annotated[float, msgspec.Meta(ge=0, le=600_000)] | None = None
+    delay_ms: Annotated[float, meta("delay_ms")] | None = None
 
 
 class GenericSamplingParams(msgspec.Struct, kw_only=True):
@@ -143,7 +139,7 @@ class GenericSamplingParams(msgspec.Struct, kw_only=True):
 #: Largest input image accepted anywhere (a stage's own ``max_pixels`` applies on top).
 MAX_IMAGE_PIXELS = 4096 * 4096
 #: Smallest and largest side of an input image, as of ``height`` / ``width``.
-MIN_IMAGE_SIDE, MAX_IMAGE_SIDE = 8, 4096
+MIN_IMAGE_SIDE, MAX_IMAGE_SIDE = MIN_SIDE, MAX_SIDE
 
 
 def _is_pil(value: Any) -> bool:
@@ -273,7 +269,9 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
     the fields that are set. A params class that does not forbid unknown fields (the generic
     params of a custom runner) keeps them: that runner reads them.
 
-    Raises InvalidRequestError naming the field (unknown key, wrong type, out of range).
+    Raises InvalidRequestError naming the field (unknown key, wrong type, out of range, or a value
+    no message can carry: a lone surrogate, an integer past 64 bits; the one encodability check
+    of a request's params).
     """
     if isinstance(params, msgspec.Struct) and not isinstance(params, params_cls):
         raise InvalidRequestError(
@@ -284,6 +282,7 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
     merged = {**defaults, **given}
     images = check_image_params(merged, given) if issubclass(params_cls, DiffusionSamplingParams) else {}
     merged.update(images)
+    typed: msgspec.Struct | None = None
     try:
         typed = msgspec.convert(merged, params_cls, strict=False)
     except msgspec.ValidationError as e:
@@ -291,14 +290,11 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
         name = f"`{field}`: " if field else ""
         raise InvalidRequestError(f"invalid sampling param {name}{message}", param=field) from None
     except UnicodeEncodeError:
-        # msgspec quotes an unknown nested key in its error, and fails to when UTF-8 cannot
-        # encode it (a lone surrogate): name the param that holds it instead.
-        from omni_runtime.serialization import find_unencodable
-
-        field = next((k for k, v in merged.items() if find_unencodable(v, k) is not None), None)
-        raise InvalidRequestError(
-            f"invalid sampling param `{field}`: contains text that cannot be encoded as UTF-8", param=field
-        ) from None
+        pass  # msgspec failed to quote a key in its error (a lone surrogate): the check names it
+    # Everything the stage will be sent (defaults, the request's own fields, a custom runner's
+    # extra ones) can travel; the error names the path of what cannot.
+    check_encodable(merged, "")
+    assert typed is not None  # only an unencodable key fails the conversion without a ValidationError
     # ``lora`` travels as a plain dict of its set fields, like the rest of the params.
     fields = {
         k: {f: x for f, x in msgspec.structs.asdict(v).items() if x is not None} if isinstance(v, LoraRequest) else v
@@ -311,21 +307,16 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
     return fields
 
 
-def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> None:
-    """Checks that need the loaded model: what a stage reported in its READY message.
+def check_constraints(params: dict[str, Any], constraints: StageConstraints) -> None:
+    """Checks that need the loaded model: what a stage reported in its READY message (each field
+    is described on :class:`~omni_runtime.messages.StageConstraints`).
 
-    ``size_multiple``: height and width must be multiples of it; ``size_multiple_reason`` says why
-    in the model's terms (VAE scale factor, latent packing, patch size).
-    ``max_pixels``: height * width may not exceed it (``native_size``, when known, is named).
-    ``min_inference_steps`` / ``max_inference_steps``: the step counts the model's scheduler runs
-    (``inference_steps_reason`` names it); found at load by running the scheduler.
-    ``lora``: whether the stage's model takes LoRA adapters; a stage that does not say so refuses them.
-    ``image_inputs``: which of ``image`` / ``mask_image`` the stage takes (absent: none), with
-    ``image_inputs_note`` saying why one is not; ``requires_image``: a pipeline that only edits
-    images (an img2img model directory without a text-to-image form) needs one. With an input
-    image the size is the image's, and size errors name ``image``.
+    ``size_multiple`` and ``max_pixels`` bound height and width; the step range bounds
+    ``num_inference_steps``; ``lora`` and ``image_inputs`` say which of those params the stage
+    takes at all, and ``requires_image`` that it needs an input image. With an input image the
+    size is the image's, and size errors name ``image``.
     """
-    if params.get("lora") is not None and not constraints.get("lora"):
+    if params.get("lora") is not None and not constraints.lora:
         raise InvalidRequestError(
             "invalid sampling param `lora`: this stage's model does not take LoRA adapters", param="lora"
         )
@@ -334,19 +325,19 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
     check_step_range(params.get("num_inference_steps"), constraints)
     h = params.get("height")
     w = params.get("width")
-    multiple = constraints.get("size_multiple")
+    multiple = constraints.size_multiple
     if multiple:
         for name, value in (("height", h), ("width", w)):
             if value is not None and value % multiple:
-                why = constraints.get("size_multiple_reason") or "the model's VAE scale factor"
+                why = constraints.size_multiple_reason or "the model's VAE scale factor"
                 param, shown = ("image", f"the input image's {name} {value}") if has_image else (name, str(value))
                 raise InvalidRequestError(
                     f"invalid sampling param `{param}`: {shown} is not a multiple of {multiple} ({why})",
                     param=param,
                 )
-    max_pixels = constraints.get("max_pixels")
+    max_pixels = constraints.max_pixels
     if max_pixels and h is not None and w is not None and h * w > max_pixels:
-        native = constraints.get("native_size")
+        native = constraints.native_size
         made_for = f"; the model was made for {native[1]}x{native[0]}" if native else ""
         if has_image:
             raise InvalidRequestError(
@@ -361,12 +352,12 @@ def check_constraints(params: dict[str, Any], constraints: dict[str, Any]) -> No
         )
 
 
-def check_step_range(steps: int | None, constraints: dict[str, Any]) -> None:
+def check_step_range(steps: int | None, constraints: StageConstraints) -> None:
     """Refuse a step count the stage's scheduler cannot run (it would fail mid-denoise)."""
-    fewest, most = constraints.get("min_inference_steps"), constraints.get("max_inference_steps")
+    fewest, most = constraints.min_inference_steps, constraints.max_inference_steps
     if steps is None or fewest is None or most is None or fewest <= steps <= most:
         return
-    scheduler = constraints.get("inference_steps_reason") or "the model's scheduler"
+    scheduler = constraints.inference_steps_reason or "the model's scheduler"
     raise InvalidRequestError(
         f"invalid sampling param `num_inference_steps`: {steps} is outside {fewest}..{most}, the step counts "
         f"this stage's {scheduler} can run",
@@ -374,10 +365,10 @@ def check_step_range(steps: int | None, constraints: dict[str, Any]) -> None:
     )
 
 
-def check_image_capability(params: dict[str, Any], constraints: dict[str, Any]) -> None:
+def check_image_capability(params: dict[str, Any], constraints: StageConstraints) -> None:
     """Refuse image inputs a stage cannot use, and text-only requests to a stage that needs an image."""
-    accepted = constraints.get("image_inputs") or []
-    note = constraints.get("image_inputs_note")
+    accepted = constraints.image_inputs
+    note = constraints.image_inputs_note
     for name in ("image", "mask_image"):
         if params.get(name) is not None and name not in accepted:
             why = f" ({note})" if note else ""
@@ -386,7 +377,7 @@ def check_image_capability(params: dict[str, Any], constraints: dict[str, Any]) 
             )
     if params.get("image") is not None and params.get("num_inference_steps"):
         form = "inpaint" if params.get("mask_image") is not None else "image"
-        strength = params.get("strength") or (constraints.get("default_strength") or {}).get(form)
+        strength = params.get("strength") or constraints.default_strength.get(form)
         steps = params["num_inference_steps"]
         if strength is not None and int(steps * strength) < 1:
             raise InvalidRequestError(
@@ -394,5 +385,5 @@ def check_image_capability(params: dict[str, Any], constraints: dict[str, Any]) 
                 "step (an image request runs int(num_inference_steps x strength) steps); raise either",
                 param="strength",
             )
-    if params.get("image") is None and constraints.get("requires_image"):
-        raise InvalidRequestError(f"invalid sampling param `image`: {constraints['requires_image']}", param="image")
+    if params.get("image") is None and constraints.requires_image:
+        raise InvalidRequestError(f"invalid sampling param `image`: {constraints.requires_image}", param="image")

@@ -5,10 +5,13 @@ key; ``/readyz`` says only its verdict without it), ``/metrics`` (Prometheus), a
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import Literal
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+
+from omni_runtime.engine.status import ReplicaState, StageStatus
 
 from . import protocol as proto
 from .dependencies import AUTH, State
@@ -20,31 +23,99 @@ router = APIRouter()
 
 _HOSTNAME = socket.gethostname()  # the node name of this machine's own replicas
 
-_READYZ_FIELDS = (
-    "stage_id",
-    "stage_type",
-    "replicas",
-    "live_replicas",
-    "replica_states",
-    "replica_nodes",
-    "restarts",
-    "unresponsive_kills",
-    "inflight",
-)
+_Body = {"kw_only": True, "frozen": True}
+
+
+class HealthReport(msgspec.Struct, **_Body):
+    """The body of ``/health``: ``status``, and ``reason`` (failed, dead) or ``dead_stages``
+    (unhealthy) where it has them; an unset field is left out of the JSON."""
+
+    status: Literal["loading", "failed", "ok", "dead", "unhealthy"]
+    reason: str | msgspec.UnsetType | None = msgspec.UNSET
+    dead_stages: list[int] | msgspec.UnsetType = msgspec.UNSET
+
+
+class ReadyVerdict(msgspec.Struct, **_Body):
+    """The body of ``/readyz`` without the key: the verdict only."""
+
+    ready: bool
+    draining: bool
+
+
+class ReadyStage(msgspec.Struct, **_Body):
+    """One stage in ``/readyz``: its :class:`StageStatus`, with ``queue_depth`` (its inflight)."""
+
+    stage_id: int
+    stage_type: str
+    replicas: int
+    live_replicas: int
+    replica_states: list[ReplicaState]
+    replica_nodes: list[str | None]
+    restarts: int
+    unresponsive_kills: int
+    inflight: int
+    queue_depth: int
+    per_replica_inflight: list[int]
+
+    @classmethod
+    def of(cls, s: StageStatus) -> ReadyStage:
+        return cls(
+            stage_id=s.stage_id,
+            stage_type=s.stage_type,
+            replicas=s.replicas,
+            live_replicas=s.live_replicas,
+            replica_states=s.replica_states,
+            replica_nodes=s.replica_nodes,
+            restarts=s.restarts,
+            unresponsive_kills=s.unresponsive_kills,
+            inflight=s.inflight,
+            queue_depth=s.inflight,
+            per_replica_inflight=s.per_replica_inflight,
+        )
+
+
+class JobStoreStatus(msgspec.Struct, **_Body):
+    """The job store in ``/readyz``: its backend (None: no jobs layer) and whether it answers;
+    with a store, how many jobs it holds and this gateway's id."""
+
+    backend: str | None
+    ok: bool
+    jobs: int | msgspec.UnsetType | None = msgspec.UNSET
+    gateway: str | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class ReadyReport(msgspec.Struct, **_Body):
+    """The body of ``/readyz`` with the key."""
+
+    ready: bool
+    #: Why the engine is dead, or None.
+    dead: str | None
+    draining: bool
+    model: str
+    pending: int
+    max_pending: int
+    stages: list[ReadyStage]
+    #: Live replicas that are not this machine's processes (Ray actors, by node id).
+    remote_replicas: int
+    job_store: JobStoreStatus
+
+
+def _json(body: msgspec.Struct, status_code: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
+    return SafeJSONResponse(msgspec.to_builtins(body), status_code=status_code, headers=headers)
 
 
 @router.get("/health")
 async def health(state: State) -> JSONResponse:
     if state.omni is None:
         if state.failed is not None:
-            return SafeJSONResponse({"status": "failed", "reason": str(state.failed)}, status_code=503)
-        return SafeJSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
+            return _json(HealthReport(status="failed", reason=str(state.failed)), 503)
+        return _json(HealthReport(status="loading"), 503, headers={"Retry-After": "1"})
     h = state.started.health()
     if h.ok:
-        return SafeJSONResponse({"status": "ok"})
+        return _json(HealthReport(status="ok"))
     if h.status == "dead":
-        return SafeJSONResponse({"status": "dead", "reason": h.reason}, status_code=503)
-    return SafeJSONResponse({"status": "unhealthy", "dead_stages": h.dead_stages}, status_code=503)
+        return _json(HealthReport(status="dead", reason=h.reason), 503)
+    return _json(HealthReport(status="unhealthy", dead_stages=h.dead_stages), 503)
 
 
 @router.get("/readyz")
@@ -53,34 +124,27 @@ async def readyz(request: Request, state: State) -> JSONResponse:
     if not state.authorized(request.scope):
         # Open to orchestrators without the key, but only the verdict: the stages, hosts,
         # queues and gateway id are for whoever holds it.
-        ready = h.ok and not state.draining
-        body: dict[str, Any] = {"ready": ready, "draining": state.draining}
-        return SafeJSONResponse(body, status_code=200 if ready else 503)
-    stages = [
-        {k: s.get(k) for k in _READYZ_FIELDS}
-        | {"queue_depth": s.get("inflight", 0), "per_replica_inflight": s.get("per_replica_inflight", [])}
-        for s in h.stages
-    ]
+        verdict = h.ok and not state.draining
+        return _json(ReadyVerdict(ready=verdict, draining=state.draining), 200 if verdict else 503)
     job_store = await _job_store_status(state)
-    ready = h.ok and not state.draining and job_store.get("ok", True)
-    body = {
-        "ready": ready,
-        "dead": h.reason if h.status == "dead" else None,
-        "draining": state.draining,
-        "model": state.model_name,
-        "pending": h.pending,
-        "max_pending": h.max_pending,
-        "stages": stages,
-        # Live replicas that are not this machine's processes (Ray actors, by node id).
-        "remote_replicas": sum(
+    ready = h.ok and not state.draining and job_store.ok
+    body = ReadyReport(
+        ready=ready,
+        dead=h.reason if h.status == "dead" else None,
+        draining=state.draining,
+        model=state.model_name,
+        pending=h.pending,
+        max_pending=h.max_pending,
+        stages=[ReadyStage.of(s) for s in h.stages],
+        remote_replicas=sum(
             1
             for s in h.stages
-            for node, st in zip(s.get("replica_nodes", []), s.get("replica_states", []), strict=False)
+            for node, st in zip(s.replica_nodes, s.replica_states, strict=False)
             if node is not None and node != _HOSTNAME and st == "live"
         ),
-        "job_store": job_store,
-    }
-    return SafeJSONResponse(body, status_code=200 if ready else 503)
+        job_store=job_store,
+    )
+    return _json(body, 200 if ready else 503)
 
 
 @router.get("/metrics")
@@ -100,8 +164,10 @@ async def get_model(model_id: str, state: State) -> JSONResponse:
     return SafeJSONResponse(proto.ModelCard(id=state.model_name, created=state.created).model_dump())
 
 
-async def _job_store_status(state: ServerState) -> dict[str, Any]:
+async def _job_store_status(state: ServerState) -> JobStoreStatus:
     if state.jobs is None:
-        return {"backend": None, "ok": False}
+        return JobStoreStatus(backend=None, ok=False)
     store = state.jobs.store
-    return {"backend": store.backend, "ok": await store.ping(), "jobs": store.count(), "gateway": state.jobs.gateway_id}
+    return JobStoreStatus(
+        backend=store.backend, ok=await store.ping(), jobs=store.count(), gateway=state.jobs.gateway_id
+    )

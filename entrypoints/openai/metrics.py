@@ -60,18 +60,16 @@ class _EngineCollector(Collector):
             labels=["stage"],
         )
         for status in h.stages:
-            label = [str(status["stage_id"])]
-            depth.add_metric(label, status.get("inflight", 0))
-            live.add_metric(label, status.get("live_replicas", 0))
-            replicas.add_metric(label, status.get("replicas", 0))
-            restarts.add_metric(label, status.get("restarts", 0))
-            kills.add_metric(label, status.get("unresponsive_kills", 0))
-            nodes = status.get("replica_nodes", [])
+            label = [str(status.stage_id)]
+            depth.add_metric(label, status.inflight)
+            live.add_metric(label, status.live_replicas)
+            replicas.add_metric(label, status.replicas)
+            restarts.add_metric(label, status.restarts)
+            kills.add_metric(label, status.unresponsive_kills)
+            nodes = status.replica_nodes
             for node in sorted({n for n in nodes if n is not None}):
                 alive = sum(
-                    1
-                    for n, st in zip(nodes, status.get("replica_states", []), strict=False)
-                    if n == node and st == "live"
+                    1 for n, st in zip(nodes, status.replica_states, strict=False) if n == node and st == "live"
                 )
                 by_node.add_metric([label[0], node], alive)
         yield from (pending, limit, running, dead, depth, live, replicas, by_node, restarts, kills)

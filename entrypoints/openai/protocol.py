@@ -6,10 +6,13 @@ that this runtime has no use for are declared explicitly and ignored; fields tha
 meaning of a request (``tools``, ``logprobs``, ``response_format`` on chat...) are not declared, so
 they are rejected rather than half-honoured.
 
-Bounds live here, so absurd input (a 100000x100000 size, n=1000, a megabyte prompt) is refused
-before anything reaches the engine. So does the error ladder, :func:`error_body`: the one place
-where every exception (pydantic validation, the engine's typed errors, the server's own) becomes
-a status code and the OpenAI error shape ``{"error": {"message", "type", "param", "code"}}``.
+Bounds are checked here, so absurd input (a 100000x100000 size, n=1000, a megabyte prompt) is
+refused before anything reaches the engine; a field that the engine's params also take gets its
+bounds from the one table of :mod:`omni_runtime.bounds` (``Annotated[int, Field(**bounds("seed"))]``).
+
+The error ladder lives here too, :func:`error_body`: the one place where every exception
+(pydantic validation, the engine's typed errors, the server's own) becomes a status code and
+the OpenAI error shape ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
+from omni_runtime.bounds import MAX_PROMPT_CHARS, MAX_SIDE, MIN_SIDE
+from omni_runtime.bounds import pydantic as bounds
 from omni_runtime.exceptions import (
     EngineError,
     InvalidRequestError,
@@ -36,14 +41,10 @@ from omni_runtime.exceptions import (
     UnavailableError,
 )
 from omni_runtime.outputs import OmniRequestOutput
-from omni_runtime.params import LORA_NAME_PATTERN, MAX_LORA_SCALE, MAX_PROMPT_CHARS
 from omni_runtime.serialization import find_unencodable
 
 logger = logging.getLogger(__name__)
 
-#: Smallest and largest image side accepted by the HTTP layer (the engine checks the model's own
-#: limits, e.g. the VAE multiple and max_pixels, on top of these).
-MIN_SIDE, MAX_SIDE = 8, 4096
 #: Most images one images request may ask for (each is its own engine request).
 MAX_IMAGES = 10
 #: Most chat messages in one request: only the last user message is used.
@@ -51,11 +52,11 @@ MAX_MESSAGES = 1024
 
 _SIZE_RE = re.compile(r"^(\d{1,6})x(\d{1,6})$")
 
-Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
+Seed = Annotated[int, Field(**bounds("seed"))]
 #: A per-request deadline in seconds (an extension: OpenAI has none in the body).
-Timeout = Annotated[float, Field(gt=0, le=86_400)]
+Timeout = Annotated[float, Field(**bounds("timeout"))]
 #: Higher is served first (an extension); see docs/configuration.md, "Priority".
-Priority = Annotated[int, Field(ge=-1_000_000, le=1_000_000)]
+Priority = Annotated[int, Field(**bounds("priority"))]
 
 
 class UnencodableValue(ValueError):
@@ -102,8 +103,8 @@ class LoraSpec(_Request):
     # Python's regex engine: the name pattern is shared with msgspec and ends in ``\Z``.
     model_config = ConfigDict(extra="forbid", regex_engine="python-re")
 
-    name: str = Field(pattern=LORA_NAME_PATTERN)
-    scale: float = Field(1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)
+    name: Annotated[str, Field(**bounds("lora.name"))]
+    scale: Annotated[float, Field(**bounds("lora.scale"), allow_inf_nan=False)] = 1.0
     #: Declared only to be refused with the reason.
     path: Any = None
 
@@ -151,9 +152,9 @@ class _ImagesRequest(_SizedRequest):
     #: JPEG / WebP quality (0-100).
     output_compression: int | None = Field(None, ge=0, le=100)
     # Extensions (``extra_body`` of the openai client) beyond here.
-    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
-    num_inference_steps: int | None = Field(None, ge=1, le=1000)
-    guidance_scale: float | None = Field(None, ge=0, le=100)
+    negative_prompt: Annotated[str, Field(**bounds("negative_prompt"))] | None = None
+    num_inference_steps: Annotated[int, Field(**bounds("num_inference_steps"))] | None = None
+    guidance_scale: Annotated[float, Field(**bounds("guidance_scale"))] | None = None
     #: Seed of the first image; image i gets ``seed + i``.
     seed: Seed | None = None
     timeout: Timeout | None = None
@@ -187,7 +188,7 @@ class _ImageInputForm(_ImagesRequest):
     size: str | None = None
     #: How far the input is noised (0 < strength <= 1); unset: the pipeline's default for edits,
     #: :data:`VARIATION_STRENGTH` for variations.
-    strength: float | None = Field(None, gt=0, le=1)
+    strength: Annotated[float, Field(**bounds("strength"))] | None = None
     # Sent by OpenAI callers; no meaning for this runtime.
     user: str | None = Field(None, max_length=256)
     safety_identifier: str | None = Field(None, max_length=256)
@@ -237,13 +238,13 @@ class GenerateInputs(_SizedRequest):
     """What to generate: ``inputs`` of ``POST /v1/generate`` (task ``text2image``)."""
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
-    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    negative_prompt: Annotated[str, Field(**bounds("negative_prompt"))] | None = None
     #: ``WxH``; or ``width`` and ``height``; unset: the stage's default size.
     size: str | None = None
-    width: int | None = Field(None, ge=MIN_SIDE, le=MAX_SIDE)
-    height: int | None = Field(None, ge=MIN_SIDE, le=MAX_SIDE)
-    num_inference_steps: int | None = Field(None, ge=1, le=1000)
-    guidance_scale: float | None = Field(None, ge=0, le=100)
+    width: Annotated[int, Field(**bounds("width"))] | None = None
+    height: Annotated[int, Field(**bounds("height"))] | None = None
+    num_inference_steps: Annotated[int, Field(**bounds("num_inference_steps"))] | None = None
+    guidance_scale: Annotated[float, Field(**bounds("guidance_scale"))] | None = None
     seed: Seed | None = None
 
     @model_validator(mode="after")
@@ -335,10 +336,10 @@ class ChatCompletionRequest(_Request):
     modalities: list[Literal["text", "image"]] | None = Field(None, min_length=1, max_length=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1, le=8192)
-    max_completion_tokens: int | None = Field(None, ge=1, le=8192)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: Annotated[int, Field(**bounds("max_tokens"))] | None = None
+    max_completion_tokens: Annotated[int, Field(**bounds("max_tokens"))] | None = None
+    temperature: Annotated[float, Field(**bounds("temperature"))] | None = None
+    top_p: Annotated[float, Field(**bounds("top_p"))] | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
     #: Only one choice is produced per request.

@@ -37,6 +37,7 @@ import msgspec
 
 from omni_runtime.config import check_control_kwargs
 from omni_runtime.engine.orchestrator import Orchestrator
+from omni_runtime.engine.status import EngineHealth, EngineState, StageStatus
 from omni_runtime.exceptions import (
     DuplicateRequestError,
     EngineClosedError,
@@ -56,6 +57,7 @@ from omni_runtime.messages import (
     EngineShutdown,
     ErrorInfo,
     RpcReplicaResult,
+    StageConstraints,
 )
 from omni_runtime.params import MAX_IMAGE_PIXELS, MAX_PROMPT_CHARS, check_constraints, resolve_params
 from omni_runtime.resolve import ResolvedConfig
@@ -69,6 +71,8 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_RPC_TIMEOUT_S = 86_400.0
 #: How long after a request's deadline the caller is released even if the engine said nothing.
 DEADLINE_GRACE_S = 2.0
+#: The constraints of a stage that reported none (checks nothing).
+_NO_CONSTRAINTS = StageConstraints()
 
 
 @dataclass(frozen=True)
@@ -85,26 +89,6 @@ class ValidRequest:
     engine_id: str
     #: Higher is served first by every stage's scheduler.
     priority: int = 0
-
-
-@dataclass(frozen=True)
-class EngineHealth:
-    """A snapshot of :meth:`AsyncOmniEngine.health`."""
-
-    #: ``ok``; ``unhealthy`` (a stage has no live replica now, a restart may bring it back);
-    #: ``dead`` (it will not serve again: see EngineDeadError); ``closed``.
-    status: str
-    reason: str | None
-    pending: int
-    max_pending: int
-    #: Per stage: replicas, live_replicas, replica_states, restarts, unresponsive_kills,
-    #: inflight, per_replica_inflight.
-    stages: list[dict[str, Any]]
-    dead_stages: list[int]
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
 
 
 class _Channel:
@@ -175,7 +159,8 @@ class AsyncOmniEngine:
     def health(self) -> EngineHealth:
         """Whether the engine serves, and each stage's replicas and queues (any thread)."""
         stages = [status for _, status in sorted(self._orchestrator.status().items())]
-        dead_stages = [s["stage_id"] for s in stages if s.get("live_replicas", 0) == 0]
+        dead_stages = [s.stage_id for s in stages if s.live_replicas == 0]
+        state: EngineState
         if self._dead is not None:
             state, reason = "dead", str(self._dead)
         elif self._closed or not self._orchestrator.alive:
@@ -184,9 +169,16 @@ class AsyncOmniEngine:
             state, reason = "unhealthy", f"no live replica in stage(s) {dead_stages}"
         else:
             state, reason = "ok", None
-        return EngineHealth(state, reason, len(self._pending), self.max_pending, stages, dead_stages)
+        return EngineHealth(
+            status=state,
+            reason=reason,
+            pending=len(self._pending),
+            max_pending=self.max_pending,
+            stages=stages,
+            dead_stages=dead_stages,
+        )
 
-    def stage_status(self) -> dict[int, dict[str, Any]]:
+    def stage_status(self) -> dict[int, StageStatus]:
         return self._orchestrator.status()
 
     def max_input_pixels(self) -> int:
@@ -197,7 +189,7 @@ class AsyncOmniEngine:
             limit
             for stage in self.resolved.stages
             if stage.takes_image_params
-            and isinstance(limit := self._orchestrator.constraints.get(stage.stage_id, {}).get("max_pixels"), int)
+            and (limit := self._orchestrator.constraints.get(stage.stage_id, _NO_CONSTRAINTS).max_pixels) is not None
         ]
         return min([MAX_IMAGE_PIXELS, *limits])
 
@@ -259,9 +251,7 @@ class AsyncOmniEngine:
         resolved = {}
         for stage, params in zip(stages, given, strict=True):
             fields = resolve_params(stage.params_cls, stage.defaults, params)
-            check_constraints(fields, self._orchestrator.constraints.get(stage.stage_id, {}))
-            for name, value in fields.items():
-                check_encodable(value, name if isinstance(name, str) else repr(name))
+            check_constraints(fields, self._orchestrator.constraints.get(stage.stage_id, _NO_CONSTRAINTS))
             resolved[stage.stage_id] = fields
         return resolved
 

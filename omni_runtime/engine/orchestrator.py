@@ -28,6 +28,7 @@ import msgspec
 from omni_runtime.config import DeployConfig, StageConfig
 from omni_runtime.engine.backends import EngineResources, StageBackend, make_backends
 from omni_runtime.engine.stage_pool import StagePool
+from omni_runtime.engine.status import StageStatus
 from omni_runtime.exceptions import (
     EngineClosedError,
     EngineDeadError,
@@ -46,6 +47,7 @@ from omni_runtime.messages import (
     EngineShutdown,
     ErrorInfo,
     Payload,
+    StageConstraints,
     StageOutput,
     StageRequest,
 )
@@ -96,7 +98,7 @@ class Orchestrator:
         #: Set once the engine is dead; every request is then refused with it.
         self.dead: EngineDeadError | None = None
         self.pools: dict[int, StagePool] = {}
-        self.constraints: dict[int, dict[str, Any]] = {}
+        self.constraints: dict[int, StageConstraints] = {}
         self._requests: dict[str, _Request] = {}
         self._downstream: dict[int, list[int]] = {s.stage_id: [] for s in config.stage_args}
         for s in config.stage_args:
@@ -137,7 +139,7 @@ class Orchestrator:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def status(self) -> dict[int, dict[str, Any]]:
+    def status(self) -> dict[int, StageStatus]:
         """A snapshot of every stage's replicas and queue depth (safe from any thread)."""
         # Read from the caller's thread: the pools' counters are plain ints and sets (read without
         # iterating them), and a snapshot a few microseconds stale is fine for health and metrics.

@@ -24,6 +24,7 @@ import msgspec
 
 from omni_runtime.config import StageConfig
 from omni_runtime.engine.backends import StageBackend, StageClient
+from omni_runtime.engine.status import ReplicaState, StageStatus
 from omni_runtime.exceptions import (
     InvalidRequestError,
     OmniError,
@@ -34,10 +35,12 @@ from omni_runtime.exceptions import (
 from omni_runtime.messages import (
     RpcReplicaResult,
     StageAbort,
+    StageConstraints,
     StageOutput,
     StageOutputs,
     StagePing,
     StagePong,
+    StageReady,
     StageRequest,
     StageRpc,
     StageRpcResult,
@@ -79,7 +82,7 @@ class StagePool:
         self.restarts = [0] * n
         #: Replicas killed because they missed heartbeats or their forward stalled.
         self.unresponsive_kills = 0
-        self.constraints: dict[str, Any] = {}
+        self.constraints = StageConstraints()
         self._rpc: dict[int, tuple[int, asyncio.Future]] = {}
         self._tasks = BackgroundTasks()  # restarts, and the closing of dead replicas
         self._restarting: dict[int, asyncio.Task] = {}
@@ -101,7 +104,7 @@ class StagePool:
         and a replica that hears nothing for a while exits by itself."""
         clients = [self._new_client(i, 0) for i in range(len(self.replicas))]
 
-        async def start_one(client: StageClient) -> Any:
+        async def start_one(client: StageClient) -> StageReady:
             ready = await client.start()
             self.replicas[client.replica_id] = client
             self._pong_at[client.replica_id] = time.monotonic()
@@ -121,8 +124,8 @@ class StagePool:
                 raise first
             raise StageStartupError(f"stage {self.stage_id} failed to start: {type(first).__name__}: {first}")
         ready = results[0]
-        assert not isinstance(ready, BaseException)  # failures were raised above
-        self.constraints = dict(ready.constraints)
+        assert not isinstance(ready, BaseException)  # a failure was raised above
+        self.constraints = ready.constraints
 
     def _new_client(self, replica_id: int, generation: int) -> StageClient:
         return self._backend.client(self.stage, replica_id, generation, self._on_message, self._on_dead)
@@ -340,21 +343,21 @@ class StagePool:
             results.append(RpcReplicaResult(stage_id=self.stage_id, replica_id=i, error="replica is not alive"))
         return sorted(results, key=lambda r: r.replica_id)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StageStatus:
         live = {c.replica_id for c in self.live}
-        states = [
+        states: list[ReplicaState] = [
             "live" if i in live else "restarting" if i in self._restarting else "dead"
             for i in range(len(self.replicas))
         ]
-        return {
-            "stage_id": self.stage_id,
-            "stage_type": self.stage.stage_type,
-            "replicas": len(self.replicas),
-            "live_replicas": len(live),
-            "replica_states": states,
-            "replica_nodes": [None if c is None else c.node for c in self.replicas],
-            "restarts": sum(self.restarts),
-            "unresponsive_kills": self.unresponsive_kills,
-            "inflight": sum(len(s) for s in self.inflight),
-            "per_replica_inflight": [len(s) for s in self.inflight],
-        }
+        return StageStatus(
+            stage_id=self.stage_id,
+            stage_type=self.stage.stage_type,
+            replicas=len(self.replicas),
+            live_replicas=len(live),
+            replica_states=states,
+            replica_nodes=[None if c is None else c.node for c in self.replicas],
+            restarts=sum(self.restarts),
+            unresponsive_kills=self.unresponsive_kills,
+            inflight=sum(len(s) for s in self.inflight),
+            per_replica_inflight=[len(s) for s in self.inflight],
+        )

@@ -37,6 +37,7 @@ from omni_runtime.messages import (
     ErrorInfo,
     Payload,
     StageAbort,
+    StageConstraints,
     StageOutput,
     StageOutputs,
     StagePing,
@@ -118,6 +119,7 @@ class StageWorker:
         """Load the model (in the forward thread) and start the executor's scheduling loop."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.forward_thread, self.runner.load)
+        constraints = self._constraints()  # before the loop starts: a bad one fails the load
         args = self.stage.engine_args
         if args.step_execution:
             reason = self.runner.step_support()
@@ -138,9 +140,19 @@ class StageWorker:
         self.scheduler.set_batch_cap(self.runner.max_batch_size)
         self._loop_task = asyncio.create_task(self.executor.run(), name=f"stage{self.stage_id}-loop")
         self._loop_task.add_done_callback(self._on_loop_done)
-        return StageReady(
-            stage_id=self.stage_id, replica_id=self.replica_id, pid=os.getpid(), constraints=self.runner.constraints()
-        )
+        return StageReady(stage_id=self.stage_id, replica_id=self.replica_id, pid=os.getpid(), constraints=constraints)
+
+    def _constraints(self) -> StageConstraints:
+        """The runner's constraints as the READY struct. A runner written against the older dict
+        form is converted, strictly: a field the struct lacks (a misspelt key) fails the load
+        instead of disabling a check in silence."""
+        found: Any = self.runner.constraints()
+        if isinstance(found, StageConstraints):
+            return found
+        try:
+            return msgspec.convert(found, StageConstraints)
+        except msgspec.ValidationError as e:
+            raise TypeError(f"{type(self.runner).__name__}.constraints(): {e}") from None
 
     async def close(self) -> None:
         self.closed = True

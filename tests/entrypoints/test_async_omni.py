@@ -48,7 +48,7 @@ async def in_stage(engine: AsyncOmni, n: int) -> None:
 
     def there() -> bool:
         health = engine.health()
-        return health.pending == n and health.stages[0]["inflight"] == n
+        return health.pending == n and health.stages[0].inflight == n
 
     await eventually(there, what=f"{n} request(s) in the stage")
 
@@ -121,7 +121,7 @@ async def test_sigkill_fails_in_flight_requests_fast_then_the_replica_restarts(e
     with pytest.raises(StageDeadError):
         await last(echo, "no one home")
     # The pool restarts the replica (backoff 0.5 s): wait for it, then serve again.
-    await eventually(lambda: echo.health().stages[0]["live_replicas"] == 1, what="the restart")
-    assert echo.health().stages[0]["restarts"] == 1
+    await eventually(lambda: echo.health().stages[0].live_replicas == 1, what="the restart")
+    assert echo.health().stages[0].restarts == 1
     assert await stage_pid(echo) != pid
     assert (await last(echo, "back")).text == "back"

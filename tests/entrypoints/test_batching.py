@@ -95,7 +95,7 @@ async def test_abort_mid_forward_releases_the_caller_at_once(engine):
     slow = asyncio.create_task(run(engine, "slow", seed=1, **steps))
     other = asyncio.create_task(run(engine, "other", seed=2, **steps))
     await eventually(  # both are in the same running forward by now
-        lambda: engine.health().stages[0]["inflight"] == 2, what="both requests in the stage"
+        lambda: engine.health().stages[0].inflight == 2, what="both requests in the stage"
     )
     await asyncio.sleep(0.2)  # a few steps into it
     first, second = list(engine.engine._pending)

@@ -117,7 +117,7 @@ async def test_load_spreads_over_replicas_and_rpc_reaches_each():
         assert len({s["pid"] for s in per_replica}) == 2
         # Least-loaded routing: with one request per forward, each replica takes half.
         assert [s["requests_served"] for s in per_replica] == [4, 4]
-        assert engine.engine.stage_status()[0]["per_replica_inflight"] == [0, 0]
+        assert engine.engine.stage_status()[0].per_replica_inflight == [0, 0]
 
 
 # --------------------------------------------------------------------------- abort and errors
@@ -242,7 +242,7 @@ async def test_a_crashed_stage_leaves_no_segments_and_its_successor_serves(no_le
         assert info.value.stage_id == 0
 
         async def restarted() -> bool:
-            return engine.engine.stage_status()[0]["live_replicas"] == 1
+            return engine.engine.stage_status()[0].live_replicas == 1
 
         await wait_for(restarted, timeout=10.0)
         assert not any(n.startswith(dead) for n in shm_segments())

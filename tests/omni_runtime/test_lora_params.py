@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from omni_runtime.config import parse_config
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
+from omni_runtime.messages import StageConstraints
 from omni_runtime.params import DiffusionSamplingParams, LoraRequest, check_constraints, resolve_params
 from tests.strategies import ANY_FLOAT, ANY_TEXT, JSON_VALUES
 
@@ -92,9 +93,9 @@ def test_hostile_values_are_refused_or_well_formed(lora: Any) -> None:
 
 
 def test_a_stage_must_say_it_takes_adapters() -> None:
-    check_constraints({"lora": {"name": "ink"}}, {"lora": True})
-    check_constraints({}, {})
-    for constraints in ({}, {"lora": False}):
+    check_constraints({"lora": {"name": "ink"}}, StageConstraints(lora=True))
+    check_constraints({}, StageConstraints())
+    for constraints in (StageConstraints(), StageConstraints(lora=False)):
         with pytest.raises(InvalidRequestError, match="does not take LoRA") as info:
             check_constraints({"lora": {"name": "ink"}}, constraints)
         assert info.value.param == "lora"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.messages import StageConstraints
 from omni_runtime.params import (
     DiffusionSamplingParams,
     GenericSamplingParams,
@@ -61,16 +62,16 @@ def test_wrong_params_class_and_type():
 
 
 def test_model_constraints():
-    check_constraints({"height": 64, "width": 48}, {"size_multiple": 8, "max_pixels": 64 * 64})
+    check_constraints({"height": 64, "width": 48}, StageConstraints(size_multiple=8, max_pixels=64 * 64))
     with pytest.raises(InvalidRequestError, match="`width`: 60 is not a multiple of 8") as info:
-        check_constraints({"height": 64, "width": 60}, {"size_multiple": 8})
+        check_constraints({"height": 64, "width": 60}, StageConstraints(size_multiple=8))
     assert info.value.param == "width"
     with pytest.raises(InvalidRequestError, match="exceeds"):
-        check_constraints({"height": 128, "width": 128}, {"max_pixels": 64 * 64})
+        check_constraints({"height": 128, "width": 128}, StageConstraints(max_pixels=64 * 64))
     why = "the VAE scale factor 2 x the SD3Transformer2DModel patch size 2"
     with pytest.raises(InvalidRequestError, match=r"60 is not a multiple of 8 \(the VAE scale factor 2 x the SD3"):
-        check_constraints({"height": 60}, {"size_multiple": 8, "size_multiple_reason": why})
+        check_constraints({"height": 60}, StageConstraints(size_multiple=8, size_multiple_reason=why))
     with pytest.raises(
         InvalidRequestError, match=r"16384 pixels \(engine_args.max_pixels; the model was made for 64x64\)"
     ):
-        check_constraints({"height": 1024, "width": 1024}, {"max_pixels": 16384, "native_size": [64, 64]})
+        check_constraints({"height": 1024, "width": 1024}, StageConstraints(max_pixels=16384, native_size=(64, 64)))

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.messages import StageConstraints
 from omni_runtime.params import (
     MAX_IMAGE_PIXELS,
     DiffusionSamplingParams,
@@ -105,22 +106,24 @@ def test_a_default_strength_needs_no_image():
 
 
 def test_stage_capabilities():
-    text_only = {"size_multiple": 8, "image_inputs": [], "image_inputs_note": "no img2img: PixArt has none"}
+    text_only = StageConstraints(size_multiple=8, image_inputs=(), image_inputs_note="no img2img: PixArt has none")
     with pytest.raises(InvalidRequestError, match="does not take `image` \\(no img2img: PixArt has none\\)") as info:
         check_constraints(resolve(image=IMAGE), text_only)
     assert info.value.param == "image"
     check_constraints(resolve(seed=1), text_only)
-    img2img = {"image_inputs": ["image"]}
+    img2img = StageConstraints(image_inputs=("image",))
     check_constraints(resolve(image=IMAGE), img2img)
     with pytest.raises(InvalidRequestError) as info:
         check_constraints(resolve(image=IMAGE, mask_image=np.zeros((32, 48), np.uint8)), img2img)
     assert info.value.param == "mask_image"
     # A stage that only edits images needs one.
     with pytest.raises(InvalidRequestError, match="needs an input image") as info:
-        check_constraints(resolve(seed=1), {"image_inputs": ["image"], "requires_image": "X needs an input image"})
+        check_constraints(
+            resolve(seed=1), StageConstraints(image_inputs=("image",), requires_image="X needs an input image")
+        )
     assert info.value.param == "image"
     # At least one denoising step, with the pipeline's default strength where the request has none.
-    steps = {"image_inputs": ["image"], "default_strength": {"image": 0.8}}
+    steps = StageConstraints(image_inputs=("image",), default_strength={"image": 0.8})
     with pytest.raises(InvalidRequestError, match="leaves no denoising step") as info:
         check_constraints(resolve(image=IMAGE, num_inference_steps=1), steps)
     assert info.value.param == "strength"
@@ -130,10 +133,10 @@ def test_stage_capabilities():
     # Size errors of an image request name the image.
     odd = np.zeros((36, 48, 3), np.uint8)
     with pytest.raises(InvalidRequestError, match="input image's height 36 is not a multiple of 8") as info:
-        check_constraints(resolve(image=odd), {"size_multiple": 8, "image_inputs": ["image"]})
+        check_constraints(resolve(image=odd), StageConstraints(size_multiple=8, image_inputs=("image",)))
     assert info.value.param == "image"
     with pytest.raises(InvalidRequestError, match="limit of 1024 pixels") as info:
-        check_constraints(resolve(image=IMAGE), {"max_pixels": 1024, "image_inputs": ["image"]})
+        check_constraints(resolve(image=IMAGE), StageConstraints(max_pixels=1024, image_inputs=("image",)))
     assert info.value.param == "image"
 
 
@@ -175,7 +178,7 @@ def test_a_surrogate_key_in_a_nested_param_is_a_clear_error():
     found by the LoRA params' hypothesis test once both branches met."""
     with pytest.raises(InvalidRequestError, match="cannot be encoded as UTF-8") as info:
         resolve_params(DiffusionSamplingParams, {}, {"lora": {"\ud800": None}})
-    assert info.value.param == "lora"
+    assert info.value.param == "lora.\\ud800"  # the path to the key, the key escaped
 
 
 #: In a fresh interpreter: the peak RSS (ru_maxrss, KiB) before and after a 30000x30000 image is

@@ -14,6 +14,7 @@ from omni_runtime.messages import (
     ErrorInfo,
     Payload,
     StageAbort,
+    StageConstraints,
     StageOutput,
     StageReady,
     StageRequest,
@@ -54,7 +55,12 @@ def test_inbound_messages_roundtrip(msg):
 @pytest.mark.parametrize(
     "msg",
     [
-        StageReady(stage_id=1, replica_id=0, pid=42, constraints={"size_multiple": 8}),
+        StageReady(
+            stage_id=1,
+            replica_id=0,
+            pid=42,
+            constraints=StageConstraints(size_multiple=8, native_size=(64, 64), default_strength={"image": 0.8}),
+        ),
         StageOutput(
             request_id="r",
             error=ErrorInfo(type="StageExecutionError", message="boom", stage_id=1),

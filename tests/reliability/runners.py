@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.messages import StageConstraints
 from omni_runtime.params import DiffusionSamplingParams, GenericSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
 from omni_runtime.stage.runners.echo import EchoRunner
@@ -59,8 +60,8 @@ class TinyImageRunner(StageRunner):
 
     params_cls = DiffusionSamplingParams
 
-    def constraints(self) -> dict[str, Any]:
-        return {"size_multiple": 8, "max_pixels": self.stage.engine_args.max_pixels}
+    def constraints(self) -> StageConstraints:
+        return StageConstraints(size_multiple=8, max_pixels=self.stage.engine_args.max_pixels)
 
     def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
         deadline = time.monotonic() + float(self.stage.runner_args.get("delay_ms", 0)) / 1000.0

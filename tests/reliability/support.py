@@ -8,6 +8,7 @@ import os
 import psutil
 
 from omni_runtime import AsyncOmni
+from omni_runtime.engine.status import StageStatus
 from tests.conftest import echo_stage, eventually, make_config  # noqa: F401 - eventually: re-exported
 
 FAULTS = "tests.reliability.runners:FaultRunner"
@@ -49,7 +50,7 @@ async def stats(engine: AsyncOmni, stage_id: int = 0) -> dict[int, dict]:
     return {r.replica_id: r.result for r in results if r.ok}
 
 
-def status(engine: AsyncOmni, stage_id: int = 0) -> dict:
+def status(engine: AsyncOmni, stage_id: int = 0) -> StageStatus:
     return engine.engine.stage_status()[stage_id]
 
 

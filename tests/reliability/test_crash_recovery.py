@@ -32,7 +32,7 @@ async def test_sigkill_mid_fused_batch_fails_it_fast_and_the_replica_returns(no_
         [pid] = (await pids(engine)).values()
         tasks = [asyncio.create_task(last(engine, f"fused-{i}", SLOW)) for i in range(8)]
         await eventually(lambda: runs(engine, 8), what="one fused wave of 8")
-        assert status(engine)["inflight"] == 8
+        assert status(engine).inflight == 8
 
         start_kill = time.monotonic()
         os.kill(pid, signal.SIGKILL)
@@ -43,14 +43,14 @@ async def test_sigkill_mid_fused_batch_fails_it_fast_and_the_replica_returns(no_
 
         # During the backoff: no live replica, one restart under way, nothing held.
         s = status(engine)
-        assert (s["live_replicas"], s["restarts"], s["inflight"]) == (0, 1, 0)
+        assert (s.live_replicas, s.restarts, s.inflight) == (0, 1, 0)
         t = time.monotonic()
         with pytest.raises(StageDeadError):
             await last(engine, "while down")
         assert time.monotonic() - t < 0.1
 
-        await eventually(lambda: status(engine)["live_replicas"] == 1, what="the restarted replica")
-        assert status(engine)["restarts"] == 1
+        await eventually(lambda: status(engine).live_replicas == 1, what="the restarted replica")
+        assert status(engine).restarts == 1
         assert list((await pids(engine)).values()) != [pid]
         assert (await last(engine, "back")).text == "back"
     finally:
@@ -84,9 +84,9 @@ async def test_a_runner_fault_kills_the_replica_and_the_pool_restarts_it(no_leak
             assert f"exited with code {exit_code}" in str(results[0])
         else:
             assert "worker loop died" in str(results[0])
-        assert status(engine)["restarts"] == 1
+        assert status(engine).restarts == 1
 
-        await eventually(lambda: status(engine)["live_replicas"] == 1, what="the restarted replica")
+        await eventually(lambda: status(engine).live_replicas == 1, what="the restarted replica")
         assert (await last(engine, "after")).text == "after"
     finally:
         await close(engine)
@@ -97,9 +97,9 @@ async def test_after_max_restarts_the_engine_is_dead_and_fails_fast(no_leaks):
     try:
         [pid] = (await pids(engine)).values()
         os.kill(pid, signal.SIGKILL)
-        await eventually(lambda: status(engine)["live_replicas"] == 0, what="the first death noticed")
-        assert status(engine)["restarts"] == 1
-        await eventually(lambda: status(engine)["live_replicas"] == 1, what="the first restart")
+        await eventually(lambda: status(engine).live_replicas == 0, what="the first death noticed")
+        assert status(engine).restarts == 1
+        await eventually(lambda: status(engine).live_replicas == 1, what="the first restart")
         assert engine.engine.dead is None
         [pid] = (await pids(engine)).values()
         deaths = []
@@ -108,7 +108,7 @@ async def test_after_max_restarts_the_engine_is_dead_and_fails_fast(no_leaks):
         # The second death is past the cap: no restart is left, so the engine is dead. The
         # request the replica held keeps its own cause; everything after gets EngineDeadError.
         task = asyncio.create_task(last(engine, "in flight", SLOW))
-        await eventually(lambda: status(engine)["inflight"] == 1, what="the request reaching the stage")
+        await eventually(lambda: status(engine).inflight == 1, what="the request reaching the stage")
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(StageDeadError, match="exited with code -9"):
             await asyncio.wait_for(task, 1.0)
@@ -117,7 +117,7 @@ async def test_after_max_restarts_the_engine_is_dead_and_fails_fast(no_leaks):
         # Longer than the next backoff (1 s) would have been: still dead, and it says so.
         await asyncio.sleep(1.5)
         s = status(engine)
-        assert (s["live_replicas"], s["restarts"], s["inflight"], s["replica_states"]) == (0, 1, 0, ["dead"])
+        assert (s.live_replicas, s.restarts, s.inflight, s.replica_states) == (0, 1, 0, ["dead"])
         for i in range(20):
             t = time.monotonic()
             with pytest.raises(EngineDeadError, match="stage 0 has no live replica"):
@@ -134,20 +134,20 @@ async def test_two_replicas_one_dies_the_other_keeps_serving(no_leaks):
     engine = start(fault_stage(replicas=2, max_restarts=1))
     try:
         before = await pids(engine)
-        assert len(before) == 2 and status(engine)["live_replicas"] == 2
+        assert len(before) == 2 and status(engine).live_replicas == 2
         # Least-loaded routing puts one on each replica (which one first rotates).
         doomed = asyncio.create_task(last(engine, "first", {"delay_ms": 400}))
-        await eventually(lambda: sum(status(engine)["per_replica_inflight"]) == 1, what="the first routed")
-        d = status(engine)["per_replica_inflight"].index(1)  # the replica that will die
+        await eventually(lambda: sum(status(engine).per_replica_inflight) == 1, what="the first routed")
+        d = status(engine).per_replica_inflight.index(1)  # the replica that will die
         k = 1 - d  # the one that keeps serving
         survivor = asyncio.create_task(last(engine, "second", {"delay_ms": 400}))
-        await eventually(lambda: status(engine)["per_replica_inflight"] == [1, 1], what="one on each replica")
+        await eventually(lambda: status(engine).per_replica_inflight == [1, 1], what="one on each replica")
 
         os.kill(before[d], signal.SIGKILL)
         with pytest.raises(StageDeadError):
             await asyncio.wait_for(doomed, 1.0)
         s = status(engine)
-        assert (s["live_replicas"], s["restarts"], s["per_replica_inflight"][k]) == (1, 1, 1)
+        assert (s.live_replicas, s.restarts, s.per_replica_inflight[k]) == (1, 1, 1)
 
         # While the dead replica is down, the other finishes what it held and serves new requests.
         out = await asyncio.wait_for(survivor, 2.0)
@@ -155,12 +155,12 @@ async def test_two_replicas_one_dies_the_other_keeps_serving(no_leaks):
         served = await asyncio.gather(*(last(engine, f"meanwhile-{i}") for i in range(10)))
         assert [o.text for o in served] == [f"meanwhile-{i}" for i in range(10)]
         assert {o.metrics["replica_id"] for o in served} == {k}
-        assert status(engine)["live_replicas"] == 1, "the dead replica came back too soon to prove anything"
+        assert status(engine).live_replicas == 1, "the dead replica came back too soon to prove anything"
 
-        await eventually(lambda: status(engine)["live_replicas"] == 2, what="the dead replica back")
+        await eventually(lambda: status(engine).live_replicas == 2, what="the dead replica back")
         after = await pids(engine)
         assert after[k] == before[k] and after[d] != before[d]
-        assert status(engine)["restarts"] == 1
+        assert status(engine).restarts == 1
         outs = await asyncio.gather(*(last(engine, f"both-{i}", {"delay_ms": 50}) for i in range(8)))
         assert {o.metrics["replica_id"] for o in outs} == {0, 1}
     finally:

@@ -40,8 +40,8 @@ async def test_a_stopped_replica_is_killed_its_requests_fail_and_it_returns(no_l
         assert all(isinstance(r, StageDeadError) for r in results), results
         assert "answered no heartbeat" in str(results[0]) and 0.9 < waited < 5
         s = status(engine)
-        assert s["unresponsive_kills"] == 1 and s["restarts"] == 1
-        await eventually(lambda: status(engine)["live_replicas"] == 1, what="the restart")
+        assert s.unresponsive_kills == 1 and s.restarts == 1
+        await eventually(lambda: status(engine).live_replicas == 1, what="the restart")
         out = await last(engine, "after")
         assert out.text == "after"
         [new_pid] = (await pids(engine)).values()
@@ -55,9 +55,9 @@ async def test_status_shows_a_stopped_replica_as_not_live_before_its_restart(no_
     try:
         [pid] = (await pids(engine)).values()
         os.kill(pid, signal.SIGSTOP)
-        await eventually(lambda: status(engine)["live_replicas"] == 0, timeout=5, what="the kill")
-        assert status(engine)["replica_states"] == ["restarting"]
-        await eventually(lambda: status(engine)["replica_states"] == ["live"], what="the restart")
+        await eventually(lambda: status(engine).live_replicas == 0, timeout=5, what="the kill")
+        assert status(engine).replica_states == ["restarting"]
+        await eventually(lambda: status(engine).replica_states == ["live"], what="the restart")
     finally:
         await close(engine)
 
@@ -71,8 +71,8 @@ async def test_a_forward_stuck_in_native_code_is_killed_and_the_replica_restarte
             await asyncio.wait_for(last(engine, "wedge"), 10)
         assert time.monotonic() - start_t < 5
         # While wedged, pings were answered (its loop is fine): it is the stall that counted.
-        assert status(engine)["unresponsive_kills"] == 1
-        await eventually(lambda: status(engine)["live_replicas"] == 1, what="the restart")
+        assert status(engine).unresponsive_kills == 1
+        await eventually(lambda: status(engine).live_replicas == 1, what="the restart")
         assert (await last(engine, "fine")).text == "fine"
         assert pid not in (await pids(engine)).values()
     finally:
@@ -85,6 +85,6 @@ async def test_a_forward_that_steps_is_not_a_stall(no_leaks):
     try:
         with pytest.raises(Exception, match="deadline"):
             await last(engine, "hang", {"timeout": 2.5})
-        assert status(engine)["unresponsive_kills"] == 0 and status(engine)["restarts"] == 0
+        assert status(engine).unresponsive_kills == 0 and status(engine).restarts == 0
     finally:
         await close(engine)

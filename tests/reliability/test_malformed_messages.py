@@ -254,7 +254,7 @@ async def test_foreign_messages_on_the_engine_sockets_are_dropped(engine, caplog
 
     assert await pids(engine) == before
     s = status(engine)
-    assert (s["live_replicas"], s["restarts"], s["inflight"]) == (1, 0, 0)
+    assert (s.live_replicas, s.restarts, s.inflight) == (1, 0, 0)
     dropped = [r for r in caplog.records if "dropped" in r.getMessage()]
     assert len(dropped) >= len(messages) - 3  # replies and outputs for nobody are ignored silently
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -72,7 +72,7 @@ async def test_overload_refuses_at_once_serves_the_rest_and_memory_stays_flat(en
     assert outcomes["served"] >= MAX_PENDING and outcomes["refused"] >= OFFERED // 2, outcomes
     assert max(refusals) < 0.05, f"a refusal took {max(refusals) * 1000:.1f} ms"
     assert peak <= MAX_PENDING
-    assert engine.engine.num_pending == 0 and status(engine)["inflight"] == 0
+    assert engine.engine.num_pending == 0 and status(engine).inflight == 0
 
     rss_end = tree_rss()
     assert rss_end <= rss_start * 1.10, f"process tree RSS {rss_start / 2**20:.0f} -> {rss_end / 2**20:.0f} MiB"

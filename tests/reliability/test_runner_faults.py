@@ -54,7 +54,7 @@ async def test_one_poisoned_prompt_in_a_fused_batch_fails_alone(one):
     assert after["waves"] - before["waves"] == 1
     assert after["requests_served"] - before["requests_served"] == 7
     assert after["requests_failed"] - before["requests_failed"] == 1
-    assert status(one)["restarts"] == 0
+    assert status(one).restarts == 0
 
 
 async def test_a_hanging_forward_times_out_and_the_worker_keeps_answering(one):
@@ -62,7 +62,7 @@ async def test_a_hanging_forward_times_out_and_the_worker_keeps_answering(one):
     start_hang = time.monotonic()
     hang = asyncio.create_task(last(one, "hang", {"timeout": 1.5}))
     # Requests that arrive behind the hung wave wait for it, with their own (longer) deadlines.
-    await eventually(lambda: status(one)["inflight"] == 1, what="the hang reaching the stage")
+    await eventually(lambda: status(one).inflight == 1, what="the hang reaching the stage")
 
     async def hang_running() -> bool:
         # Past its admission hold: requests sent now queue behind the wave instead of joining it.
@@ -91,14 +91,14 @@ async def test_a_hanging_forward_times_out_and_the_worker_keeps_answering(one):
     assert time.monotonic() - t < 0.5
     s = (await stats(one))[0]
     assert (s["running"], s["queue_len"]) == (0, 0)
-    assert await pids(one) == {0: pid} and status(one)["restarts"] == 0
+    assert await pids(one) == {0: pid} and status(one).restarts == 0
 
 
 async def test_a_hanging_replica_does_not_stop_the_other_one(two):
     before = await pids(two)
     hang = asyncio.create_task(last(two, "hang", {"timeout": 2.0}))
-    await eventually(lambda: sum(status(two)["per_replica_inflight"]) == 1, what="the hang routed")
-    other = 1 - status(two)["per_replica_inflight"].index(1)
+    await eventually(lambda: sum(status(two).per_replica_inflight) == 1, what="the hang routed")
+    other = 1 - status(two).per_replica_inflight.index(1)
     for i in range(10):
         t = time.monotonic()
         out = await last(two, f"served-{i}")
@@ -109,7 +109,7 @@ async def test_a_hanging_replica_does_not_stop_the_other_one(two):
     assert not hang.done()
     with pytest.raises(RequestTimeoutError):
         await hang
-    await eventually(lambda: status(two)["inflight"] == 0, what="the hang released")
+    await eventually(lambda: status(two).inflight == 0, what="the hang released")
     outs = await asyncio.gather(*(last(two, f"after-{i}", {"delay_ms": 50}) for i in range(4)))
     assert {o.metrics["replica_id"] for o in outs} == {0, 1}
     assert await pids(two) == before

@@ -24,11 +24,11 @@ async def test_close_with_requests_in_flight_ends_each_with_engine_closed(no_lea
         # 8 running in two fused waves of 30 s, 12 queued behind them, a control call stuck behind
         # a forward thread (runner control calls run there), and the caller's loop idle.
         running = [asyncio.create_task(last(engine, f"run-{i}", {"delay_ms": 30_000})) for i in range(8)]
-        await eventually(lambda: status(engine)["inflight"] == 8, what="8 requests in the stages")
+        await eventually(lambda: status(engine).inflight == 8, what="8 requests in the stages")
         await eventually(lambda: runs(engine, 8), what="8 requests running in two waves")
         queued = [asyncio.create_task(last(engine, f"queued-{i}", {"delay_ms": 10})) for i in range(12)]
         rpc = asyncio.create_task(engine.collective_rpc("slow", args=[0.01]))
-        await eventually(lambda: status(engine)["inflight"] == 20, what="20 requests in the stages")
+        await eventually(lambda: status(engine).inflight == 20, what="20 requests in the stages")
 
         start_close = time.monotonic()
         if closer == "executor":

@@ -142,7 +142,7 @@ async def assert_nothing_left(engine) -> None:
     """Nothing queued, running or routed anywhere once every caller has its answer."""
     assert engine.engine.num_pending == 0
     orchestrator = engine.engine._orchestrator
-    await eventually(lambda: not orchestrator._requests and status(engine)["inflight"] == 0, what="engine drained")
+    await eventually(lambda: not orchestrator._requests and status(engine).inflight == 0, what="engine drained")
     s = (await stats(engine))[0]
     assert (s["running"], s["queue_len"]) == (0, 0), s
 

@@ -56,7 +56,7 @@ async def test_requests_pending_when_the_orchestrator_dies_fail_at_once(no_leaks
         slow, deadline = [{"delay_ms": 3000}, None, None], [{"delay_ms": 3000, "timeout": 2}, None, None]
         waiting = [asyncio.create_task(last(engine, f"slow {i}", slow)) for i in range(3)]
         timed = asyncio.create_task(last(engine, "with a deadline", deadline))
-        await eventually(lambda: status(engine)["inflight"] == 4, what="the requests reaching stage 0")
+        await eventually(lambda: status(engine).inflight == 4, what="the requests reaching stage 0")
         start_t = time.monotonic()
         with pytest.raises(EngineDeadError, match="orchestrator thread died"):
             await asyncio.wait_for(last(engine, "die now"), 5)
@@ -66,7 +66,7 @@ async def test_requests_pending_when_the_orchestrator_dies_fail_at_once(no_leaks
         await eventually(lambda: deaths, what="the on_dead callback")
         assert not engine.engine.is_running and engine.engine.num_pending == 0
         await eventually(
-            lambda: all(s["inflight"] == 0 for s in engine.engine.stage_status().values()), what="stages emptied"
+            lambda: all(s.inflight == 0 for s in engine.engine.stage_status().values()), what="stages emptied"
         )  # /readyz says so too
         with pytest.raises(EngineDeadError):
             await last(engine, "after")
@@ -117,7 +117,7 @@ async def test_closing_during_a_restart_leaves_no_process(no_leaks, tmp_path):
             return len(now) == 1 and pid not in now
 
         await eventually(restarting, what="the restart's process")
-        assert status(engine)["replica_states"] == ["restarting"]
+        assert status(engine).replica_states == ["restarting"]
     finally:
         await close(engine)  # cancels the restart in the middle of its load
 
@@ -149,7 +149,7 @@ async def test_a_stage_side_queue_full_is_a_queue_full_error_not_a_hang(typed):
     refused = [r for r in results if isinstance(r, QueueFullError)]
     assert refused and all(isinstance(r, QueueFullError) or r.text for r in results)
     assert refused[0].stage_id == 0
-    assert typed.engine.num_pending == 0 and status(typed)["inflight"] == 0
+    assert typed.engine.num_pending == 0 and status(typed).inflight == 0
 
 
 async def test_a_typed_error_raised_by_a_runner_keeps_its_type(typed):

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from omni_runtime.config import StageConfig
+from omni_runtime.messages import StageConstraints
 from omni_runtime.params import GenericSamplingParams
 from omni_runtime.stage.runners.stage_types import stage_type as builtin_stage_type
 
@@ -112,9 +113,9 @@ class StageRunner(ABC):
     def load(self) -> None:  # noqa: B027 - optional hook
         """Load the model (called once in the worker before READY)."""
 
-    def constraints(self) -> dict[str, Any]:
-        """Checks the caller must make before enqueue (``size_multiple``, ``max_pixels``)."""
-        return {}
+    def constraints(self) -> StageConstraints:
+        """Checks the caller must make before enqueue (``size_multiple``, ``max_pixels``...)."""
+        return StageConstraints()
 
     def batch_key(self, request: RunnerRequest) -> Hashable:
         """Requests with equal keys may run in one ``execute()``. The default fuses everything."""

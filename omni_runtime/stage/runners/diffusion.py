@@ -24,11 +24,13 @@ import time
 from collections.abc import Hashable, Iterator
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
 from omni_runtime.config import EngineArgs, StageConfig, TorchCompile
 from omni_runtime.exceptions import RequestAbortedError, RequestError, StageAsleepError
+from omni_runtime.messages import StageConstraints
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.models.families import DEFAULT_FIXED_KWARGS, CallbackStyle, for_pipeline, import_family_modules
 from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
@@ -118,7 +120,7 @@ class DiffusionRunner(StageRunner):
         self._size_multiple = 8
         self._size_reason = "the VAE scale factor"
         self._scheduler_name = ""
-        self._step_limits: dict[str, Any] = {}
+        self._step_limits = StageConstraints()
         self._fixed_kwargs: dict[str, Any] = {}
         #: The loaded family's callback style; None: a pipeline of no registered family, read per
         #: form from its signature (:func:`callback_style`).
@@ -166,7 +168,7 @@ class DiffusionRunner(StageRunner):
         self._scheduler_name = type(pipe.scheduler).__name__ if hasattr(pipe, "scheduler") else ""
         # What num_inference_steps the scheduler really runs (DDIM / PNDM: 999 of the 1,000 that
         # requests may ask for), reported at READY so a request past it is a 400, not a 500.
-        self._step_limits = step_constraints(pipe.scheduler) if hasattr(pipe, "scheduler") else {}
+        self._step_limits = step_constraints(pipe.scheduler) if hasattr(pipe, "scheduler") else StageConstraints()
         self._fixed_kwargs = dict(spec.fixed_kwargs if spec is not None else DEFAULT_FIXED_KWARGS)
         self._callback = spec.callback if spec is not None else None
 
@@ -238,28 +240,31 @@ class DiffusionRunner(StageRunner):
 
     # ------------------------------------------------------------------ scheduling
 
-    def constraints(self) -> dict[str, Any]:
-        out = {
-            "size_multiple": self._size_multiple,
-            "size_multiple_reason": self._size_reason,
-            "max_pixels": self.max_pixels(),
-            "native_size": list(self._native_size) if all(self._native_size) else None,
-            "lora": self.loras.supported,
-            **self._step_limits,
-        }
-        if self._forms is not None:
-            out.update(self._forms.constraints())
-            if self.stage.engine_args.step_execution and self._step_reason is None and out.get("image_inputs"):
-                # The worker runs every request of this stage in the step loop: what it cannot run
-                # (inpainting; img2img outside the SD family) is refused before it is queued.
-                family = self._step_family
-                takes = family is not None and family.takes_images and family.image_pipe is not None
-                out["image_inputs"] = ["image"] if takes else []
-                out["image_inputs_note"] = (
-                    "this stage runs with engine_args.step_execution, whose step loop runs "
-                    + ("img2img but not inpainting" if takes else "no image inputs for this pipeline")
-                    + "; serve them from a stage without step_execution"
-                )
+    def constraints(self) -> StageConstraints:
+        steps, (height, width) = self._step_limits, self._native_size
+        out = msgspec.structs.replace(
+            self._forms.constraints() if self._forms is not None else StageConstraints(),
+            size_multiple=self._size_multiple,
+            size_multiple_reason=self._size_reason,
+            max_pixels=self.max_pixels(),
+            native_size=(height, width) if height and width else None,
+            lora=self.loras.supported,
+            min_inference_steps=steps.min_inference_steps,
+            max_inference_steps=steps.max_inference_steps,
+            inference_steps_reason=steps.inference_steps_reason,
+        )
+        if self.stage.engine_args.step_execution and self._step_reason is None and out.image_inputs:
+            # The worker runs every request of this stage in the step loop: what it cannot run
+            # (inpainting; img2img outside the SD family) is refused before it is queued.
+            family = self._step_family
+            takes = family is not None and family.takes_images and family.image_pipe is not None
+            out = msgspec.structs.replace(
+                out,
+                image_inputs=("image",) if takes else (),
+                image_inputs_note="this stage runs with engine_args.step_execution, whose step loop runs "
+                + ("img2img but not inpainting" if takes else "no image inputs for this pipeline")
+                + "; serve them from a stage without step_execution",
+            )
         return out
 
     def max_pixels(self) -> int:

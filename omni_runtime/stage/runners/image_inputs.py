@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from omni_runtime.exceptions import ConfigError
+from omni_runtime.messages import StageConstraints
 from omni_runtime.stage.runners.base import RunnerRequest
 from omni_runtime.stage.runners.sizes import denoiser
 
@@ -167,26 +168,26 @@ class PipelineForms:
             raise ValueError(f"this model has no {kind} pipeline: {self.missing.get(kind, 'unknown')}")
         return found
 
-    def constraints(self) -> dict[str, Any]:
-        """What the caller checks before enqueue (see ``params.check_image_capability``)."""
+    def constraints(self) -> StageConstraints:
+        """What the caller checks before enqueue (see ``params.check_image_capability``): the
+        image fields of the stage's constraints, the others left unset."""
         accepted = [name for name, kind in (("image", IMAGE), ("mask_image", INPAINT)) if kind in self.forms]
         if INPAINT in self.forms and "image" not in accepted:
             accepted.insert(0, "image")
-        out: dict[str, Any] = {"image_inputs": accepted}
         # The pipelines' own default strengths, so the caller can check that a request runs at
         # least one denoising step (num_inference_steps x strength >= 1).
         strengths = {k: f.default("strength") for k, f in self.forms.items() if k != TEXT}
-        out["default_strength"] = {k: v for k, v in strengths.items() if isinstance(v, int | float)}
         notes = [
             f"no {'img2img' if k == IMAGE else k}: {self.missing[k]}" for k in (IMAGE, INPAINT) if k in self.missing
         ]
-        if notes:
-            out["image_inputs_note"] = "; ".join(notes)
-        if TEXT not in self.forms:
-            out["requires_image"] = (
-                f"{self.loaded_name} edits images: it needs an input image ({self.missing.get(TEXT, 'no text form')})"
-            )
-        return out
+        return StageConstraints(
+            image_inputs=tuple(accepted),
+            default_strength={k: float(v) for k, v in strengths.items() if isinstance(v, int | float)},
+            image_inputs_note="; ".join(notes) if notes else None,
+            requires_image=None
+            if TEXT in self.forms
+            else f"{self.loaded_name} edits images: it needs an input image ({self.missing.get(TEXT, 'no text form')})",
+        )
 
     def key(self, params: dict[str, Any]) -> Hashable:
         """The image part of the batch key: the form, the input's shape, mask presence and the

@@ -18,6 +18,8 @@ import copy
 import logging
 from typing import Any
 
+from omni_runtime.messages import StageConstraints
+
 #: The largest ``num_inference_steps`` any request may ask for (``DiffusionSamplingParams``).
 MAX_STEPS = 1000
 #: The smallest step counts tried when 1 step fails (PNDM's warm-up needs 4).
@@ -71,12 +73,12 @@ def step_range(scheduler: Any, upper: int = MAX_STEPS) -> tuple[int, int] | None
         quiet.setLevel(level)
 
 
-def step_constraints(scheduler: Any) -> dict[str, Any]:
+def step_constraints(scheduler: Any) -> StageConstraints:
     """The READY constraints for :func:`~omni_runtime.params.check_constraints`: the step counts
     ``scheduler`` runs, and a description of it for the error (nothing when no range was found)."""
     found = step_range(scheduler)
     if found is None:
-        return {}
+        return StageConstraints()
     trained = scheduler.config.get("num_train_timesteps")
     reason = type(scheduler).__name__ + (f" ({trained} training timesteps)" if trained else "")
-    return {"min_inference_steps": found[0], "max_inference_steps": found[1], "inference_steps_reason": reason}
+    return StageConstraints(min_inference_steps=found[0], max_inference_steps=found[1], inference_steps_reason=reason)

@@ -6,6 +6,8 @@ from omni_runtime.entrypoints.async_omni import EngineHealth
 from omni_runtime.entrypoints.openai.metrics import ServerMetrics
 from prometheus_client.parser import text_string_to_metric_families
 
+from omni_runtime.engine.status import StageStatus
+
 
 def samples(health: EngineHealth) -> dict[tuple[str, tuple], float]:
     text = ServerMetrics(lambda: health).render().decode()
@@ -17,20 +19,31 @@ def samples(health: EngineHealth) -> dict[tuple[str, tuple], float]:
 
 
 def test_replicas_are_counted_per_node_and_the_dead_engine_shows():
-    stage = {
-        "stage_id": 0,
-        "replicas": 3,
-        "live_replicas": 2,
-        "replica_states": ["live", "restarting", "live"],
-        "replica_nodes": ["node-a", "node-b", "node-b"],
-        "restarts": 1,
-        "unresponsive_kills": 1,
-        "inflight": 4,
-    }
-    got = samples(EngineHealth("ok", None, 4, 16, [stage], []))
+    stage = StageStatus(
+        stage_id=0,
+        stage_type="echo",
+        replicas=3,
+        live_replicas=2,
+        replica_states=["live", "restarting", "live"],
+        replica_nodes=["node-a", "node-b", "node-b"],
+        restarts=1,
+        unresponsive_kills=1,
+        inflight=4,
+        per_replica_inflight=[2, 0, 2],
+    )
+    got = samples(EngineHealth(status="ok", reason=None, pending=4, max_pending=16, stages=[stage], dead_stages=[]))
     assert got[("omni_stage_replicas_by_node", (("node", "node-a"), ("stage", "0")))] == 1
     assert got[("omni_stage_replicas_by_node", (("node", "node-b"), ("stage", "0")))] == 1  # one restarting
     assert got[("omni_stage_unresponsive_kills_total", (("stage", "0"),))] == 1
     assert got[("omni_engine_dead", ())] == 0 and got[("omni_engine_running", ())] == 1
-    dead = samples(EngineHealth("dead", "stage 0 has no live replica", 0, 16, [stage], [0]))
+    dead = samples(
+        EngineHealth(
+            status="dead",
+            reason="stage 0 has no live replica",
+            pending=0,
+            max_pending=16,
+            stages=[stage],
+            dead_stages=[0],
+        )
+    )
     assert dead[("omni_engine_dead", ())] == 1 and dead[("omni_engine_running", ())] == 0

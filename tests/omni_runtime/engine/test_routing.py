@@ -175,7 +175,7 @@ async def test_a_request_flows_down_the_graph_and_is_delivered_once():
         assert h.backend.settled[-1] == (rid, None)  # delivered to the caller: plain values
         await asyncio.sleep(0)
         h.nothing_more()
-        assert all(s["inflight"] == 0 for s in h.orch.status().values())
+        assert all(s.inflight == 0 for s in h.orch.status().values())
 
 
 async def test_fan_out_then_fan_in_waits_for_every_source_and_calls_the_input_function():

@@ -134,12 +134,12 @@ def test_loads_with_its_own_native_size_and_size_step(runner: DiffusionRunner, n
     assert type(denoiser(runner)).__name__ == facts.denoiser
     assert runner.max_batch_size is None  # every family takes prompt and generator lists
     constraints = runner.constraints()
-    assert constraints["size_multiple"] == facts.size_multiple
+    assert constraints.size_multiple == facts.size_multiple
     # The size limit follows the model (4 x its native area), and a wrong size is explained in its
     # terms: the patch size of a DiT, Flux's latent packing, Sana's 32x autoencoder.
-    assert constraints["native_size"] == [facts.native_size, facts.native_size]
-    assert constraints["max_pixels"] == 4 * facts.native_size**2
-    reason = constraints["size_multiple_reason"]
+    assert constraints.native_size == (facts.native_size, facts.native_size)
+    assert constraints.max_pixels == 4 * facts.native_size**2
+    reason = constraints.size_multiple_reason or ""
     assert reason.startswith("the VAE scale factor ")
     assert ("patch size 2" in reason) == (name in ("tiny-sd3", "tiny-pixart"))
     assert ("latent packing x2" in reason) == (name == "tiny-flux")

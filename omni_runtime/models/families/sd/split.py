@@ -30,8 +30,11 @@ import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import msgspec
+
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, StageAsleepError
+from omni_runtime.messages import StageConstraints
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
@@ -200,7 +203,7 @@ class SDDenoiseRunner(_SplitRunner):
         self._scale = 8
         self._native_size: tuple[int | None, int | None] = (None, None)
         self._call_defaults: dict[str, Any] = {}
-        self._step_limits: dict[str, Any] = {}
+        self._step_limits = StageConstraints()
 
     def _load_modules(self) -> None:
         from diffusers import StableDiffusionPipeline
@@ -232,10 +235,10 @@ class SDDenoiseRunner(_SplitRunner):
         self._step_limits = step_constraints(pipe.scheduler)
         self._pipe = pipe
 
-    def constraints(self) -> dict[str, Any]:
+    def constraints(self) -> StageConstraints:
         # The SD pipelines reject sizes that are not multiples of 8, whatever the VAE.
         limit = self.stage.engine_args.max_pixels or FALLBACK_MAX_PIXELS
-        return {"size_multiple": math.lcm(8, self._scale), "max_pixels": limit, **self._step_limits}
+        return msgspec.structs.replace(self._step_limits, size_multiple=math.lcm(8, self._scale), max_pixels=limit)
 
     def batch_key(self, request: RunnerRequest) -> Hashable:
         """Shape- and guidance-sensitive params, defaults resolved, and the embeddings' shape."""

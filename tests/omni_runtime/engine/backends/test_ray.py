@@ -65,7 +65,7 @@ async def test_tiny_sd_replicas_spread_over_two_nodes_batch_and_match_the_proces
     config = on_ray("tiny-sd", num_replicas=2, placement="spread", resources={"CPU": 1})
     async with AsyncOmni(config, request_batch_max_wait_ms=100) as engine:
         health = engine.health()
-        nodes = health.stages[0]["replica_nodes"]
+        nodes = health.stages[0].replica_nodes
         assert len(set(nodes)) == 2 and set(nodes) <= {n.node_id for n in ray_cluster.nodes.values()}
         prompts = [f"a red fox {i}" for i in range(6)]
         outs = await asyncio.gather(*(run(engine, p, {"seed": i}) for i, p in enumerate(prompts)))
@@ -86,7 +86,7 @@ async def test_deadlines_and_aborts_free_a_ray_replica(ray_cluster):
             await run(engine, "hang until the deadline", {"timeout": 0.5, "delay_ms": 1})
         assert time.monotonic() - start < 3
         task = asyncio.create_task(run(engine, "hang until aborted", {"delay_ms": 1}, request_id="stuck"))
-        await eventually(lambda: engine.health().stages[0]["inflight"] == 1, what="the request on the actor")
+        await eventually(lambda: engine.health().stages[0].inflight == 1, what="the request on the actor")
         engine.abort("stuck")
         with pytest.raises(RequestAbortedError):
             await task
@@ -96,7 +96,7 @@ async def test_deadlines_and_aborts_free_a_ray_replica(ray_cluster):
 
         await eventually(idle, what="the hung forwards stopped on the actor")
         assert (await run(engine, "served after")).text == "served after"
-        assert engine.health().stages[0]["restarts"] == 0
+        assert engine.health().stages[0].restarts == 0
 
 
 async def test_a_killed_actor_fails_its_wave_fast_and_is_restarted(ray_cluster):
@@ -105,16 +105,16 @@ async def test_a_killed_actor_fails_its_wave_fast_and_is_restarted(ray_cluster):
         [ping] = await engine.collective_rpc("ping", timeout=10)
         old_pid = ping.result["pid"]
         tasks = [asyncio.create_task(run(engine, f"w{i}", {"delay_ms": 5000})) for i in range(3)]
-        await eventually(lambda: engine.health().stages[0]["inflight"] == 3, what="the wave on the actor")
+        await eventually(lambda: engine.health().stages[0].inflight == 3, what="the wave on the actor")
         start = time.monotonic()
         os.kill(old_pid, signal.SIGKILL)
         results = await asyncio.gather(*tasks, return_exceptions=True)
         assert time.monotonic() - start < 2
         assert all(isinstance(r, StageDeadError) for r in results), results
-        await eventually(lambda: engine.health().stages[0]["live_replicas"] == 1, timeout=30, what="the restart")
+        await eventually(lambda: engine.health().stages[0].live_replicas == 1, timeout=30, what="the restart")
         assert (await run(engine, "back")).text == "back"
         [ping] = await engine.collective_rpc("ping", timeout=10)
-        assert ping.result["pid"] != old_pid and engine.health().stages[0]["restarts"] == 1
+        assert ping.result["pid"] != old_pid and engine.health().stages[0].restarts == 1
 
 
 async def test_replicas_of_a_lost_node_come_back_on_a_surviving_one(ray_cluster):
@@ -123,14 +123,14 @@ async def test_replicas_of_a_lost_node_come_back_on_a_surviving_one(ray_cluster)
     pair = [ray_cluster.add(name, num_cpus=1, resources={"movable": 1}) for name in ("c", "c2")]
     stage = echo_stage(runtime={**RAY, "num_replicas": 1, "resources": {"movable": 1}})
     async with AsyncOmni(make_config([stage])) as engine:
-        [host] = engine.health().stages[0]["replica_nodes"]
+        [host] = engine.health().stages[0].replica_nodes
         victim = next(n for n in pair if n.node_id == host)
         survivor = next(n for n in pair if n.node_id != host)
         ray_cluster.cluster.remove_node(victim, allow_graceful=False)
         await eventually(
             lambda: (
-                engine.health().stages[0]["live_replicas"] == 1
-                and engine.health().stages[0]["replica_nodes"] == [survivor.node_id]
+                engine.health().stages[0].live_replicas == 1
+                and engine.health().stages[0].replica_nodes == [survivor.node_id]
             ),
             timeout=60,
             what="the lost replica back on the other node",
@@ -159,7 +159,7 @@ async def test_a_text_stage_in_a_process_feeds_a_diffusion_stage_on_ray(ray_clus
     data["stage_args"][1]["runtime"] = {**data["stage_args"][1]["runtime"], **RAY, "resources": {"CPU": 1}}
     data["stage_args"][1]["runtime"].pop("process", None)
     async with AsyncOmni(make_config(data["stage_args"], model="mixed")) as engine:
-        nodes = [s["replica_nodes"] for s in engine.health().stages]
+        nodes = [s.replica_nodes for s in engine.health().stages]
         assert nodes[0] != nodes[1]  # a local process, and a Ray node
         out = await run(engine, "a small boat")
         # The text stage delivered (its sampled text may be empty: a random model can stop at once)
@@ -187,10 +187,10 @@ async def test_a_node_that_stops_answering_is_replaced_by_heartbeat_and_its_acto
     async with AsyncOmni(make_config([stage]), default_timeout=60) as engine:
         [ping] = await engine.collective_rpc("ping", timeout=10)
         orphan = psutil.Process(ping.result["pid"])
-        assert engine.health().stages[0]["replica_nodes"] == [lost.node_id]
+        assert engine.health().stages[0].replica_nodes == [lost.node_id]
         start = time.monotonic()
         lost.kill_raylet()
-        await eventually(lambda: engine.health().stages[0]["replica_states"] != ["live"], timeout=10, what="loss")
+        await eventually(lambda: engine.health().stages[0].replica_states != ["live"], timeout=10, what="loss")
         assert time.monotonic() - start < 6
         # Its replacement needs spare_d, which only the lost node had: it waits for capacity while
         # the orphan exits by itself (10 s without a word from the engine).

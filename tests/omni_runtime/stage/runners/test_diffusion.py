@@ -12,6 +12,7 @@ import torch
 
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import RequestAbortedError
+from omni_runtime.messages import StageConstraints
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 
@@ -59,19 +60,19 @@ def floats(out: RunnerOutput) -> np.ndarray:
 def test_load_facts(runner: DiffusionRunner) -> None:
     assert runner.max_batch_size is None  # StableDiffusion takes lists
     # tiny-sd's VAE scale is 2, but StableDiffusionPipeline itself insists on multiples of 8.
-    assert runner.constraints() == {
-        "size_multiple": 8,
-        "size_multiple_reason": "the VAE scale factor 2, and the pipeline takes multiples of 8 only",
-        "max_pixels": 4 * 64 * 64,  # 4 x the native 64 x 64
-        "native_size": [64, 64],
-        "image_inputs": ["image", "mask_image"],  # img2img and inpainting forms of the same model
-        "default_strength": {"image": 0.8, "inpaint": 1.0},
-        "lora": True,
+    assert runner.constraints() == StageConstraints(
+        size_multiple=8,
+        size_multiple_reason="the VAE scale factor 2, and the pipeline takes multiples of 8 only",
+        max_pixels=4 * 64 * 64,  # 4 x the native 64 x 64
+        native_size=(64, 64),
+        image_inputs=("image", "mask_image"),  # img2img and inpainting forms of the same model
+        default_strength={"image": 0.8, "inpaint": 1.0},
+        lora=True,
         # DDIM with steps_offset 1 indexes past its 1,000 training timesteps at 1,000 steps.
-        "min_inference_steps": 1,
-        "max_inference_steps": 999,
-        "inference_steps_reason": "DDIMScheduler (1000 training timesteps)",
-    }
+        min_inference_steps=1,
+        max_inference_steps=999,
+        inference_steps_reason="DDIMScheduler (1000 training timesteps)",
+    )
 
 
 def test_output_types_and_sizes(runner: DiffusionRunner) -> None:
@@ -205,7 +206,7 @@ def test_sleep_and_wake_up(runner: DiffusionRunner) -> None:
     before = floats(run(runner, req("a", seed=11, output_type="np"))[0])
     assert runner.sleep() == {"released": True}
     assert runner.pipe is None
-    assert runner.constraints()["size_multiple"] == 8  # still answerable while asleep
+    assert runner.constraints().size_multiple == 8  # still answerable while asleep
     assert runner.wake_up() == {"reloaded": True}
     assert runner.wake_up() == {"reloaded": False}
     after = floats(run(runner, req("b", seed=11, output_type="np"))[0])
@@ -232,7 +233,7 @@ def test_the_step_limit_it_reports_is_one_the_pipeline_runs(runner: DiffusionRun
     """The most steps reported at READY runs through the pipeline's own call (1,000, one more, was
     an IndexError in DDIM mid-denoise); the engine refuses more before the queue."""
     limits = runner.constraints()
-    assert (limits["min_inference_steps"], limits["max_inference_steps"]) == (1, 999)
-    steps = limits["max_inference_steps"]
+    assert (limits.min_inference_steps, limits.max_inference_steps) == (1, 999)
+    steps = limits.max_inference_steps
     (out,) = run(runner, req("most", num_inference_steps=steps, height=16, width=16, guidance_scale=0.0))
     assert out.error is None and out.images[0].shape == (16, 16, 3)

@@ -135,12 +135,12 @@ def test_forms_and_capabilities(runner: DiffusionRunner, name: str) -> None:
     # Shared components: no second copy of the weights.
     assert forms["image"].pipe.vae is runner.pipe.vae
     c = runner.constraints()
-    assert "requires_image" not in c
+    assert c.requires_image is None
     if inpaint:
-        assert type(forms["inpaint"].pipe).__name__ == inpaint and c["image_inputs"] == ["image", "mask_image"]
+        assert type(forms["inpaint"].pipe).__name__ == inpaint and c.image_inputs == ("image", "mask_image")
     else:
-        assert "inpaint" not in forms and c["image_inputs"] == ["image"]
-        assert "16 or 33 input channels" in c["image_inputs_note"]
+        assert "inpaint" not in forms and c.image_inputs == ("image",)
+        assert "16 or 33 input channels" in (c.image_inputs_note or "")
 
 
 def test_img2img_equals_diffusers_own_pipeline(runner: DiffusionRunner, name: str, cache: Path) -> None:
@@ -257,7 +257,7 @@ def test_an_img2img_model_directory_serves_images_and_text(cache: Path, tmp_path
 def test_text_only_families_refuse_images_before_the_queue(cache: Path) -> None:
     runner = make_runner("builtin:tiny-pixart")
     c = runner.constraints()
-    assert c["image_inputs"] == [] and "PixArtSigmaPipeline" in c["image_inputs_note"]
+    assert c.image_inputs == () and "PixArtSigmaPipeline" in (c.image_inputs_note or "")
     with pytest.raises(InvalidRequestError, match="does not take `image`") as info:
         check_constraints(req("tiny-pixart", "a", image=picture(1)).params, c)
     assert info.value.param == "image"
@@ -286,7 +286,7 @@ def test_step_execution_runs_sd_img2img_and_refuses_inpainting(cache: Path) -> N
     runner = DiffusionRunner(stage)
     runner.load()
     c = runner.constraints()
-    assert runner.step_support() is None and c["image_inputs"] == ["image"]
+    assert runner.step_support() is None and c.image_inputs == ("image",)
     with pytest.raises(InvalidRequestError, match="step_execution") as info:
         check_constraints(req("tiny-sd", "m", image=picture(1), mask_image=MASK).params, c)
     assert info.value.param == "mask_image"
@@ -339,7 +339,7 @@ def test_step_execution_refuses_images_where_the_loop_has_no_img2img(cache: Path
     runner = DiffusionRunner(stage)
     runner.load()
     c = runner.constraints()
-    assert runner.step_support() is None and c["image_inputs"] == []
+    assert runner.step_support() is None and c.image_inputs == ()
     with pytest.raises(InvalidRequestError, match="step_execution") as info:
         check_constraints(req("tiny-flux", "a", image=picture(1)).params, c)
     assert info.value.param == "image"
@@ -356,7 +356,7 @@ def test_a_flux_kontext_directory_edits_and_draws(cache: Path, tmp_path: Path) -
     runner = make_runner(str(tmp_path / "kontext"))
     forms = runner._forms.forms
     assert type(forms["text"].pipe).__name__ == type(forms["image"].pipe).__name__ == "FluxKontextPipeline"
-    assert runner.constraints()["image_inputs"] == ["image"]
+    assert runner.constraints().image_inputs == ("image",)
     image = picture(12)
     out = floats(run(runner, req("tiny-flux", "a", image=image, seed=4))[0])
     theirs = direct(

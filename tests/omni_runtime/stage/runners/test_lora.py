@@ -312,7 +312,7 @@ def test_hostile_control_calls_leave_the_runner_serving(runner: DiffusionRunner,
 
 
 def test_pipelines_without_a_lora_loader_are_told_apart(runner: DiffusionRunner) -> None:
-    assert supports_lora(runner.pipe) and runner.constraints()["lora"] is True
+    assert supports_lora(runner.pipe) and runner.constraints().lora is True
     assert not supports_lora(object())
 
 

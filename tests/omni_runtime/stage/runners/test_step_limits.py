@@ -13,6 +13,7 @@ from diffusers import (
 )
 
 from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.messages import StageConstraints
 from omni_runtime.params import check_constraints
 from omni_runtime.stage.runners.step_limits import _runs, step_constraints, step_range
 
@@ -45,7 +46,7 @@ def test_the_range_is_what_the_scheduler_runs(scheduler, expected):
 
 def test_a_count_past_the_range_is_refused_naming_the_param_and_the_limit():
     constraints = step_constraints(DDIMScheduler(**SD))
-    assert constraints["max_inference_steps"] == 999
+    assert constraints.max_inference_steps == 999
     check_constraints({"num_inference_steps": 999}, constraints)
     check_constraints({}, constraints)  # the pipeline's default
     with pytest.raises(InvalidRequestError) as err:
@@ -61,5 +62,5 @@ def test_a_scheduler_the_probe_cannot_run_claims_no_limit():
         def set_timesteps(self, num_inference_steps, device=None, *, sigmas):  # a pipeline passes these
             super().set_timesteps(num_inference_steps, device)
 
-    assert step_range(NeedsArguments(**SD)) is None and step_constraints(NeedsArguments(**SD)) == {}
-    check_constraints({"num_inference_steps": 1000}, {})
+    assert step_range(NeedsArguments(**SD)) is None and step_constraints(NeedsArguments(**SD)) == StageConstraints()
+    check_constraints({"num_inference_steps": 1000}, StageConstraints())
