@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from omni_runtime.exceptions import ERROR_TYPES, OmniError, StageExecutionError
+from omni_runtime.media import MediaItem
 
 #: Every message: keyword-only and frozen; encoded as a msgpack array rather than a map (about
 #: 1.2x faster to encode and decode and a third smaller), and not tracked by the cycle collector
@@ -121,17 +122,33 @@ class StageReady(msgspec.Struct, tag="ready", **_Msg):
     constraints: dict[str, Any] = {}
 
 
+class Progress(msgspec.Struct, **_Msg):
+    """How far a request's denoising got: ``step`` of ``steps`` done."""
+
+    step: int
+    steps: int
+
+
 class Payload(msgspec.Struct, **_Msg):
     """What a stage made for one request: a whole output, or a streamed piece of one. The same
-    object travels from the stage to the caller (the orchestrator wraps it, never copies it)."""
+    object travels from the stage to the caller (the orchestrator wraps it, never copies it).
+
+    A partial output (``finished=False``) is a text delta, a :class:`Progress` event, or the
+    notice that an inner (not final) stage is done with the request (``stage_done``, with that
+    stage's metrics); a consumer tells them apart by these fields, never by metrics keys."""
 
     text: str | None = None
-    #: uint8 HxWx3 arrays.
-    images: list[Any] = []
+    #: Images (and, as kinds are added, video and audio): see omni_runtime/media.py.
+    media: list[MediaItem] = []
     #: Named arrays or tensors (``latents``, ``prompt_embeds``, float ``images``...).
     tensors: dict[str, Any] = {}
-    #: queue_wait_ms, execution_ms, batch_size, batch_id, seed...
+    #: queue_wait_ms, admission_wait_ms, execution_ms, batch_size, batch_id, replica_id, seed,
+    #: finished_at, e2e_ms... (docs/architecture.md lists them).
     metrics: dict[str, Any] = {}
+    #: Set on a progress event: the step the request just finished.
+    progress: Progress | None = None
+    #: True on the notice that an inner stage is done with the request.
+    stage_done: bool = False
 
 
 class StageOutput(msgspec.Struct, tag="output", **_Msg):

@@ -37,6 +37,7 @@ from omni_runtime.exceptions import (
     StageExecutionError,
     StageStartupError,
 )
+from omni_runtime.media import MediaItem, items_of
 from omni_runtime.messages import (
     EngineAbort,
     EngineOutput,
@@ -339,7 +340,7 @@ class Orchestrator:
                     backend.settle(out, None),
                     lambda o: self._deliver(state, stage_id, o, finished=False, stage_finished=False),
                 )
-            elif "progress" in out.payload.metrics:  # an inner stage's progress: the caller sees it too
+            elif out.payload.progress is not None:  # an inner stage's progress: the caller sees it too
                 self._deliver(state, stage_id, out, finished=False, stage_finished=False)
             return
         self.pools[stage_id].done(out.request_id)
@@ -394,7 +395,7 @@ class Orchestrator:
                 return
         else:
             # An inner stage is done: the caller hears of it (and of its timings), not its data.
-            notice = Payload(metrics={**out.payload.metrics, "stage_done": True})
+            notice = Payload(metrics=out.payload.metrics, stage_done=True)
             self._deliver(
                 state,
                 stage_id,
@@ -426,7 +427,7 @@ class Orchestrator:
             result = func(
                 state.msg.prompt,
                 {
-                    sid: {"text": o.payload.text, "images": o.payload.images, "tensors": o.payload.tensors}
+                    sid: {"text": o.payload.text, "images": _arrays(o.payload.media), "tensors": o.payload.tensors}
                     for sid, o in upstream.items()
                 },
             )
@@ -436,8 +437,8 @@ class Orchestrator:
         texts = []
         for o in upstream.values():
             inputs.update(o.payload.tensors)
-            if o.payload.images:
-                inputs["images"] = o.payload.images
+            if o.payload.media:
+                inputs["images"] = _arrays(o.payload.media)
             if o.payload.text is not None:
                 texts.append(o.payload.text)
         if texts:
@@ -533,3 +534,9 @@ def _error_output(
         error=ErrorInfo.from_exception(exc, stage_id if sid is None else sid),
         payload=Payload(metrics=metrics or {}),
     )
+
+
+def _arrays(media: list[MediaItem]) -> list[Any]:
+    """The arrays of the images among ``media``: what a downstream stage and an input function
+    get as ``inputs["images"]`` / ``upstream[sid]["images"]``."""
+    return [m.data for m in items_of(media, "image")]

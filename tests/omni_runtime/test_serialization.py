@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 
 from omni_runtime.exceptions import InvalidRequestError, StageDeadError
+from omni_runtime.media import ImageItem
 from omni_runtime.messages import (
     ErrorInfo,
     Payload,
@@ -75,13 +76,18 @@ def test_arrays_and_tensors_travel_as_raw_frames():
     half = torch.randn(32, 32).to(torch.bfloat16)
     small = np.float32([1.5, 2.5])
     msg = StageOutput(
-        request_id="r", payload=Payload(images=[image], tensors={"latents": latents, "bf": half, "small": small})
+        request_id="r",
+        payload=Payload(
+            media=[ImageItem(data=image, seed=7)], tensors={"latents": latents, "bf": half, "small": small}
+        ),
     )
     out, frames = roundtrip(msg, outbound_decoder())
     # Header + one frame per large array; the small one is inlined.
     assert len(frames) == 1 + 3
     assert small.nbytes < INLINE_MAX
-    assert out.payload.images[0].dtype == np.uint8 and np.array_equal(out.payload.images[0], image)
+    (item,) = out.payload.media
+    assert isinstance(item, ImageItem) and item.seed == 7 and (item.width, item.height) == (64, 64)
+    assert item.data.dtype == np.uint8 and np.array_equal(item.data, image)
     assert isinstance(out.payload.tensors["latents"], torch.Tensor) and torch.equal(
         out.payload.tensors["latents"], latents
     )

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, StageAsleepError
+from omni_runtime.media import image_items
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
@@ -395,7 +396,7 @@ class SDVaeDecodeRunner(_SplitRunner):
                 if output_type == "np":
                     out.tensors["images"] = floats
                 else:
-                    out.images = [(x * 255).round().astype(np.uint8) for x in floats]
+                    out.media = image_items(floats, seed=metrics.get("seed"))
             offset += lat.shape[0]
             outputs.append(out)
         return outputs

@@ -17,7 +17,7 @@ import pytest
 
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import InvalidRequestError
-from omni_runtime.messages import StageAbort, StageOutput, StageOutputs, StageRequest
+from omni_runtime.messages import Progress, StageAbort, StageOutput, StageOutputs, StageRequest
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 from omni_runtime.stage.worker import StageWorker
 
@@ -54,11 +54,11 @@ class Outbox(list):
     def finals(self) -> list[StageOutput]:
         return [m for m in self if isinstance(m, StageOutput) and m.finished]
 
-    def progress(self, rid: str) -> list[dict]:
+    def progress(self, rid: str) -> list[Progress]:
         return [
-            m.payload.metrics["progress"]
+            m.payload.progress
             for m in self
-            if isinstance(m, StageOutput) and not m.finished and m.request_id == rid
+            if isinstance(m, StageOutput) and not m.finished and m.request_id == rid and m.payload.progress
         ]
 
 
@@ -88,7 +88,7 @@ async def test_a_higher_priority_request_preempts_and_the_other_resumes_unchange
         assert by_id["low"].payload.metrics["pauses"] == 1 and by_id["high"].payload.metrics["pauses"] == 0
         assert by_id["low"].payload.metrics["steps_run"] == 12 and by_id["high"].payload.metrics["batch_size"] == 1
         progress = outbox.progress("low")
-        assert progress[0] == {"step": 1, "steps": 12} and all(p["steps"] == 12 for p in progress)
+        assert progress[0] == Progress(step=1, steps=12) and all(p.steps == 12 for p in progress)
         assert len(progress) < 12  # bursts, not an event per step
         # Its state was kept while it waited: the image is the one it makes alone.
         ctx = ExecuteContext(lambda rid: False)
