@@ -97,7 +97,7 @@ class AsyncOmni:
                 if msg.error is not None:
                     out.finished = True
                     out.error = msg.error.to_exception()
-                    out.metrics = {**out.metrics, **msg.payload.metrics}
+                    out.metrics = {**out.metrics, **msg.payload.metrics.as_dict()}
                     raise out.error
                 apply_output(out, msg)
                 yield out.snapshot()
@@ -166,7 +166,7 @@ def apply_output(out: OmniRequestOutput, msg: EngineOutput) -> None:
     payload = msg.payload
     out.stage_id = msg.stage_id
     out.finished = msg.finished
-    out.metrics = dict(payload.metrics)
+    out.metrics = payload.metrics.as_dict()
     out.progress = None
     if not msg.stage_finished and payload.text is None:
         if payload.progress is not None:
@@ -186,7 +186,7 @@ def apply_output(out: OmniRequestOutput, msg: EngineOutput) -> None:
             text=payload.text if payload.text is not None else result.text,
             media=list(payload.media),
             tensors=dict(payload.tensors),
-            metrics=dict(payload.metrics),
+            metrics=payload.metrics.as_dict(),
         )
         out.text_delta = None
     else:

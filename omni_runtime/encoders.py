@@ -78,7 +78,7 @@ def encode(item: MediaItem, format: str, **options: Any) -> bytes:
 
 
 def _pixels(item: MediaItem) -> int:
-    shape = getattr(item.data, "shape", ())
+    shape: tuple[int, ...] = tuple(getattr(item.data, "shape", ()))
     return int(shape[0]) * int(shape[1]) if len(shape) >= 2 else 0
 
 

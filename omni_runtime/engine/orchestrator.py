@@ -47,6 +47,7 @@ from omni_runtime.messages import (
     EngineShutdown,
     ErrorInfo,
     Payload,
+    StageMetrics,
     StageOutput,
     StageRequest,
 )
@@ -452,7 +453,8 @@ class Orchestrator:
         payload = out.payload
         if stage_finished:
             e2e_ms = (time.time() - state.msg.arrival_time) * 1000.0
-            payload = msgspec.structs.replace(payload, metrics={**payload.metrics, "e2e_ms": e2e_ms})
+            metrics = msgspec.structs.replace(payload.metrics, e2e_ms=e2e_ms)
+            payload = msgspec.structs.replace(payload, metrics=metrics)
         self._emit(
             state.msg.channel,
             EngineOutput(
@@ -475,7 +477,7 @@ class Orchestrator:
         if stage_id is None:
             stage_id = next(iter(state.running), state.msg.final_stage_ids[0])
         e2e_ms = (time.time() - state.msg.arrival_time) * 1000.0
-        self._emit(state.msg.channel, _error_output(request_id, stage_id, exc, {"e2e_ms": e2e_ms}))
+        self._emit(state.msg.channel, _error_output(request_id, stage_id, exc, StageMetrics(e2e_ms=e2e_ms)))
 
     def _forget(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
@@ -524,7 +526,7 @@ class Orchestrator:
 
 
 def _error_output(
-    request_id: str, stage_id: int, exc: BaseException, metrics: dict[str, Any] | None = None
+    request_id: str, stage_id: int, exc: BaseException, metrics: StageMetrics | None = None
 ) -> EngineOutput:
     sid = getattr(exc, "stage_id", None)
     return EngineOutput(
@@ -532,7 +534,7 @@ def _error_output(
         stage_id=stage_id,
         finished=True,
         error=ErrorInfo.from_exception(exc, stage_id if sid is None else sid),
-        payload=Payload(metrics=metrics or {}),
+        payload=Payload() if metrics is None else Payload(metrics=metrics),
     )
 
 

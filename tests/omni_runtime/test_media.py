@@ -18,7 +18,7 @@ from entrypoints.openai import protocol as proto
 from omni_runtime import encoders
 from omni_runtime.config import StageConfig
 from omni_runtime.media import ALIASES, KINDS, OUTPUT_TYPES, ImageItem, image_items, items_of, output_type
-from omni_runtime.messages import EngineOutput, Payload, Progress, StageOutput
+from omni_runtime.messages import EngineOutput, Payload, Progress, StageMetrics, StageOutput
 from omni_runtime.outputs import OmniRequestOutput, RequestProgress
 from omni_runtime.serialization import INLINE_MAX, Encoder, outbound_decoder
 
@@ -162,7 +162,7 @@ def delivered(stage_id: int, payload: Payload, *, finished: bool = True, stage_f
 
 def test_images_are_pil_images_made_once_from_the_media() -> None:
     out = OmniRequestOutput(request_id="r", stage_id=-1)
-    apply_output(out, delivered(1, Payload(media=[ImageItem(data=picture(), seed=4)], metrics={"seed": 4})))
+    apply_output(out, delivered(1, Payload(media=[ImageItem(data=picture(), seed=4)], metrics=StageMetrics(seed=4))))
     assert out.finished and [m.seed for m in out.media] == [4]
     (image,) = out.images
     assert image.size == (40, 24) and image.mode == "RGB"
@@ -174,9 +174,19 @@ def test_progress_and_stage_done_are_typed() -> None:
     out = OmniRequestOutput(request_id="r", stage_id=-1)
     apply_output(out, delivered(0, Payload(progress=Progress(step=2, steps=5)), finished=False, stage_finished=False))
     assert out.progress == RequestProgress(stage_id=0, step=2, steps=5) and not out.outputs_by_stage
-    apply_output(
-        out, delivered(0, Payload(stage_done=True, metrics={"execution_ms": 3.0}), finished=False, stage_finished=False)
-    )
+    done = Payload(stage_done=True, metrics=StageMetrics(execution_ms=3.0))
+    apply_output(out, delivered(0, done, finished=False, stage_finished=False))
     assert out.progress == RequestProgress(stage_id=0, stage_done=True) and out.metrics == {"execution_ms": 3.0}
     apply_output(out, delivered(1, Payload(text="done")))
     assert out.progress is None and out.text == "done" and out.images == []
+
+
+def test_stage_metrics_are_a_struct_made_and_read_in_one_place() -> None:
+    reported = {"seed": 3, "execution_ms": 2.5, "batch_size": 1.5, "tokens_per_s": 9.0, "time_to_first_step_ms": None}
+    metrics = StageMetrics.of(reported)
+    assert metrics.seed == 3 and metrics.execution_ms == 2.5 and metrics.time_to_first_step_ms is None
+    # A key it does not declare, or a value its field cannot decode, rides in ``extra`` as it is.
+    assert metrics.batch_size is None and metrics.extra == {"batch_size": 1.5, "tokens_per_s": 9.0}
+    out = roundtrip(StageOutput(request_id="r", payload=Payload(metrics=metrics)))
+    assert out.payload.metrics == metrics
+    assert metrics.as_dict() == {"seed": 3, "execution_ms": 2.5, "batch_size": 1.5, "tokens_per_s": 9.0}

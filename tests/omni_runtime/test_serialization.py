@@ -15,6 +15,7 @@ from omni_runtime.messages import (
     ErrorInfo,
     Payload,
     StageAbort,
+    StageMetrics,
     StageOutput,
     StageReady,
     StageRequest,
@@ -59,7 +60,7 @@ def test_inbound_messages_roundtrip(msg):
         StageOutput(
             request_id="r",
             error=ErrorInfo(type="StageExecutionError", message="boom", stage_id=1),
-            payload=Payload(text="hi", metrics={"batch_size": 2}),
+            payload=Payload(text="hi", metrics=StageMetrics(batch_size=2, extra={"tokens_per_s": 3.5})),
         ),
         StageRpcResult(call_id=3, result={"ok": [1, 2]}),
     ],
@@ -107,7 +108,7 @@ def test_unsupported_objects_are_refused_not_pickled():
     [
         (StageRequest(request_id="r", prompt="a\ud800b", params={}), "UnicodeEncodeError"),
         (StageRpc(call_id=1, method="set_batching", kwargs={"max_num_seqs": 10**30}), "OverflowError"),
-        (StageOutput(request_id="r", payload=Payload(metrics={"n": -(2**64)})), "OverflowError"),
+        (StageOutput(request_id="r", payload=Payload(metrics=StageMetrics(extra={"n": -(2**64)}))), "OverflowError"),
     ],
 )
 def test_what_msgpack_cannot_carry_is_one_typed_encode_error(msg, why):
