@@ -438,8 +438,9 @@ class Orchestrator:
         texts = []
         for o in upstream.values():
             inputs.update(o.payload.tensors)
-            if o.payload.media:
-                inputs["images"] = _arrays(o.payload.media)
+            images = _arrays(o.payload.media)
+            if images:
+                inputs["images"] = images
             if o.payload.text is not None:
                 texts.append(o.payload.text)
         if texts:
