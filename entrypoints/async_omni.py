@@ -17,7 +17,7 @@ from omni_runtime.config import DeployConfig, load_config, with_engine_overrides
 from omni_runtime.engine.async_engine import AsyncOmniEngine, EngineHealth, ValidRequest
 from omni_runtime.exceptions import EngineDeadError
 from omni_runtime.messages import EngineOutput, RpcReplicaResult
-from omni_runtime.outputs import OmniRequestOutput, StageResult
+from omni_runtime.outputs import OmniRequestOutput, RequestProgress, StageResult
 from omni_runtime.resolve import ResolvedConfig, resolve_config
 
 __all__ = ["AsyncOmni", "EngineHealth", "ValidRequest", "apply_output", "load_resolved"]
@@ -97,7 +97,7 @@ class AsyncOmni:
                 if msg.error is not None:
                     out.finished = True
                     out.error = msg.error.to_exception()
-                    out.metrics = {**out.metrics, **msg.payload.metrics}
+                    out.metrics = {**out.metrics, **msg.payload.metrics.as_dict()}
                     raise out.error
                 apply_output(out, msg)
                 yield out.snapshot()
@@ -163,32 +163,35 @@ class AsyncOmni:
 
 def apply_output(out: OmniRequestOutput, msg: EngineOutput) -> None:
     """Fold one engine output into the caller's accumulated OmniRequestOutput."""
-    from PIL import Image
-
     payload = msg.payload
     out.stage_id = msg.stage_id
     out.finished = msg.finished
-    out.metrics = dict(payload.metrics)
+    out.metrics = payload.metrics.as_dict()
     out.progress = None
     if not msg.stage_finished and payload.text is None:
-        if "progress" in payload.metrics:
-            out.progress = {"stage_id": msg.stage_id, **payload.metrics["progress"]}
+        if payload.progress is not None:
+            p = payload.progress
+            out.progress = RequestProgress(stage_id=msg.stage_id, step=p.step, steps=p.steps)
             out.text_delta = None
             return
-        if payload.metrics.get("stage_done"):
-            out.progress = {"stage_id": msg.stage_id, "stage_done": True}
+        if payload.stage_done:
+            out.progress = RequestProgress(stage_id=msg.stage_id, stage_done=True)
             out.text_delta = None
             return
     result = out.outputs_by_stage.setdefault(msg.stage_id, StageResult(stage_id=msg.stage_id))
     if msg.stage_finished:
-        images = [Image.fromarray(a) for a in payload.images]
-        result.images, result.tensors, result.metrics = images, dict(payload.tensors), dict(payload.metrics)
-        if payload.text is not None:
-            result.text = payload.text
+        # A new result, not the old one changed: earlier snapshots keep what they showed.
+        result = out.outputs_by_stage[msg.stage_id] = StageResult(
+            stage_id=msg.stage_id,
+            text=payload.text if payload.text is not None else result.text,
+            media=list(payload.media),
+            tensors=dict(payload.tensors),
+            metrics=payload.metrics.as_dict(),
+        )
         out.text_delta = None
     else:
         result.text = (result.text or "") + (payload.text or "")
         out.text_delta = payload.text
-    out.images = [img for r in out.outputs_by_stage.values() for img in r.images]
+    out.media = [m for r in out.outputs_by_stage.values() for m in r.media]
     texts = [r.text for r in out.outputs_by_stage.values() if r.text is not None]
     out.text = texts[-1] if texts else None

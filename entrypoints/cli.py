@@ -278,6 +278,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
+    from omni_runtime import encoders
+    from omni_runtime.media import items_of
+
     from .async_omni import AsyncOmni, load_resolved
 
     overrides = {"max_num_seqs": args.max_num_seqs, "step_execution": args.step_execution, **_placement_args(args)}
@@ -329,8 +332,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     async with slots:
                         async for out in omni.generate(request):
                             if out.progress is not None:
-                                if out.progress.get("stage_id") == image_stage and "step" in out.progress:
-                                    step = min(int(out.progress["step"]), steps[i])
+                                if out.progress.stage_id == image_stage and out.progress.step is not None:
+                                    step = min(out.progress.step, steps[i])
                                     bar.update(max(0, step - shown))
                                     shown = max(shown, step)
                                 continue
@@ -367,9 +370,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             seed = res.outputs_by_stage[image_stage].metrics.get("seed")
             files = []
-            for j, img in enumerate(res.images):
+            for j, item in enumerate(items_of(res.media, "image")):
                 path = args.out / f"image-{i:03d}{f'-{j}' if j else ''}.png"
-                img.save(path)
+                path.write_bytes(encoders.encode(item, "png"))
                 files.append(str(path))
             images += len(files)
             record.update(request_id=res.request_id, seed=seed, files=files, metrics=res.metrics)

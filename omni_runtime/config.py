@@ -16,6 +16,7 @@ import yaml
 
 from omni_runtime.bounds import FIELD_BOUNDS, LORA_NAME_PATTERN
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
+from omni_runtime.media import OUTPUT_TYPES, OutputType
 from omni_runtime.params import check_lora_path
 
 _Struct = {"kw_only": True, "forbid_unknown_fields": True}
@@ -238,7 +239,8 @@ class StageConfig(msgspec.Struct, **_Struct):
     custom_process_input_func: str | None = None
     #: Whether this stage's output is delivered to the caller.
     final_output: bool = False
-    final_output_type: Literal["text", "image", "latent", "tensor"] | None = None
+    #: What it delivers (omni_runtime/media.py ``OutputType``): what ``modalities`` selects by.
+    final_output_type: OutputType | None = None
     #: Defaults for the stage's sampling params; a request's own values win.
     default_sampling_params: dict[str, Any] = msgspec.field(default_factory=dict)
     #: Runner-specific options (e.g. ``{"role": "decoder"}`` for a split pipeline).
@@ -374,7 +376,7 @@ def validate_graph(config: DeployConfig, source: str = "<config>") -> None:
             )
         if s.final_output and s.final_output_type is None:
             raise ConfigError(
-                "a final_output stage needs final_output_type (text | image | latent | tensor)",
+                f"a final_output stage needs final_output_type ({' | '.join(OUTPUT_TYPES)})",
                 path=f"stage_args[{i}].final_output_type",
                 source=source,
             )

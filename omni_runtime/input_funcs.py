@@ -3,8 +3,9 @@
 An input function runs in the orchestrator thread when all of a stage's upstream stages are done.
 It gets the caller's original prompt and ``{upstream stage id: {"text", "images", "tensors"}}``
 and returns ``{"prompt": ..., "inputs": {...}}`` for the stage (either key may be left out: the
-prompt then stays the caller's, and the inputs empty). Arrays it receives are plain copies it may
-keep or change.
+prompt then stays the caller's, and the inputs empty). ``images`` are the uint8 HxWx3 arrays of
+the upstream stage's image items (omni_runtime/media.py). Arrays it receives are plain copies it
+may keep or change.
 """
 
 from __future__ import annotations

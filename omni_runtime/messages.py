@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from omni_runtime.exceptions import ERROR_TYPES, OmniError, StageExecutionError
+from omni_runtime.media import MediaItem
 
 #: Every message: keyword-only and frozen; encoded as a msgpack array rather than a map (about
 #: 1.2x faster to encode and decode and a third smaller), and not tracked by the cycle collector
@@ -152,17 +153,102 @@ class StageReady(msgspec.Struct, tag="ready", **_Msg):
     constraints: StageConstraints = msgspec.field(default_factory=StageConstraints)
 
 
+class Progress(msgspec.Struct, **_Msg):
+    """How far a request's denoising got: ``step`` of ``steps`` done."""
+
+    step: int
+    steps: int
+
+
+class StageMetrics(msgspec.Struct, **_Msg):
+    """What a stage reports about how it served one request; None where it does not say.
+
+    Made in one place from the dict the worker and its runner fill (:meth:`of`), and turned back
+    into the plain dict callers read as ``OmniRequestOutput.metrics`` in one place
+    (:meth:`as_dict`): a key a runner of its own reports beyond these lands in ``extra``."""
+
+    #: From arrival at the stage to admission into a wave (ms).
+    queue_wait_ms: float | None = None
+    #: From admission to the start of its wave's forward (ms).
+    admission_wait_ms: float | None = None
+    #: The forward's wall time (ms); under step execution, from admission to the last step.
+    execution_ms: float | None = None
+    #: Requests in its wave (under step execution: the largest step batch it was in).
+    batch_size: int | None = None
+    batch_id: int | None = None
+    replica_id: int | None = None
+    #: The seed of its generator (diffusion, text sampling).
+    seed: int | None = None
+    #: When the stage finished with it (``time.time()``), to place the stage's spans in a trace.
+    finished_at: float | None = None
+    #: From the start of its forward to the end of its first denoising step (ms).
+    first_step_ms: float | None = None
+    #: From arrival at the stage to the end of its first denoising step (ms).
+    time_to_first_step_ms: float | None = None
+    #: The VAE decode of its wave (ms).
+    decode_ms: float | None = None
+    #: Step execution: the steps it ran, and how often a higher priority paused it.
+    steps_run: int | None = None
+    pauses: int | None = None
+    #: Text stages: tokens of the prompt and of the answer.
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    #: Set by the orchestrator on a delivered output: from the caller's submit to delivery (ms).
+    e2e_ms: float | None = None
+    #: Whatever else a runner reported, by name.
+    extra: dict[str, Any] = {}
+
+    @classmethod
+    def of(cls, metrics: dict[str, Any]) -> StageMetrics:
+        """The struct of a runner's / worker's metrics dict. A key it does not declare, or a value
+        of another type than its field's (which the receiver could not decode), goes to ``extra``
+        as it is; None is a value not reported."""
+        known: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for key, value in metrics.items():
+            kind = _METRIC_TYPES.get(key)
+            if value is None and kind is not None:
+                continue
+            if kind is not None and isinstance(value, kind) and not isinstance(value, bool):
+                known[key] = value
+            else:
+                extra[key] = value
+        return cls(**known, extra=extra) if extra else cls(**known)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The metrics a stage reported, as callers read them (``OmniRequestOutput.metrics``)."""
+        out = {k: v for k in _METRIC_TYPES if (v := getattr(self, k)) is not None}
+        out.update(self.extra)
+        return out
+
+
+#: Each declared metric and the Python types its values may have (int fields take only ints).
+_METRIC_TYPES: dict[str, type | tuple[type, ...]] = {
+    f.name: int if f.type == (int | None) else (int, float)
+    for f in msgspec.structs.fields(StageMetrics)
+    if f.name != "extra"
+}
+
+
 class Payload(msgspec.Struct, **_Msg):
     """What a stage made for one request: a whole output, or a streamed piece of one. The same
-    object travels from the stage to the caller (the orchestrator wraps it, never copies it)."""
+    object travels from the stage to the caller (the orchestrator wraps it, never copies it).
+
+    A partial output (``finished=False``) is a text delta, a :class:`Progress` event, or the
+    notice that an inner (not final) stage is done with the request (``stage_done``, with that
+    stage's metrics); a consumer tells them apart by these fields, never by metrics keys."""
 
     text: str | None = None
-    #: uint8 HxWx3 arrays.
-    images: list[Any] = []
+    #: Images (and, as kinds are added, video and audio): see omni_runtime/media.py.
+    media: list[MediaItem] = []
     #: Named arrays or tensors (``latents``, ``prompt_embeds``, float ``images``...).
     tensors: dict[str, Any] = {}
-    #: queue_wait_ms, execution_ms, batch_size, batch_id, seed...
-    metrics: dict[str, Any] = {}
+    #: How the stage served the request (on a final output and on a stage-done notice).
+    metrics: StageMetrics = msgspec.field(default_factory=StageMetrics)
+    #: Set on a progress event: the step the request just finished.
+    progress: Progress | None = None
+    #: True on the notice that an inner stage is done with the request.
+    stage_done: bool = False
 
 
 class StageOutput(msgspec.Struct, tag="output", **_Msg):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omni_runtime.exceptions import OmniError
+from omni_runtime.media import MediaItem
 
 
 @dataclass
@@ -14,11 +15,30 @@ class StageResult:
 
     stage_id: int
     text: str | None = None
-    #: PIL images.
-    images: list[Any] = field(default_factory=list)
+    #: Images (and the other media kinds) this stage made, in order.
+    media: list[MediaItem] = field(default_factory=list)
     #: Named numpy arrays / torch tensors (``latents``, float ``images``...).
     tensors: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
+    _images: list[Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def images(self) -> list[Any]:
+        """This stage's images as PIL images (made once, on first use)."""
+        if self._images is None:
+            self._images = [m.to_pil() for m in self.media if m.kind == "image"]
+        return self._images
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    """What an output that only reports progress says: ``step`` of ``steps`` of stage
+    ``stage_id`` are done, or (``stage_done``) that inner stage is done with the request."""
+
+    stage_id: int
+    step: int | None = None
+    steps: int | None = None
+    stage_done: bool = False
 
 
 @dataclass
@@ -34,27 +54,34 @@ class OmniRequestOutput:
     #: The stage that produced the latest part of this output.
     stage_id: int
     finished: bool = False
-    images: list[Any] = field(default_factory=list)
+    #: Every final stage's media items, in stage order (``images`` is the images among them, as
+    #: PIL images).
+    media: list[MediaItem] = field(default_factory=list)
     text: str | None = None
     #: The newest streamed piece of ``text`` (AsyncOmni streaming); None otherwise.
     text_delta: str | None = None
     #: None, or the typed error that ended this request.
     error: OmniError | None = None
     #: Of the stage that delivered last: queue_wait_ms, admission_wait_ms, execution_ms,
-    #: batch_size, batch_id, seed, e2e_ms...
+    #: batch_size, batch_id, replica_id, seed, finished_at, e2e_ms... A plain dict for callers:
+    #: the keys a stage reports vary with its runner (docs/architecture.md lists them).
     metrics: dict[str, Any] = field(default_factory=dict)
     outputs_by_stage: dict[int, StageResult] = field(default_factory=dict)
-    #: On an output that only reports progress (``finished=False``, nothing new to read):
-    #: ``{"stage_id", "step", "steps"}`` after a denoising step (sent at most every 0.3 s or so), or
-    #: ``{"stage_id", "stage_done": True}`` when a stage that is not a final one is done. None on
+    #: On an output that only reports progress (``finished=False``, nothing new to read): a step
+    #: (sent at most every 0.3 s or so), or that a stage that is not a final one is done. None on
     #: every other output.
-    progress: dict[str, Any] | None = None
+    progress: RequestProgress | None = None
+
+    @property
+    def images(self) -> list[Any]:
+        """The images of every final stage, as PIL images (each made once per output)."""
+        return [img for r in self.outputs_by_stage.values() for img in r.images]
 
     def snapshot(self) -> OmniRequestOutput:
         """A copy whose containers later deliveries do not change (AsyncOmni yields these)."""
         return replace(
             self,
-            images=list(self.images),
+            media=list(self.media),
             metrics=dict(self.metrics),
             outputs_by_stage={k: replace(v) for k, v in self.outputs_by_stage.items()},
         )

@@ -14,15 +14,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from omni_runtime import encoders
 from omni_runtime.exceptions import InvalidRequestError, OmniError
-from omni_runtime.outputs import OmniRequestOutput
+from omni_runtime.media import MediaItem, items_of
+from omni_runtime.outputs import OmniRequestOutput, RequestProgress
 from omni_runtime.params import MAX_PROMPT_CHARS
 
 from ..async_omni import AsyncOmni, ValidRequest
 from . import protocol as proto
 from .dependencies import AUTH, JSON_BODY, State
 from .fields import FieldMap
-from .files import encode_images
 from .images import chat_image
 from .protocol import DISCONNECTED, error_body
 from .responses import json_with_id
@@ -87,7 +88,7 @@ async def chat_completion(
     texts = [r.text for _, r in sorted(out.outputs_by_stage.items()) if r.text is not None]
     message = proto.ResponseMessage(
         content="\n".join(texts) if texts else None,
-        images=await _image_parts(out.images) if out.images else None,
+        images=await _image_parts(out.media) or None,
     )
     usage, finish = proto.usage_of(out, valid.params)
     choice = proto.ChatChoice(message=message, finish_reason=finish)
@@ -95,12 +96,12 @@ async def chat_completion(
     return resp.model_dump(exclude_none=True), rid
 
 
-async def _image_parts(images: Sequence[Any]) -> list[dict[str, Any]]:
-    blobs = await encode_images(images, "png", None)
-    return [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b).decode()}}
-        for b in blobs
-    ]
+async def _image_parts(media: Sequence[MediaItem]) -> list[dict[str, Any]]:
+    """The images among ``media`` as ``image_url`` content parts (PNG data URLs)."""
+    images = items_of(list(media), "image")
+    url = "data:" + encoders.media_type("image", "png") + ";base64,"
+    blobs = await encoders.encode_all(images, "png")
+    return [{"type": "image_url", "image_url": {"url": url + base64.b64encode(b).decode()}} for b in blobs]
 
 
 async def _stream_chat(
@@ -170,10 +171,10 @@ async def _stream_chat(
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
-def _progress_comment(progress: dict[str, Any]) -> str:
-    if "step" in progress:
-        return f": progress stage={progress['stage_id']} step={progress['step']}/{progress['steps']}\n\n"
-    return f": progress stage={progress['stage_id']} done\n\n"
+def _progress_comment(progress: RequestProgress) -> str:
+    if not progress.stage_done:
+        return f": progress stage={progress.stage_id} step={progress.step}/{progress.steps}\n\n"
+    return f": progress stage={progress.stage_id} done\n\n"
 
 
 async def _deltas(out: OmniRequestOutput, sent: dict[int, int], imaged: set[int]) -> list[proto.DeltaMessage]:
@@ -190,7 +191,7 @@ async def _deltas(out: OmniRequestOutput, sent: dict[int, int], imaged: set[int]
     if result.text and len(result.text) > sent.get(sid, 0):
         deltas.append(proto.DeltaMessage(content=result.text[sent.get(sid, 0) :]))
         sent[sid] = len(result.text)
-    if result.images and sid not in imaged:
+    if items_of(result.media, "image") and sid not in imaged:
         imaged.add(sid)
-        deltas.append(proto.DeltaMessage(images=await _image_parts(result.images)))
+        deltas.append(proto.DeltaMessage(images=await _image_parts(result.media)))
     return deltas

@@ -1,17 +1,14 @@
-"""Generated images: encoding (PNG, JPEG, WebP) and the stores behind ``/v1/files/{id}``: in this
-process (:class:`FileStore`), or in Redis with ``--redis-url`` (:class:`RedisFileStore`), where
-every gateway on the same Redis serves every gateway's files. Runs on the server's event loop."""
+"""The stores behind ``/v1/files/{id}`` for generated files: in this process (:class:`FileStore`),
+or in Redis with ``--redis-url`` (:class:`RedisFileStore`), where every gateway on the same Redis
+serves every gateway's files. A file is stored with the media type its encoder declares
+(omni_runtime/encoders.py, the one renderer of media items). Runs on the server's event loop."""
 
 from __future__ import annotations
 
-import asyncio
-import io
 import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -19,9 +16,6 @@ from omni_runtime.exceptions import UnavailableError
 
 from .protocol import ApiError
 
-#: Images larger than this are encoded in a worker thread, off the event loop.
-_INLINE_ENCODE_PIXELS = 512 * 512
-MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 #: A file id: ``file-`` and the 24 characters of ``secrets.token_urlsafe(18)``.
 FILE_ID = re.compile(r"file-[A-Za-z0-9_-]{24}")
 #: Largest file kept in Redis (a value of one key; larger images are refused, not truncated).
@@ -37,21 +31,6 @@ def _too_large(limit: int) -> ApiError:
         413, f"the image is larger than the file store takes ({limit} bytes); use response_format=b64_json",
         param="response_format", code="file_too_large",
     )  # fmt: skip
-
-
-def encode_image(image: Any, fmt: str, quality: int | None) -> bytes:
-    buf = io.BytesIO()
-    if fmt == "png":
-        image.save(buf, format="PNG")
-    else:  # JPEG has no alpha channel
-        image.convert("RGB").save(buf, format=fmt.upper(), quality=90 if quality is None else quality)
-    return buf.getvalue()
-
-
-async def encode_images(images: Sequence[Any], fmt: str, quality: int | None) -> list[bytes]:
-    if sum(img.width * img.height for img in images) <= _INLINE_ENCODE_PIXELS:
-        return [encode_image(img, fmt, quality) for img in images]
-    return await asyncio.to_thread(lambda: [encode_image(img, fmt, quality) for img in images])
 
 
 class FileStore:

@@ -13,13 +13,14 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from omni_runtime import encoders
 from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.media import items_of
 
 from ..async_omni import AsyncOmni, ValidRequest
 from . import protocol as proto
 from .dependencies import AUTH, JSON_BODY, MULTIPART_BODY, State
 from .fields import FieldMap
-from .files import MEDIA_TYPES, encode_images
 from .protocol import ApiError
 from .responses import json_with_id
 from .state import ServerState
@@ -119,16 +120,17 @@ async def run_images(
     outs = await state.until_disconnect(
         request, ids, gather_or_abort([state.collect(omni, valid[i], ids[i]) for i in range(n)])
     )
-    images = [(img, out) for out in outs for img in out.images]
-    encoded = await encode_images([img for img, _ in images], body.output_format, body.output_compression)
+    images = [(img, out) for out in outs for img in items_of(out.media, "image")]
+    fmt = body.output_format
+    encoded = await encoders.encode_all([img for img, _ in images], fmt, quality=body.output_compression)
     data = []
     image_stage = state.image_stage
     assert image_stage is not None  # images_engine refuses a model without one
-    for (_, out), blob in zip(images, encoded, strict=True):
+    for (img, out), blob in zip(images, encoded, strict=True):
         seed = out.outputs_by_stage.get(image_stage)
         item = proto.ImageData(seed=seed.metrics.get("seed") if seed else None)
         if body.response_format == "url":
-            file_id = await state.files.put(blob, MEDIA_TYPES[body.output_format])
+            file_id = await state.files.put(blob, encoders.media_type(img.kind, fmt))
             item.url = f"{state.public_url or str(request.base_url).rstrip('/')}/v1/files/{file_id}"
         else:
             item.b64_json = base64.b64encode(blob).decode()

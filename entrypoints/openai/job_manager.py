@@ -32,7 +32,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from omni_runtime import encoders
 from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, UnavailableError
+from omni_runtime.media import items_of
+from omni_runtime.outputs import RequestProgress
 
 from ..async_omni import AsyncOmni, ValidRequest
 from ..jobs.record import JobRecord
@@ -48,7 +51,6 @@ from ..jobs.store import (
 )
 from ..jobs.tracing import OtlpExporter, span, stage_spans
 from .fields import FieldMap
-from .files import MEDIA_TYPES, encode_images
 from .job_end import RECORD_RETRY_S, JobEnds, error_of
 from .protocol import ApiError, GenerateRequest
 
@@ -384,16 +386,17 @@ class JobManager:
     async def _observe(self, job: _LocalJob, record: JobRecord, out: Any, seen: set[int]) -> None:
         """One engine output: a denoising step, an inner stage done (both ``out.progress``), or a
         final stage's result."""
-        progress = out.progress
-        if progress and not progress.get("stage_done"):
+        progress: RequestProgress | None = out.progress
+        if progress is not None and not progress.stage_done:
             if not job.started:
-                await self._started(job, record, progress.get("batch_id"), progress.get("batch_size"))
-            step = {"stage_id": progress.get("stage_id"), "step": progress.get("step"), "steps": progress.get("steps")}
+                # A progress event says nothing of its wave (its batch comes with the result).
+                await self._started(job, record, None, None)
+            step = {"stage_id": progress.stage_id, "step": progress.step, "steps": progress.steps}
             record.progress = step
             await self._emit(job, "step", step, {"progress": step})
             return
-        if progress:  # an inner stage is done: its timings come in the output's metrics
-            sid, m = progress["stage_id"], out.metrics
+        if progress is not None:  # an inner stage is done: its timings come in the output's metrics
+            sid, m = progress.stage_id, out.metrics
         else:
             sid = out.stage_id
             result = out.outputs_by_stage.get(sid)
@@ -429,8 +432,11 @@ class JobManager:
         request = GenerateRequest.model_validate(record.request | {"async_run": True})
         fmt = request.config.output_format
         start = time.time()
-        blobs = await encode_images(out.images, fmt, request.config.output_compression)
-        seeds = [r.metrics.get("seed") for sid, r in sorted(out.outputs_by_stage.items()) for _ in r.images if r.images]
+        items = items_of(out.media, "image")
+        blobs = await encoders.encode_all(items, fmt, quality=request.config.output_compression)
+        seeds = [
+            r.metrics.get("seed") for _, r in sorted(out.outputs_by_stage.items()) for _ in items_of(r.media, "image")
+        ]
         images = []
         # The URL of the gateway that stores the file: the configured public URL, else the one
         # the job was submitted through, unless another gateway took the job over (then its own).
@@ -441,14 +447,14 @@ class JobManager:
         for blob, seed in zip(blobs, seeds, strict=False):
             item: dict[str, Any] = {"seed": seed}
             if request.response_format == "url":
-                file_id = await self._put_file(record.job_id, blob, MEDIA_TYPES[fmt])
+                file_id = await self._put_file(record.job_id, blob, encoders.media_type("image", fmt))
                 item["url"] = f"{base}/v1/files/{file_id}"
             else:
                 item["b64_json"] = base64.b64encode(blob).decode()
             images.append(item)
         self.state.metrics.images.inc(len(images))
         record.trace.append(span("encode", start, time.time(), images=len(images), format=fmt))
-        size = f"{out.images[0].width}x{out.images[0].height}" if out.images else None
+        size = f"{items[0].width}x{items[0].height}" if items else None
         return {"images": images, "output_format": fmt, "size": size}
 
     async def _put_file(self, job_id: str, blob: bytes, media_type: str) -> str:

@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
+from omni_runtime import encoders
 from omni_runtime.bounds import MAX_PROMPT_CHARS, MAX_SIDE, MIN_SIDE
 from omni_runtime.bounds import pydantic as bounds
 from omni_runtime.exceptions import (
@@ -40,6 +41,7 @@ from omni_runtime.exceptions import (
     StageDeadError,
     UnavailableError,
 )
+from omni_runtime.media import KINDS, Modality
 from omni_runtime.outputs import OmniRequestOutput
 from omni_runtime.serialization import find_unencodable
 
@@ -57,6 +59,16 @@ Seed = Annotated[int, Field(**bounds("seed"))]
 Timeout = Annotated[float, Field(**bounds("timeout"))]
 #: Higher is served first (an extension); see docs/configuration.md, "Priority".
 Priority = Annotated[int, Field(**bounds("priority"))]
+
+
+def _image_format(value: str) -> str:
+    if value not in encoders.formats("image"):
+        raise ValueError(f"Input should be one of {', '.join(map(repr, encoders.formats('image')))}")
+    return value
+
+
+#: A file format for generated images: any the encoder registry has (omni_runtime/encoders.py).
+ImageFormat = Annotated[str, AfterValidator(_image_format)]
 
 
 class UnencodableValue(ValueError):
@@ -148,7 +160,7 @@ class _ImagesRequest(_SizedRequest):
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_IMAGES)
     response_format: Literal["b64_json", "url"] = "b64_json"
-    output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_format: ImageFormat = "png"
     #: JPEG / WebP quality (0-100).
     output_compression: int | None = Field(None, ge=0, le=100)
     # Extensions (``extra_body`` of the openai client) beyond here.
@@ -264,7 +276,7 @@ class GenerateInputs(_SizedRequest):
 class GenerateConfig(_Request):
     """How to run and deliver it: ``config`` of ``POST /v1/generate``."""
 
-    output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_format: ImageFormat = "png"
     output_compression: int | None = Field(None, ge=0, le=100)
     #: The engine's deadline for the generation (seconds), as ``timeout`` on the other routes.
     timeout: Timeout | None = None
@@ -333,7 +345,7 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     model: str | None = None
     #: Which outputs to return: ``["text"]``, ``["image"]`` or both (default: every final output).
-    modalities: list[Literal["text", "image"]] | None = Field(None, min_length=1, max_length=2)
+    modalities: list[Modality] | None = Field(None, min_length=1, max_length=len(KINDS))
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(**bounds("max_tokens"))] | None = None

@@ -47,6 +47,7 @@ from omni_runtime.exceptions import (
     RequestAbortedError,
     RequestTimeoutError,
 )
+from omni_runtime.media import output_type
 from omni_runtime.messages import (
     EngineAbort,
     EngineDead,
@@ -264,7 +265,7 @@ class AsyncOmniEngine:
             raise InvalidRequestError("modalities must be a list of strings", param="modalities")
         if not all(isinstance(m, str) for m in modalities):
             raise InvalidRequestError("modalities must be a list of strings", param="modalities")
-        wanted = {"image" if m == "images" else m for m in modalities}
+        wanted = {output_type(m) for m in modalities}
         chosen = [s.stage_id for s in finals if s.final_output_type in wanted]
         if not chosen:
             # A final stage has a type (checked at load).

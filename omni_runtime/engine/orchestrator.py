@@ -38,6 +38,7 @@ from omni_runtime.exceptions import (
     StageExecutionError,
     StageStartupError,
 )
+from omni_runtime.media import MediaItem, items_of
 from omni_runtime.messages import (
     EngineAbort,
     EngineOutput,
@@ -48,6 +49,7 @@ from omni_runtime.messages import (
     ErrorInfo,
     Payload,
     StageConstraints,
+    StageMetrics,
     StageOutput,
     StageRequest,
 )
@@ -341,7 +343,7 @@ class Orchestrator:
                     backend.settle(out, None),
                     lambda o: self._deliver(state, stage_id, o, finished=False, stage_finished=False),
                 )
-            elif "progress" in out.payload.metrics:  # an inner stage's progress: the caller sees it too
+            elif out.payload.progress is not None:  # an inner stage's progress: the caller sees it too
                 self._deliver(state, stage_id, out, finished=False, stage_finished=False)
             return
         self.pools[stage_id].done(out.request_id)
@@ -396,7 +398,7 @@ class Orchestrator:
                 return
         else:
             # An inner stage is done: the caller hears of it (and of its timings), not its data.
-            notice = Payload(metrics={**out.payload.metrics, "stage_done": True})
+            notice = Payload(metrics=out.payload.metrics, stage_done=True)
             self._deliver(
                 state,
                 stage_id,
@@ -428,7 +430,7 @@ class Orchestrator:
             result = func(
                 state.msg.prompt,
                 {
-                    sid: {"text": o.payload.text, "images": o.payload.images, "tensors": o.payload.tensors}
+                    sid: {"text": o.payload.text, "images": _arrays(o.payload.media), "tensors": o.payload.tensors}
                     for sid, o in upstream.items()
                 },
             )
@@ -438,8 +440,9 @@ class Orchestrator:
         texts = []
         for o in upstream.values():
             inputs.update(o.payload.tensors)
-            if o.payload.images:
-                inputs["images"] = o.payload.images
+            images = _arrays(o.payload.media)
+            if images:
+                inputs["images"] = images
             if o.payload.text is not None:
                 texts.append(o.payload.text)
         if texts:
@@ -453,7 +456,8 @@ class Orchestrator:
         payload = out.payload
         if stage_finished:
             e2e_ms = (time.time() - state.msg.arrival_time) * 1000.0
-            payload = msgspec.structs.replace(payload, metrics={**payload.metrics, "e2e_ms": e2e_ms})
+            metrics = msgspec.structs.replace(payload.metrics, e2e_ms=e2e_ms)
+            payload = msgspec.structs.replace(payload, metrics=metrics)
         self._emit(
             state.msg.channel,
             EngineOutput(
@@ -476,7 +480,7 @@ class Orchestrator:
         if stage_id is None:
             stage_id = next(iter(state.running), state.msg.final_stage_ids[0])
         e2e_ms = (time.time() - state.msg.arrival_time) * 1000.0
-        self._emit(state.msg.channel, _error_output(request_id, stage_id, exc, {"e2e_ms": e2e_ms}))
+        self._emit(state.msg.channel, _error_output(request_id, stage_id, exc, StageMetrics(e2e_ms=e2e_ms)))
 
     def _forget(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
@@ -526,7 +530,7 @@ class Orchestrator:
 
 
 def _error_output(
-    request_id: str, stage_id: int, exc: BaseException, metrics: dict[str, Any] | None = None
+    request_id: str, stage_id: int, exc: BaseException, metrics: StageMetrics | None = None
 ) -> EngineOutput:
     sid = getattr(exc, "stage_id", None)
     return EngineOutput(
@@ -534,5 +538,11 @@ def _error_output(
         stage_id=stage_id,
         finished=True,
         error=ErrorInfo.from_exception(exc, stage_id if sid is None else sid),
-        payload=Payload(metrics=metrics or {}),
+        payload=Payload() if metrics is None else Payload(metrics=metrics),
     )
+
+
+def _arrays(media: list[MediaItem]) -> list[Any]:
+    """The arrays of the images among ``media``: what a downstream stage and an input function
+    get as ``inputs["images"]`` / ``upstream[sid]["images"]``."""
+    return [m.data for m in items_of(media, "image")]

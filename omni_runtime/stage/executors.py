@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from omni_runtime.exceptions import OmniError, StageAsleepError, StageExecutionError
-from omni_runtime.messages import Payload, StageOutput
+from omni_runtime.messages import Payload, Progress, StageOutput
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StepResult
 from omni_runtime.stage.scheduler import RequestScheduler, Wave
 from omni_runtime.stage.step_scheduler import StepPlan, StepScheduler
@@ -302,7 +302,7 @@ class StepExecutor(Executor):
         return failed, results
 
     def _emit_progress(self, results: dict[str, StepResult]) -> None:
-        """``{"progress": {"step": i, "steps": n}}`` partial outputs for every request that just took
+        """:class:`Progress` partial outputs for every request that just took
         a step and goes on, in one burst, when the throttle says one is due."""
         w = self.worker
         now = time.monotonic()
@@ -318,6 +318,4 @@ class StepExecutor(Executor):
 
 def progress_output(rid: str, step: int, steps: int) -> StageOutput:
     """A partial output that says only how far a request's denoising got."""
-    return StageOutput(
-        request_id=rid, finished=False, payload=Payload(metrics={"progress": {"step": step, "steps": steps}})
-    )
+    return StageOutput(request_id=rid, finished=False, payload=Payload(progress=Progress(step=step, steps=steps)))

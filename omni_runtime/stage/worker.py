@@ -38,6 +38,7 @@ from omni_runtime.messages import (
     Payload,
     StageAbort,
     StageConstraints,
+    StageMetrics,
     StageOutput,
     StageOutputs,
     StagePing,
@@ -231,7 +232,7 @@ class StageWorker:
             self._failed += 1
         return StageOutput(
             request_id=rid,
-            payload=Payload(text=out.text, images=out.images, tensors=out.tensors, metrics=metrics),
+            payload=Payload(text=out.text, media=out.media, tensors=out.tensors, metrics=StageMetrics.of(metrics)),
             error=None if out.error is None else ErrorInfo.from_exception(out.error, self.stage_id),
         )
 
@@ -242,7 +243,8 @@ class StageWorker:
 
     def emit_partial(self, rid: str, part: RunnerOutput) -> None:
         if rid not in self.released:
-            payload = Payload(text=part.text, images=part.images, tensors=part.tensors, metrics=part.metrics)
+            metrics = StageMetrics.of(part.metrics)
+            payload = Payload(text=part.text, media=part.media, tensors=part.tensors, metrics=metrics)
             self._emit(StageOutput(request_id=rid, finished=False, payload=payload))
 
     def _emit(self, msg: Any) -> None:

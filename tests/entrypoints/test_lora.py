@@ -318,7 +318,7 @@ async def test_re_pointing_a_name_mid_denoise_keeps_the_running_requests_adapter
     params = {"seed": 9, "num_inference_steps": steps, "output_type": "np", "lora": {"name": "ink"}}
     stream = stepping.generate("a fox", params, "pinned")
     first = await stream.__anext__()  # its first step is done
-    assert first.metrics["progress"]["step"] >= 1 and not first.finished
+    assert first.progress.step >= 1 and not first.finished
     running = asyncio.create_task(anext_all(stream))
     try:
         [res] = await stepping.collective_rpc("add_lora", kwargs={"name": "ink", "path": adapters["oil"]})

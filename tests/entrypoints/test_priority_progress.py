@@ -78,8 +78,8 @@ async def test_request_level_waves_report_progress_before_the_image(tiny_sd: Asy
     outs = [o async for o in tiny_sd.generate("a red kite", DiffusionSamplingParams(num_inference_steps=steps))]
     progress = [o.progress for o in outs if o.progress is not None]
     assert progress, "no progress output before the image"
-    assert all(p["stage_id"] == 0 and p["steps"] == steps and 1 <= p["step"] <= steps for p in progress)
-    assert [p["step"] for p in progress] == sorted({p["step"] for p in progress})  # increasing, no repeats
+    assert all(p.stage_id == 0 and p.steps == steps and p.step is not None and 1 <= p.step <= steps for p in progress)
+    assert [p.step for p in progress] == sorted({p.step for p in progress})  # increasing, no repeats
     assert all(not o.finished and not o.images for o in outs[:-1])
     final = outs[-1]
     assert final.finished and final.progress is None and len(final.images) == 1
@@ -96,7 +96,7 @@ async def test_a_split_pipeline_reports_each_inner_stage_when_it_is_done() -> No
         outs = [
             o async for o in engine.generate("a blue kite", engine.sampling_params(image={"num_inference_steps": 2}))
         ]
-    done = [o.progress["stage_id"] for o in outs if o.progress and o.progress.get("stage_done")]
+    done = [o.progress.stage_id for o in outs if o.progress and o.progress.stage_done]
     assert done == [0, 1]  # the encoder, then the denoiser; the decoder's output is the final one
     assert outs[-1].finished and outs[-1].images and outs[-1].stage_id == 2
 

@@ -82,7 +82,7 @@ async def first_progress(engine: AsyncOmni, prompt: str, rid: str, **params: obj
     """Start a request and return (its task, the output stream) once its first step is done."""
     stream = engine.generate(prompt, params, rid)
     first = await stream.__anext__()
-    assert first.metrics["progress"]["step"] >= 1 and not first.finished
+    assert first.progress.step >= 1 and not first.finished
 
     async def rest() -> list:
         return [first] + [out async for out in stream]
@@ -115,10 +115,10 @@ async def test_progress_events_come_before_the_final_output_and_are_throttled(en
     outs = await outputs(engine, "a fox", seed=3, num_inference_steps=24)
     elapsed = time.monotonic() - start
     *partials, final = outs
-    steps = [p.metrics["progress"]["step"] for p in partials]
+    steps = [p.progress.step for p in partials]
     # A burst at most every 0.3 s: one at least in a request this long, never one per step.
     assert 1 <= len(steps) <= elapsed / 0.3 + 1 and steps == sorted(steps) and max(steps) < 24
-    assert all(not p.finished and not p.images and p.metrics["progress"]["steps"] == 24 for p in partials)
+    assert all(not p.finished and not p.images and p.progress.steps == 24 for p in partials)
     assert final.finished and len(final.images) == 1 and final.metrics["seed"] == 3
     assert 0 < final.metrics["time_to_first_step_ms"] <= final.metrics["e2e_ms"]
     s = await stats(engine)

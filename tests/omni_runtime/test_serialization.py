@@ -10,11 +10,13 @@ import pytest
 from hypothesis import given
 
 from omni_runtime.exceptions import InvalidRequestError, StageDeadError
+from omni_runtime.media import ImageItem
 from omni_runtime.messages import (
     ErrorInfo,
     Payload,
     StageAbort,
     StageConstraints,
+    StageMetrics,
     StageOutput,
     StageReady,
     StageRequest,
@@ -64,7 +66,7 @@ def test_inbound_messages_roundtrip(msg):
         StageOutput(
             request_id="r",
             error=ErrorInfo(type="StageExecutionError", message="boom", stage_id=1),
-            payload=Payload(text="hi", metrics={"batch_size": 2}),
+            payload=Payload(text="hi", metrics=StageMetrics(batch_size=2, extra={"tokens_per_s": 3.5})),
         ),
         StageRpcResult(call_id=3, result={"ok": [1, 2]}),
     ],
@@ -81,13 +83,18 @@ def test_arrays_and_tensors_travel_as_raw_frames():
     half = torch.randn(32, 32).to(torch.bfloat16)
     small = np.float32([1.5, 2.5])
     msg = StageOutput(
-        request_id="r", payload=Payload(images=[image], tensors={"latents": latents, "bf": half, "small": small})
+        request_id="r",
+        payload=Payload(
+            media=[ImageItem(data=image, seed=7)], tensors={"latents": latents, "bf": half, "small": small}
+        ),
     )
     out, frames = roundtrip(msg, outbound_decoder())
     # Header + one frame per large array; the small one is inlined.
     assert len(frames) == 1 + 3
     assert small.nbytes < INLINE_MAX
-    assert out.payload.images[0].dtype == np.uint8 and np.array_equal(out.payload.images[0], image)
+    (item,) = out.payload.media
+    assert isinstance(item, ImageItem) and item.seed == 7 and (item.width, item.height) == (64, 64)
+    assert item.data.dtype == np.uint8 and np.array_equal(item.data, image)
     assert isinstance(out.payload.tensors["latents"], torch.Tensor) and torch.equal(
         out.payload.tensors["latents"], latents
     )
@@ -107,7 +114,7 @@ def test_unsupported_objects_are_refused_not_pickled():
     [
         (StageRequest(request_id="r", prompt="a\ud800b", params={}), "UnicodeEncodeError"),
         (StageRpc(call_id=1, method="set_batching", kwargs={"max_num_seqs": 10**30}), "OverflowError"),
-        (StageOutput(request_id="r", payload=Payload(metrics={"n": -(2**64)})), "OverflowError"),
+        (StageOutput(request_id="r", payload=Payload(metrics=StageMetrics(extra={"n": -(2**64)}))), "OverflowError"),
     ],
 )
 def test_what_msgpack_cannot_carry_is_one_typed_encode_error(msg, why):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from omni_runtime import shm
+from omni_runtime.media import ImageItem
 from omni_runtime.messages import Payload, StageOutput, StageRequest
 from omni_runtime.serialization import Encoder, inbound_decoder, outbound_decoder
 
@@ -231,10 +232,12 @@ def test_a_failed_encode_gives_its_slots_back(pool):
 def test_materialize_walks_structs_and_containers(engine, pool):
     arr = np.arange(BIG, dtype=np.float32)
     out = outbound_decoder(engine).decode(
-        Encoder(pool).encode(StageOutput(request_id="r", payload=Payload(images=[arr], tensors={"t": arr}, text="x")))
+        Encoder(pool).encode(
+            StageOutput(request_id="r", payload=Payload(media=[ImageItem(data=arr)], tensors={"t": arr}, text="x"))
+        )
     )
     plain = shm.materialize(out)
     assert isinstance(plain, StageOutput) and plain.payload.text == "x"
-    assert np.array_equal(plain.payload.images[0], arr) and np.array_equal(plain.payload.tensors["t"], arr)
+    assert np.array_equal(plain.payload.media[0].data, arr) and np.array_equal(plain.payload.tensors["t"], arr)
     assert pool.stats()["busy"] == 0
     assert shm.materialize(plain) is plain  # nothing left to copy

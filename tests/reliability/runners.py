@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.media import ImageItem
 from omni_runtime.messages import StageConstraints
 from omni_runtime.params import DiffusionSamplingParams, GenericSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
@@ -73,7 +74,7 @@ class TinyImageRunner(StageRunner):
             seed = r.params.get("seed") or 0
             image = np.full((8, 8, 3), seed % 256, dtype=np.uint8)
             n = r.params.get("num_images_per_prompt") or 1
-            outputs.append(RunnerOutput(images=[image] * n, metrics={"seed": seed}))
+            outputs.append(RunnerOutput(media=[ImageItem(data=image, seed=seed)] * n, metrics={"seed": seed}))
         return outputs
 
 

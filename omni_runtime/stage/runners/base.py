@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from omni_runtime.config import StageConfig
+from omni_runtime.media import MediaItem
 from omni_runtime.messages import StageConstraints
 from omni_runtime.params import GenericSamplingParams
 from omni_runtime.stage.runners.stage_types import stage_type as builtin_stage_type
@@ -45,8 +46,8 @@ class RunnerOutput:
     """What a runner returns for one request (or ``error`` for that request alone)."""
 
     text: str | None = None
-    #: uint8 HxWx3 arrays, one per image.
-    images: list[Any] = field(default_factory=list)
+    #: Images (ImageItems with uint8 HxWx3 arrays, one per image), later video and audio.
+    media: list[MediaItem] = field(default_factory=list)
     #: Named numpy arrays or torch tensors (``latents``, ``prompt_embeds``, float ``images``...).
     tensors: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float | int] = field(default_factory=dict)

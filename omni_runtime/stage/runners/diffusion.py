@@ -30,6 +30,7 @@ import torch
 
 from omni_runtime.config import EngineArgs, StageConfig, TorchCompile
 from omni_runtime.exceptions import RequestAbortedError, RequestError, StageAsleepError
+from omni_runtime.media import image_items
 from omni_runtime.messages import StageConstraints
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.models.families import DEFAULT_FIXED_KWARGS, CallbackStyle, for_pipeline, import_family_modules
@@ -433,7 +434,7 @@ class DiffusionRunner(StageRunner):
                 if output_type == "np":
                     out.tensors["images"] = floats
                 else:
-                    out.images = [(x * 255).round().astype(np.uint8) for x in floats]
+                    out.media = image_items(floats, seed=m["seed"])
             outputs.append(out)
         return outputs
 
@@ -633,7 +634,7 @@ class DiffusionRunner(StageRunner):
                 if s.output_type == "np":
                     out.tensors["images"] = floats
                 else:
-                    out.images = [(x * 255).round().astype(np.uint8) for x in floats]
+                    out.media = image_items(floats, seed=s.seed)
                 outputs[s.request_id] = out
         for rid, out in outputs.items():
             out.metrics["seed"] = self._states[rid].seed

@@ -43,8 +43,8 @@ async def test_fan_out_fan_in_routes_through_every_stage(dag):
     outs = await collect(dag, "hello")
     # The inner stages 0 and 1 say when they are done (in either order); the final stages deliver.
     notices = [o for o in outs if o.progress is not None]
-    assert sorted(o.progress["stage_id"] for o in notices) == [0, 1]
-    assert all(o.progress["stage_done"] and not o.finished and o.text is None for o in notices)
+    assert sorted(o.progress.stage_id for o in notices) == [0, 1]
+    assert all(o.progress.stage_done and not o.finished and o.text is None for o in notices)
     outs = [o for o in outs if o.progress is None]
     assert [o.finished for o in outs] == [False, True]
     final = outs[-1]

@@ -25,6 +25,7 @@ from omni_runtime.messages import (
     ErrorInfo,
     Payload,
     StageAbort,
+    StageMetrics,
     StageOutput,
     StagePing,
     StagePong,
@@ -160,18 +161,19 @@ async def test_a_request_flows_down_the_graph_and_is_delivered_once():
         [req0] = await h.sent(0)
         assert req0.request_id == rid and req0.prompt == "hello"
         assert not h.replica(1).sent  # stage 1 waits for stage 0
-        h.replica(0).say(StageOutput(request_id=rid, payload=Payload(text="HELLO", metrics={"batch_size": 1})))
+        h.replica(0).say(StageOutput(request_id=rid, payload=Payload(text="HELLO", metrics=StageMetrics(batch_size=1))))
         # The caller hears that the inner stage is done, with its timings and without its data.
         notice = await h.output()
         assert notice.stage_id == 0 and not notice.finished and not notice.stage_finished
-        assert notice.payload.text is None and notice.payload.metrics == {"batch_size": 1, "stage_done": True}
+        assert notice.payload.text is None and notice.payload.stage_done
+        assert notice.payload.metrics == StageMetrics(batch_size=1)
         [req1] = await h.sent(1)
         assert req1.prompt == "HELLO" and req1.inputs == {"text": "HELLO"}
         assert h.backend.settled == [(rid, 1)]  # one consumer, no input function: handed over as it is
         h.replica(1).say(StageOutput(request_id=rid, payload=Payload(text="done")))
         out = await h.output()
         assert isinstance(out, EngineOutput) and out.finished and out.stage_id == 1 and out.payload.text == "done"
-        assert out.payload.metrics["e2e_ms"] >= 0
+        assert out.payload.metrics.e2e_ms >= 0
         assert h.backend.settled[-1] == (rid, None)  # delivered to the caller: plain values
         await asyncio.sleep(0)
         h.nothing_more()
@@ -193,7 +195,7 @@ async def test_fan_out_then_fan_in_waits_for_every_source_and_calls_the_input_fu
         h.replica(0).say(StageOutput(request_id=rid, payload=Payload(text="a")))
         await h.sent(1)
         await h.sent(2)
-        assert (await h.output()).payload.metrics == {"stage_done": True}  # stage 0's notice
+        assert (await h.output()).payload.stage_done  # stage 0's notice
         assert (rid, None) in h.backend.settled  # two consumers: each gets its own values
         h.replica(2).say(StageOutput(request_id=rid, payload=Payload(text="c")))
         first = await h.output()

@@ -153,8 +153,8 @@ def test_generates_the_requested_size(runner: DiffusionRunner, name: str) -> Non
     facts = FAMILIES[name]
     height, width = facts.native_size - facts.size_multiple, facts.native_size + facts.size_multiple
     out = run(runner, req(name, "a", seed=1, height=height, width=width, output_type="pil"))[0]
-    assert out.error is None and len(out.images) == 1
-    image = out.images[0]
+    assert out.error is None and len(out.media) == 1
+    image = out.media[0].data
     assert image.shape == (height, width, 3) and image.dtype == np.uint8
     assert image.std() > 0  # not a blank image
 
@@ -171,9 +171,9 @@ def test_a_fused_batch_equals_each_request_run_alone(runner: DiffusionRunner, na
         if output_type == "np":
             np.testing.assert_allclose(floats(out), floats(solo), rtol=0, atol=1e-3)
         else:
-            assert np.abs(out.images[0].astype(int) - solo.images[0].astype(int)).max() <= 1
+            assert np.abs(out.media[0].data.astype(int) - solo.media[0].data.astype(int)).max() <= 1
     # Distinct prompts and seeds: the outputs really were split per request.
-    first, second = (o.images[0] if output_type == "pil" else floats(o) for o in fused[:2])
+    first, second = (o.media[0].data if output_type == "pil" else floats(o) for o in fused[:2])
     assert np.abs(first.astype(float) - second.astype(float)).max() > 0.05
 
 

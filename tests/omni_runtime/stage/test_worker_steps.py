@@ -17,7 +17,7 @@ import pytest
 
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import InvalidRequestError
-from omni_runtime.messages import StageAbort, StageOutput, StageOutputs, StageRequest
+from omni_runtime.messages import Progress, StageAbort, StageOutput, StageOutputs, StageRequest
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 from omni_runtime.stage.worker import StageWorker
 
@@ -54,11 +54,11 @@ class Outbox(list):
     def finals(self) -> list[StageOutput]:
         return [m for m in self if isinstance(m, StageOutput) and m.finished]
 
-    def progress(self, rid: str) -> list[dict]:
+    def progress(self, rid: str) -> list[Progress]:
         return [
-            m.payload.metrics["progress"]
+            m.payload.progress
             for m in self
-            if isinstance(m, StageOutput) and not m.finished and m.request_id == rid
+            if isinstance(m, StageOutput) and not m.finished and m.request_id == rid and m.payload.progress
         ]
 
 
@@ -85,10 +85,10 @@ async def test_a_higher_priority_request_preempts_and_the_other_resumes_unchange
         finals = outbox.finals()
         assert [m.request_id for m in finals] == ["high", "low"]  # the one place went to high first
         by_id = {m.request_id: m for m in finals}
-        assert by_id["low"].payload.metrics["pauses"] == 1 and by_id["high"].payload.metrics["pauses"] == 0
-        assert by_id["low"].payload.metrics["steps_run"] == 12 and by_id["high"].payload.metrics["batch_size"] == 1
+        assert by_id["low"].payload.metrics.pauses == 1 and by_id["high"].payload.metrics.pauses == 0
+        assert by_id["low"].payload.metrics.steps_run == 12 and by_id["high"].payload.metrics.batch_size == 1
         progress = outbox.progress("low")
-        assert progress[0] == {"step": 1, "steps": 12} and all(p["steps"] == 12 for p in progress)
+        assert progress[0] == Progress(step=1, steps=12) and all(p.steps == 12 for p in progress)
         assert len(progress) < 12  # bursts, not an event per step
         # Its state was kept while it waited: the image is the one it makes alone.
         ctx = ExecuteContext(lambda rid: False)
@@ -115,11 +115,7 @@ async def test_abort_frees_the_slot_at_the_next_step_and_sends_nothing_more(cach
         assert all(m.request_id != "a" for m in outbox.finals())  # its caller was answered upstream
         c = next(m for m in outbox.finals() if m.request_id == "c")
         # c took a's slot at the next boundary, long before a's 8 steps would have ended.
-        assert (
-            c.payload.text == "c"
-            and c.payload.metrics["queue_wait_ms"] < 8 * 30
-            and c.payload.metrics["steps_run"] == 8
-        )
+        assert c.payload.text == "c" and c.payload.metrics.queue_wait_ms < 8 * 30 and c.payload.metrics.steps_run == 8
         stats = worker.stats()
         assert stats["requests_served"] == 2 and stats["running"] == 0 and stats["queue_len"] == 0
     finally:
@@ -148,7 +144,7 @@ async def test_a_runner_that_cannot_step_falls_back_with_a_logged_reason(
         assert "request-level batching: EchoRunner does not run requests step by step" in caplog.text
         worker.handle(StageRequest(request_id="r", prompt="hi", params={}))
         out = await outbox.wait_for(is_final("r"))
-        assert out.payload.text == "hi" and out.payload.metrics["batch_id"] == 1
+        assert out.payload.text == "hi" and out.payload.metrics.batch_id == 1
         assert worker.stats()["step_execution"] is False
     finally:
         await worker.close()

@@ -34,6 +34,7 @@ import msgspec
 
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, StageAsleepError
+from omni_runtime.media import image_items
 from omni_runtime.messages import StageConstraints
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
@@ -399,7 +400,7 @@ class SDVaeDecodeRunner(_SplitRunner):
                 if output_type == "np":
                     out.tensors["images"] = floats
                 else:
-                    out.images = [(x * 255).round().astype(np.uint8) for x in floats]
+                    out.media = image_items(floats, seed=metrics.get("seed"))
             offset += lat.shape[0]
             outputs.append(out)
         return outputs

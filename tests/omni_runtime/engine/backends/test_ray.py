@@ -56,7 +56,7 @@ def solo_image(prompt: str, seed: int) -> np.ndarray:
         runner.load()
         params = {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 7.5, "seed": seed}
         [out] = runner.execute([RunnerRequest("r", prompt, params)], ExecuteContext(lambda rid: False))
-        return out.images[0]
+        return out.media[0].data
     finally:
         torch.set_num_threads(threads)
 

@@ -77,10 +77,10 @@ def test_load_facts(runner: DiffusionRunner) -> None:
 
 def test_output_types_and_sizes(runner: DiffusionRunner) -> None:
     pil = run(runner, req("a", seed=1, output_type="pil"))[0]
-    assert len(pil.images) == 1
-    assert pil.images[0].shape == (64, 64, 3) and pil.images[0].dtype == np.uint8
+    assert len(pil.media) == 1
+    assert pil.media[0].data.shape == (64, 64, 3) and pil.media[0].data.dtype == np.uint8
     np_out = run(runner, req("b", seed=1, output_type="np", height=32, width=48))[0]
-    assert np_out.images == [] and floats(np_out).shape == (1, 32, 48, 3)
+    assert np_out.media == [] and floats(np_out).shape == (1, 32, 48, 3)
     assert floats(np_out).dtype == np.float32 and 0 <= floats(np_out).min() <= floats(np_out).max() <= 1
     latent = run(runner, req("c", seed=1, output_type="latent"))[0]
     assert latent.tensors["latents"].shape == (1, 4, 32, 32)
@@ -108,9 +108,9 @@ def test_a_batch_equals_each_request_run_alone(runner: DiffusionRunner, output_t
         if output_type == "np":
             np.testing.assert_allclose(floats(out), floats(solo), rtol=0, atol=1e-4)
         else:
-            assert np.abs(out.images[0].astype(int) - solo.images[0].astype(int)).max() <= 1
+            assert np.abs(out.media[0].data.astype(int) - solo.media[0].data.astype(int)).max() <= 1
     # Distinct prompts and seeds: the outputs were really split per request.
-    first, second = (o.images[0] if output_type == "pil" else floats(o) for o in fused[:2])
+    first, second = (o.media[0].data if output_type == "pil" else floats(o) for o in fused[:2])
     assert not np.array_equal(first, second)
 
 
@@ -137,7 +137,7 @@ def test_num_images_per_prompt(runner: DiffusionRunner) -> None:
     alone_b = floats(run(runner, req("b", "a fox", seed=9, num_images_per_prompt=2, output_type="np"))[0])
     np.testing.assert_allclose(floats(b), alone_b, rtol=0, atol=1e-4)
     pil = run(runner, req("p", seed=5, num_images_per_prompt=2))[0]
-    assert len(pil.images) == 2
+    assert len(pil.media) == 2 and [m.seed for m in pil.media] == [5, 6]  # image j: seed + j
 
 
 def test_negative_prompts(runner: DiffusionRunner) -> None:
@@ -192,7 +192,7 @@ def test_abort_of_the_whole_wave_stops_the_forward_early(runner: DiffusionRunner
         unet_calls.clear()
         outs = run(runner, req("d", seed=1), req("e", seed=2), ctx=ExecuteContext(lambda rid: rid == "d"))
         assert len(unet_calls) == 4
-        assert all(o.error is None and len(o.images) == 1 for o in outs)
+        assert all(o.error is None and len(o.media) == 1 for o in outs)
     finally:
         hook.remove()
 
@@ -236,4 +236,4 @@ def test_the_step_limit_it_reports_is_one_the_pipeline_runs(runner: DiffusionRun
     assert (limits.min_inference_steps, limits.max_inference_steps) == (1, 999)
     steps = limits.max_inference_steps
     (out,) = run(runner, req("most", num_inference_steps=steps, height=16, width=16, guidance_scale=0.0))
-    assert out.error is None and out.images[0].shape == (16, 16, 3)
+    assert out.error is None and out.media[0].data.shape == (16, 16, 3)

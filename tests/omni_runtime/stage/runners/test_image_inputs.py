@@ -195,7 +195,7 @@ def test_a_fused_batch_equals_each_request_run_alone(runner: DiffusionRunner, na
     pil = [req(name, f"p{i}", image=picture(30 + i), strength=0.8, seed=i, output_type="pil") for i in range(2)]
     for request, out in zip(pil, run(runner, *pil), strict=True):
         solo = run(runner, request)[0]
-        assert np.abs(out.images[0].astype(int) - solo.images[0].astype(int)).max() <= 1
+        assert np.abs(out.media[0].data.astype(int) - solo.media[0].data.astype(int)).max() <= 1
 
 
 def test_image_j_of_a_request_uses_seed_plus_j(runner: DiffusionRunner, name: str) -> None:
@@ -228,7 +228,7 @@ def test_the_output_has_the_input_size(runner: DiffusionRunner, name: str) -> No
     request = req(name, "a", image=image, strength=0.8, seed=1, output_type="pil")
     check_constraints(request.params, runner.constraints())
     out = run(runner, request)[0]
-    assert out.error is None and out.images[0].shape == (48, 32, 3)
+    assert out.error is None and out.media[0].data.shape == (48, 32, 3)
 
 
 # ---------------------------------------------------------------------------- model directories

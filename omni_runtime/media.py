@@ -1,0 +1,90 @@
+"""What a stage output is made of, as types: the kinds of output a pipeline can produce, and the
+media items (arrays with their metadata) that carry them from a runner to the caller.
+
+The kinds (``image``, ``video``, ``audio``, ``text``, ``tensor``) are declared here once: a stage's
+``final_output_type`` (config.py), the ``modalities`` a caller asks for (the engine and the HTTP
+protocol) and the encoder registry (:mod:`omni_runtime.encoders`) all read this module. Text and
+named tensors travel as the ``text`` and ``tensors`` fields of a
+:class:`~omni_runtime.messages.Payload` (text streams as deltas); every other kind is a media item
+in ``Payload.media``.
+
+A media item is a tagged msgspec Struct, so a list of them travels on the stage sockets as any
+other message part: its array goes through :mod:`omni_runtime.serialization` as a raw buffer
+(its own frame, or shared memory for a large one), never copied into the header. A new kind adds
+one Struct here, joins it to :data:`MediaItem`, and registers its encoders; the layers between
+the runner and the renderer pass items on without looking at their kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal, get_args
+
+import msgspec
+import numpy as np
+
+#: The kinds of output, once for the whole project.
+Kind = Literal["image", "video", "audio", "text", "tensor"]
+KINDS: tuple[str, ...] = get_args(Kind)
+#: What a stage may declare as its ``final_output_type``: a kind, or ``latent`` (the latents of a
+#: diffusion stage, which travel as the tensor ``latents``).
+OutputType = Literal[Kind, "latent"]
+OUTPUT_TYPES: tuple[str, ...] = (*KINDS, "latent")
+#: Other names callers use for an output type, and the type each stands for.
+ALIASES: dict[str, str] = {"images": "image"}
+#: What a caller may name in ``modalities``: an output type or an alias of one.
+Modality = Literal[OutputType, "images"]
+
+
+def output_type(name: str) -> str:
+    """The output type ``name`` stands for (an alias resolved; anything else unchanged)."""
+    return ALIASES.get(name, name)
+
+
+#: As every message (messages.py): keyword-only, frozen, encoded as an array, not tracked by the
+#: cycle collector. Tagged: the tag is the item's kind, so a list of mixed items decodes right.
+_Item = {"kw_only": True, "frozen": True, "array_like": True, "gc": False}
+
+
+class ImageItem(msgspec.Struct, tag="image", **_Item):
+    """One image: a uint8 ``HxWx3`` RGB array and what is known of how it was made."""
+
+    kind: ClassVar[str] = "image"
+
+    #: uint8 ``HxWx3``. Between processes the orchestrator may hold it as a shared-memory
+    #: reference; every caller-side item holds a numpy array.
+    data: Any
+    #: The seed of the generator this image was drawn with (None when unknown).
+    seed: int | None = None
+
+    @property
+    def height(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.data.shape[1])
+
+    def to_pil(self) -> Any:
+        """The image as a PIL image (PIL is imported here, not where the item is made)."""
+        from PIL import Image
+
+        return Image.fromarray(np.asarray(self.data))
+
+
+#: Every media item; a new kind joins here (``ImageItem | VideoItem | AudioItem``).
+MediaItem = ImageItem
+
+
+def image_items(floats: Any, seed: float | None = None) -> list[ImageItem]:
+    """Images from a pipeline's float output (``NxHxWx3`` in [0, 1]), rounded to uint8 the same way
+    for every runner; image ``j`` of a request was drawn with ``seed + j`` (``seed`` comes from the
+    metrics, whose values are typed ``float | int``; it is an int)."""
+    return [
+        ImageItem(data=(x * 255).round().astype(np.uint8), seed=None if seed is None else int(seed) + j)
+        for j, x in enumerate(floats)
+    ]
+
+
+def items_of(media: list[MediaItem], kind: str) -> list[MediaItem]:
+    """The items of one kind, in order."""
+    return [m for m in media if m.kind == kind]

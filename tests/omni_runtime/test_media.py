@@ -1,0 +1,192 @@
+"""Media items on the wire, the encoder registry, and how callers read them (``OmniRequestOutput``)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Iterator
+from typing import ClassVar
+
+import msgspec
+import numpy as np
+import pytest
+from PIL import Image
+from pydantic import ValidationError
+
+from entrypoints.async_omni import apply_output
+from entrypoints.openai import protocol as proto
+from omni_runtime import encoders
+from omni_runtime.config import StageConfig
+from omni_runtime.media import ALIASES, KINDS, OUTPUT_TYPES, ImageItem, image_items, items_of, output_type
+from omni_runtime.messages import EngineOutput, Payload, Progress, StageMetrics, StageOutput
+from omni_runtime.outputs import OmniRequestOutput, RequestProgress
+from omni_runtime.serialization import INLINE_MAX, Encoder, outbound_decoder
+
+
+def picture(height: int = 24, width: int = 40) -> np.ndarray:
+    return (np.arange(height * width * 3) % 251).astype(np.uint8).reshape(height, width, 3)
+
+
+def roundtrip(msg: StageOutput) -> StageOutput:
+    frames = Encoder().encode(msg)
+    return outbound_decoder().decode([bytes(f) for f in frames])
+
+
+# --------------------------------------------------------------------------- items on the wire
+
+
+def test_an_image_item_travels_with_its_metadata_and_its_array_as_a_frame() -> None:
+    image = picture()
+    assert image.nbytes >= INLINE_MAX
+    msg = StageOutput(request_id="r", payload=Payload(media=[ImageItem(data=image, seed=3)]))
+    frames = Encoder().encode(msg)
+    assert len(frames) == 2  # the header, and the array as a frame of its own (never copied into it)
+    out = outbound_decoder().decode(frames)
+    (item,) = out.payload.media
+    assert isinstance(item, ImageItem) and item.kind == "image" and item.seed == 3
+    assert (item.width, item.height) == (40, 24)
+    assert item.data.dtype == np.uint8 and np.array_equal(item.data, image)
+    assert not item.data.flags.owndata  # a view over the received frame
+
+
+def test_items_are_tagged_with_their_kind() -> None:
+    header = msgspec.msgpack.decode(Encoder().encode(ImageItem(data=np.zeros((2, 2, 3), np.uint8)))[0])
+    assert header[0] == "image"
+
+
+def test_image_items_round_like_the_pipelines_and_number_seeds_per_image() -> None:
+    floats = np.stack([np.full((4, 6, 3), 0.5, np.float32), np.full((4, 6, 3), 1.0, np.float32)])
+    items = image_items(floats, seed=10)
+    assert [i.seed for i in items] == [10, 11]
+    assert items[0].data.dtype == np.uint8 and int(items[0].data[0, 0, 0]) == 128 and int(items[1].data.max()) == 255
+    assert [i.seed for i in image_items(floats)] == [None, None]
+    assert items_of(items, "image") == items and items_of(items, "video") == []
+
+
+# --------------------------------------------------------------------------- kinds, declared once
+
+
+def test_kinds_and_aliases_come_from_one_declaration() -> None:
+    assert KINDS == ("image", "video", "audio", "text", "tensor")
+    assert set(KINDS) < set(OUTPUT_TYPES) and "latent" in OUTPUT_TYPES
+    assert output_type("images") == "image" and output_type("text") == "text" and ALIASES == {"images": "image"}
+    for value in OUTPUT_TYPES:
+        assert msgspec.convert({"stage_id": 0, "stage_type": "echo", "final_output_type": value}, StageConfig)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"stage_id": 0, "stage_type": "echo", "final_output_type": "smell"}, StageConfig)
+
+
+def test_http_modalities_take_the_declared_kinds_and_the_alias() -> None:
+    messages = [{"role": "user", "content": "x"}]
+    for value in ("text", "image", "images"):
+        assert proto.ChatCompletionRequest(messages=messages, modalities=[value]).modalities == [value]
+    with pytest.raises(ValidationError):
+        proto.ChatCompletionRequest(messages=messages, modalities=["smell"])
+
+
+# --------------------------------------------------------------------------- the encoder registry
+
+
+@pytest.mark.parametrize("fmt", encoders.formats("image"))
+def test_every_image_format_decodes_back_to_the_same_size(fmt: str) -> None:
+    item = ImageItem(data=picture(24, 40))
+    blob = encoders.encode(item, fmt)
+    decoded = Image.open(io.BytesIO(blob))
+    assert decoded.size == (40, 24)
+    assert Image.MIME[decoded.format] == encoders.media_type("image", fmt)
+    if fmt == "png":  # lossless
+        assert np.array_equal(np.asarray(decoded.convert("RGB")), item.data)
+
+
+def test_lossy_formats_take_a_quality() -> None:
+    item = ImageItem(data=np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    assert len(encoders.encode(item, "jpeg", quality=10)) < len(encoders.encode(item, "jpeg", quality=95))
+
+
+def test_an_unknown_format_names_the_registered_ones() -> None:
+    with pytest.raises(KeyError, match="png"):
+        encoders.encode(ImageItem(data=picture()), "gif")
+
+
+def test_encode_all_keeps_order_inline_and_in_a_thread() -> None:
+    small = [ImageItem(data=picture(8, 8 + i)) for i in range(3)]
+    large = [ImageItem(data=picture(600, 600)), ImageItem(data=picture(8, 9))]  # past the inline budget
+    for items in (small, large):
+        blobs = asyncio.run(encoders.encode_all(items, "png"))
+        assert [Image.open(io.BytesIO(b)).size for b in blobs] == [(i.width, i.height) for i in items]
+
+
+class Smell(msgspec.Struct, frozen=True, kw_only=True):
+    """A kind no product code knows: registering its encoder is all it takes to render it."""
+
+    kind: ClassVar[str] = "smell"
+    data: str
+
+
+@pytest.fixture
+def smell_and_bmp() -> Iterator[None]:
+    encoders.register_encoder("smell", "txt", "text/plain", lambda item, **_: item.data.encode())
+    encoders.register_encoder("image", "bmp", "image/bmp", lambda item, **_: b"BM")
+    try:
+        yield
+    finally:
+        encoders.unregister_encoder("smell", "txt")
+        encoders.unregister_encoder("image", "bmp")
+
+
+def test_a_registered_kind_and_format_are_what_every_renderer_offers(smell_and_bmp: None) -> None:
+    assert encoders.formats("smell") == ("txt",)
+    assert encoders.encode(Smell(data="rain"), "txt") == b"rain"  # type: ignore[arg-type]
+    # The file store serves what the registry declares, for any kind.
+    assert encoders.media_types()["txt"] == "text/plain" and encoders.media_types()["bmp"] == "image/bmp"
+    # The images routes and jobs take the registry's image formats.
+    assert proto.ImageGenerationRequest(prompt="x", output_format="bmp").output_format == "bmp"
+    assert proto.GenerateConfig(output_format="bmp").output_format == "bmp"
+    assert encoders.formats("image")[-1] == "bmp"
+
+
+def test_a_format_not_registered_is_a_validation_error() -> None:
+    with pytest.raises(ValidationError, match="png"):
+        proto.ImageGenerationRequest(prompt="x", output_format="bmp")
+    assert "bmp" not in encoders.media_types()
+
+
+# --------------------------------------------------------------------------- what callers read
+
+
+def delivered(stage_id: int, payload: Payload, *, finished: bool = True, stage_finished: bool = True) -> EngineOutput:
+    return EngineOutput(
+        request_id="r", stage_id=stage_id, finished=finished, stage_finished=stage_finished, payload=payload
+    )
+
+
+def test_images_are_pil_images_made_once_from_the_media() -> None:
+    out = OmniRequestOutput(request_id="r", stage_id=-1)
+    apply_output(out, delivered(1, Payload(media=[ImageItem(data=picture(), seed=4)], metrics=StageMetrics(seed=4))))
+    assert out.finished and [m.seed for m in out.media] == [4]
+    (image,) = out.images
+    assert image.size == (40, 24) and image.mode == "RGB"
+    assert out.images[0] is image and out.snapshot().images[0] is image  # made once per output
+    assert out.outputs_by_stage[1].images[0] is image
+
+
+def test_progress_and_stage_done_are_typed() -> None:
+    out = OmniRequestOutput(request_id="r", stage_id=-1)
+    apply_output(out, delivered(0, Payload(progress=Progress(step=2, steps=5)), finished=False, stage_finished=False))
+    assert out.progress == RequestProgress(stage_id=0, step=2, steps=5) and not out.outputs_by_stage
+    done = Payload(stage_done=True, metrics=StageMetrics(execution_ms=3.0))
+    apply_output(out, delivered(0, done, finished=False, stage_finished=False))
+    assert out.progress == RequestProgress(stage_id=0, stage_done=True) and out.metrics == {"execution_ms": 3.0}
+    apply_output(out, delivered(1, Payload(text="done")))
+    assert out.progress is None and out.text == "done" and out.images == []
+
+
+def test_stage_metrics_are_a_struct_made_and_read_in_one_place() -> None:
+    reported = {"seed": 3, "execution_ms": 2.5, "batch_size": 1.5, "tokens_per_s": 9.0, "time_to_first_step_ms": None}
+    metrics = StageMetrics.of(reported)
+    assert metrics.seed == 3 and metrics.execution_ms == 2.5 and metrics.time_to_first_step_ms is None
+    # A key it does not declare, or a value its field cannot decode, rides in ``extra`` as it is.
+    assert metrics.batch_size is None and metrics.extra == {"batch_size": 1.5, "tokens_per_s": 9.0}
+    out = roundtrip(StageOutput(request_id="r", payload=Payload(metrics=metrics)))
+    assert out.payload.metrics == metrics
+    assert metrics.as_dict() == {"seed": 3, "execution_ms": 2.5, "batch_size": 1.5, "tokens_per_s": 9.0}
