@@ -67,8 +67,13 @@ def _image_format(value: str) -> str:
     return value
 
 
-#: A file format for generated images: any the encoder registry has (omni_runtime/encoders.py).
-ImageFormat = Annotated[str, AfterValidator(_image_format)]
+def _image_formats_schema(schema: dict[str, Any]) -> None:
+    schema["enum"] = list(encoders.formats("image"))
+
+
+#: A file format for generated images: any the encoder registry has (omni_runtime/encoders.py);
+#: the OpenAPI schema lists them as an enum, as of when the schema is first built.
+ImageFormat = Annotated[str, AfterValidator(_image_format), Field(json_schema_extra=_image_formats_schema)]
 
 
 class UnencodableValue(ValueError):

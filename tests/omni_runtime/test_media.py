@@ -145,6 +145,11 @@ def test_a_registered_kind_and_format_are_what_every_renderer_offers(smell_and_b
     assert encoders.formats("image")[-1] == "bmp"
 
 
+def test_the_openapi_schema_lists_the_registered_image_formats(smell_and_bmp: None) -> None:
+    schema = proto.ImageGenerationRequest.model_json_schema()["properties"]["output_format"]
+    assert schema["enum"] == ["png", "jpeg", "webp", "bmp"] and schema["default"] == "png"
+
+
 def test_a_format_not_registered_is_a_validation_error() -> None:
     with pytest.raises(ValidationError, match="png"):
         proto.ImageGenerationRequest(prompt="x", output_format="bmp")
