@@ -134,6 +134,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(f"declared unit but using a process or model fixture: {wrong}")
 
 
+#: Where the libraries' model classes live (``from_pretrained`` loads a model).
+_MODEL_CLASSES = (
+    ("diffusers.pipelines.pipeline_utils", "DiffusionPipeline"),
+    ("diffusers.models.modeling_utils", "ModelMixin"),
+    ("transformers.modeling_utils", "PreTrainedModel"),
+)
+
+
 class UnitTestViolation(AssertionError):
     """A ``unit`` test did what only an integration or e2e test may."""
 
@@ -157,11 +165,9 @@ def _unit_guard(request: pytest.FixtureRequest) -> Iterator[None]:
         mp.setattr(subprocess.Popen, "_execute_child", refuse("starts a process"))
         mp.setattr(multiprocessing.process.BaseProcess, "start", refuse("starts a process"))
         mp.setattr("omni_runtime.models.builtin.builder", refuse("builds a builtin model"))
-        for module, cls in (("diffusers", "DiffusionPipeline"), ("diffusers", "ModelMixin")):
-            if module in sys.modules:  # only patched where loaded: importing it takes seconds
+        for module, cls in _MODEL_CLASSES:
+            if module in sys.modules:  # only patched where loaded: importing them takes seconds
                 mp.setattr(getattr(sys.modules[module], cls), "from_pretrained", refuse("loads a model"))
-        if "transformers" in sys.modules:
-            mp.setattr(sys.modules["transformers"].PreTrainedModel, "from_pretrained", refuse("loads a model"))
         yield
     started = [p.pid for p in children() if p.pid not in before]
     if started:
