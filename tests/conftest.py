@@ -66,6 +66,7 @@ MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 FIXTURE_KINDS: dict[str, str] = {
     "model_cache": "integration",  # builtin models are built and loaded into it
     "redis_server": "integration",  # a redis-server process
+    "ray_cluster": "integration",  # a private Ray cluster (tests/omni_runtime/engine/backends/)
 }
 
 _MARK_IN_SOURCE = re.compile(r"pytest\.mark\.(\w+)")
