@@ -27,12 +27,13 @@ redis-server:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q redis-server; }
 
 # Two pytest-xdist workers, a test file each at a time (module-scoped engines stay in one worker):
-# most tests wait on processes, sockets and leases, so two overlap well on two cores.
+# most tests wait on processes, sockets and leases, so two overlap well on two cores. The slowest
+# tests are listed at the end, so that a run says where the suite's time goes.
 TEST_WORKERS ?= 2
 test: $(STAMP) redis-server
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.overhead

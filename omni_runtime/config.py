@@ -207,6 +207,10 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: Priority aging: a waiting request gains one priority level per this many seconds it waits,
     #: so a low-priority request is served at last however many higher ones keep arriving.
     priority_aging_s: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 10.0
+    #: Seconds between two bursts of progress events. ``null`` adapts it to what a burst costs
+    #: (0.3 to 1 s, about 1 % of the model's time); a number fixes it, and ``0`` sends progress at
+    #: every step (a test, or a client that wants every step whatever the cost). At most 60 s.
+    progress_interval_s: Annotated[float, msgspec.Meta(ge=0, le=60)] | None = None
     #: LoRA adapters a diffusion stage offers by name: ``{name: absolute path}`` of a local adapter
     #: directory (or ``.safetensors`` file). Requests pick one with ``lora: {name, scale}``; HTTP
     #: clients can only name these (and those added with ``collective_rpc("add_lora")``).

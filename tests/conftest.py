@@ -1,18 +1,33 @@
-"""Shared fixtures, and the markers of every test file by its path.
+"""Shared fixtures, and the markers of every test: by what it does, with its path as the default.
 
-Engines are expensive (processes, models): keep them module-scoped. A test's kind follows from
-where it lives (:data:`MARKERS`), so ``pytest -m unit`` does not even import the files of the
-other kinds: no torch, no processes, seconds for the whole selection.
+Engines are expensive (processes, models): keep them module-scoped. A test's kind is
+
+- what its file or the test itself declares (``pytestmark = pytest.mark.integration``, or a
+  decorator): a file that loads a model or starts a process says so wherever it lives;
+- else ``integration`` if it uses a fixture that starts a process or loads a model
+  (:data:`FIXTURE_KINDS`);
+- else what its path says (:data:`MARKERS`).
+
+``unit`` means no child process and no model: :func:`_unit_guard` makes a unit test that starts a
+process or builds or loads a model fail. ``pytest -m unit`` does not even import a file that cannot
+hold a unit test (its path, the marks and fixtures named in its source say so, read without
+importing it): no torch, no processes, seconds for the whole selection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import multiprocessing.process
 import os
+import re
+import subprocess
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -22,12 +37,16 @@ from omni_runtime.config import DeployConfig, parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 
-#: How each test file is marked: the first rule whose path (relative to the repository) starts
-#: with the prefix wins. ``unit``: pure logic, milliseconds, no process and no model.
+#: The kinds of test; every test has one (``reliability`` and ``slow`` come on top).
+KINDS = ("unit", "integration", "e2e")
+
+#: The default markers of a test file: the first rule whose path (relative to the repository)
+#: starts with the prefix wins. A file or test that declares a kind, or uses a fixture of
+#: :data:`FIXTURE_KINDS`, has that kind instead of the path's.
 MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tests/reliability/test_http_", ("reliability", "e2e")),
-    ("tests/reliability/test_soak.py", ("reliability", "slow")),
-    ("tests/reliability/", ("reliability",)),
+    ("tests/reliability/test_soak.py", ("reliability", "integration", "slow")),
+    ("tests/reliability/", ("reliability", "integration")),
     ("tests/entrypoints/openai/", ("e2e",)),
     ("tests/entrypoints/jobs/test_memory_store.py", ("unit",)),
     ("tests/entrypoints/jobs/test_follow.py", ("unit",)),
@@ -43,8 +62,18 @@ MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tests/omni_runtime/", ("unit",)),
 )
 
+#: Fixtures that start a process or load a model: a test that uses one is of this kind.
+FIXTURE_KINDS: dict[str, str] = {
+    "model_cache": "integration",  # builtin models are built and loaded into it
+    "redis_server": "integration",  # a redis-server process
+    "ray_cluster": "integration",  # a private Ray cluster (tests/omni_runtime/engine/backends/)
+}
+
+_MARK_IN_SOURCE = re.compile(r"pytest\.mark\.(\w+)")
+
 
 def markers_for(path: Path) -> tuple[str, ...]:
+    """The markers a file's path gives its tests (:data:`MARKERS`)."""
     try:
         relative = path.resolve().relative_to(REPO).as_posix()
     except ValueError:
@@ -52,19 +81,98 @@ def markers_for(path: Path) -> tuple[str, ...]:
     return next((marks for prefix, marks in MARKERS if relative.startswith(prefix)), ())
 
 
+@functools.cache
+def possible_markers(path: Path, registered: frozenset[str]) -> tuple[frozenset[str], ...]:
+    """Every set of markers a test of this file may end up with, read from its path and its source
+    text (the registered marks it names, the fixtures of :data:`FIXTURE_KINDS` it mentions)
+    without importing it: one kind each, the path's other markers, and any of the others named."""
+    by_path = set(markers_for(path))
+    try:
+        source = path.read_text(errors="replace")
+    except OSError:
+        return (frozenset(by_path),)
+    named = set(_MARK_IN_SOURCE.findall(source)) & registered
+    used = {kind for name, kind in FIXTURE_KINDS.items() if re.search(rf"\b{name}\b", source)}
+    always = by_path - set(KINDS)
+    kinds = (by_path | named | used) & set(KINDS) or {""}
+    optional = sorted(named - set(KINDS) - always)
+    subsets = [{m for i, m in enumerate(optional) if bits >> i & 1} for bits in range(2 ** len(optional))]
+    return tuple(frozenset((always | {kind} | sub) - {""}) for kind in sorted(kinds) for sub in subsets)
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """Under ``-m EXPR``, a test file whose markers cannot match is not imported at all."""
+    """Under ``-m EXPR``, a test file none of whose tests can match is not imported at all."""
     expr = config.option.markexpr
     if not expr or not collection_path.name.startswith("test_") or collection_path.suffix != ".py":
         return None
-    marks = set(markers_for(collection_path))
-    return None if Expression.compile(expr).evaluate(lambda name, **_: name in marks) else True
+    registered = frozenset(line.split(":")[0].strip() for line in config.getini("markers"))
+    compiled = Expression.compile(expr)
+    for marks in possible_markers(collection_path, registered):
+        if compiled.evaluate(lambda name, marks=marks, **_: name in marks):
+            return None
+    return True
+
+
+def kinds_of(item: pytest.Item) -> tuple[str, ...]:
+    """The markers :func:`pytest_collection_modifyitems` adds to a test (see the module's doc)."""
+    declared = {m.name for m in item.iter_markers() if m.name in KINDS}
+    by_path = markers_for(item.path)
+    extra = tuple(m for m in by_path if m not in KINDS)
+    if declared:
+        return extra
+    used = sorted({FIXTURE_KINDS[f] for f in getattr(item, "fixturenames", ()) if f in FIXTURE_KINDS})
+    return (*extra, *used) if used else by_path
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wrong = []
     for item in items:
-        for mark in markers_for(item.path):
+        for mark in kinds_of(item):
             item.add_marker(mark)
+        if item.get_closest_marker("unit") and FIXTURE_KINDS.keys() & set(getattr(item, "fixturenames", ())):
+            wrong.append(item.nodeid)
+    if wrong:
+        raise pytest.UsageError(f"declared unit but using a process or model fixture: {wrong}")
+
+
+#: Where the libraries' model classes live (``from_pretrained`` loads a model).
+_MODEL_CLASSES = (
+    ("diffusers.pipelines.pipeline_utils", "DiffusionPipeline"),
+    ("diffusers.models.modeling_utils", "ModelMixin"),
+    ("transformers.modeling_utils", "PreTrainedModel"),
+)
+
+
+class UnitTestViolation(AssertionError):
+    """A ``unit`` test did what only an integration or e2e test may."""
+
+
+@pytest.fixture(autouse=True)
+def _unit_guard(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A ``unit`` test fails when it starts a child process, builds a builtin model or loads a
+    model: it belongs to ``integration`` (see the module's doc)."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+
+    def refuse(what: str) -> Callable[..., Any]:
+        def refused(*_: object, **__: object) -> Any:
+            raise UnitTestViolation(f"a unit test {what}: mark it integration (tests/conftest.py)")
+
+        return refused
+
+    before = {p.pid for p in children()}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "_execute_child", refuse("starts a process"))
+        mp.setattr(multiprocessing.process.BaseProcess, "start", refuse("starts a process"))
+        mp.setattr("omni_runtime.models.builtin.builder", refuse("builds a builtin model"))
+        for module, cls in _MODEL_CLASSES:
+            if module in sys.modules:  # only patched where loaded: importing them takes seconds
+                mp.setattr(getattr(sys.modules[module], cls), "from_pretrained", refuse("loads a model"))
+        yield
+    started = [p.pid for p in children() if p.pid not in before]
+    if started:
+        raise UnitTestViolation(f"a unit test left child processes {started}: mark it integration")
 
 
 async def eventually(
@@ -81,6 +189,12 @@ async def eventually(
 
 async def _value(x: bool | Awaitable[bool]) -> bool:
     return await x if inspect.isawaitable(x) else x
+
+
+def has_progress(outputs: Iterable[Any]) -> bool:
+    """Whether any of a request's outputs so far reports denoising progress (a step of a running
+    forward): what a test waits for instead of sleeping until a request "must be" running."""
+    return any(out.progress is not None and not out.progress.stage_done for out in outputs)
 
 
 def make_config(stages: list[dict], **top: object) -> DeployConfig:

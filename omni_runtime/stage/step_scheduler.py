@@ -335,8 +335,11 @@ class ProgressThrottle:
     against 0.1 ms sent. Hence a floor under the interval (``min_interval_s`` = 3 ms / 1 %), and
     above it the measured send cost x ``amplification`` / ``budget``, up to ``max_interval_s``: a
     progress bar or a job's event stream still moves at least once a second on a slow machine.
+    ``fixed_interval_s`` (``engine_args.progress_interval_s``) replaces all that with a fixed
+    interval; 0 makes every step due.
     """
 
+    fixed_interval_s: float | None = None
     budget: float = 0.01
     min_interval_s: float = 0.3
     max_interval_s: float = 1.0
@@ -349,6 +352,8 @@ class ProgressThrottle:
 
     @property
     def interval_s(self) -> float:
+        if self.fixed_interval_s is not None:
+            return self.fixed_interval_s
         per_burst = self.cost_s / self.bursts if self.bursts else 0.0
         return min(self.max_interval_s, max(self.min_interval_s, per_burst * self.amplification / self.budget))
 

@@ -91,7 +91,7 @@ class StageWorker:
             ),
         )
         # What the executors share, through the worker:
-        self.throttle = ProgressThrottle()
+        self.throttle = ProgressThrottle(fixed_interval_s=args.progress_interval_s)
         #: The one forward thread: every runner call that may be slow runs here, in order.
         self.forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage_id}-forward")
         #: Set on an arrival, an abort or a config change: the executor's loop looks again.

@@ -11,7 +11,7 @@ import pytest
 
 from omni_runtime import AsyncOmni
 from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, StageExecutionError
-from tests.conftest import eventually, make_config
+from tests.conftest import eventually, has_progress, make_config
 
 DEFAULTS = {"num_inference_steps": 4, "guidance_scale": 7.5, "height": 64, "width": 64}
 
@@ -35,10 +35,13 @@ async def engine():
     await asyncio.get_running_loop().run_in_executor(None, engine.close)
 
 
-async def run(engine, prompt, **params):
+async def run(engine, prompt, outs=None, **params):
+    """The request's last output; ``outs`` (a list) gets every output as it arrives."""
     out = None
     async for item in engine.generate(prompt, params):
         out = item
+        if outs is not None:
+            outs.append(item)
     return out
 
 
@@ -92,12 +95,13 @@ async def test_a_poisoned_request_fails_alone(engine):
 
 async def test_abort_mid_forward_releases_the_caller_at_once(engine):
     steps = {"num_inference_steps": 300}
-    slow = asyncio.create_task(run(engine, "slow", seed=1, **steps))
-    other = asyncio.create_task(run(engine, "other", seed=2, **steps))
-    await eventually(  # both are in the same running forward by now
-        lambda: engine.health().stages[0].inflight == 2, what="both requests in the stage"
+    slow_outs: list = []
+    other_outs: list = []
+    slow = asyncio.create_task(run(engine, "slow", slow_outs, seed=1, **steps))
+    other = asyncio.create_task(run(engine, "other", other_outs, seed=2, **steps))
+    await eventually(  # both are in a running forward: each has had progress from its steps
+        lambda: has_progress(slow_outs) and has_progress(other_outs), timeout=60, what="a step of both requests"
     )
-    await asyncio.sleep(0.2)  # a few steps into it
     first, second = list(engine.engine._pending)
     start = time.monotonic()
     engine.abort(first)

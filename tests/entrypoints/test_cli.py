@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import select
 import socket
 import subprocess
 
@@ -243,14 +246,15 @@ def test_ctrl_c_during_generate_exits_promptly_with_a_partial_report(tmp_path):
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
     )
+    # Interrupt while images are drawn: once the step bar (carriage returns, no newline) has moved.
+    stepped = re.compile(rb"generating .*\|\s*[1-9]\d*/3200 ", re.DOTALL)
     deadline = time.monotonic() + 120
-    line = ""
-    while "generating" not in line:
-        assert time.monotonic() < deadline and proc.poll() is None, "generate never started"
-        line = proc.stderr.readline()
-    time.sleep(1.0)
+    err = b""
+    while not stepped.search(err):
+        assert time.monotonic() < deadline and proc.poll() is None, f"generate never stepped: {err[-500:]!r}"
+        if select.select([proc.stderr], [], [], 0.5)[0]:
+            err += os.read(proc.stderr.fileno(), 65536)
     start = time.monotonic()
     proc.send_signal(signal.SIGINT)
     proc.wait(30)

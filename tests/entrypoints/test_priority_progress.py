@@ -11,7 +11,7 @@ import pytest
 from omni_runtime import AsyncOmni, Omni
 from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.params import DiffusionSamplingParams, EchoSamplingParams
-from tests.conftest import echo_stage, make_config
+from tests.conftest import echo_stage, eventually, has_progress, make_config
 
 pytestmark = pytest.mark.integration
 
@@ -29,10 +29,16 @@ async def finish(engine: AsyncOmni, prompt: str, params: object, order: list[str
             order.append(prompt)
 
 
+async def running(engine: AsyncOmni) -> bool:
+    """Whether stage 0 is running a request (not only holding it in its queue)."""
+    [stats] = await engine.collective_rpc("get_stats")
+    return stats.result["running"] > 0
+
+
 async def test_a_higher_priority_request_overtakes_waiting_ones(echo: AsyncOmni) -> None:
     order: list[str] = []
     hog = asyncio.create_task(finish(echo, "hog", EchoSamplingParams(delay_ms=400), order))
-    await asyncio.sleep(0.15)  # the hog is running; the others queue behind it
+    await eventually(lambda: running(echo), what="the hog running")  # the others queue behind it
     tasks = [
         asyncio.create_task(finish(echo, name, EchoSamplingParams(delay_ms=1, priority=p), order))
         for name, p in (("low-a", 0), ("low-b", 0), ("high", 5), ("mid", 1))
@@ -62,7 +68,8 @@ def sd(stage_id: int = 0, **engine_args: object) -> dict:
         "final_output": True,
         "final_output_type": "image",
         "default_sampling_params": {"height": 32, "width": 32, "guidance_scale": 1.0},
-        "engine_args": {"max_num_seqs": 2, **engine_args},
+        # Progress at every step: a few steps show it, and nothing waits for the throttle.
+        "engine_args": {"max_num_seqs": 2, "progress_interval_s": 0, **engine_args},
     }
 
 
@@ -74,10 +81,10 @@ async def tiny_sd():
 
 
 async def test_request_level_waves_report_progress_before_the_image(tiny_sd: AsyncOmni) -> None:
-    steps = 60
+    steps = 8
     outs = [o async for o in tiny_sd.generate("a red kite", DiffusionSamplingParams(num_inference_steps=steps))]
     progress = [o.progress for o in outs if o.progress is not None]
-    assert progress, "no progress output before the image"
+    assert progress and progress[0].step == 1, "no progress output from the first step"
     assert all(p.stage_id == 0 and p.steps == steps and p.step is not None and 1 <= p.step <= steps for p in progress)
     assert [p.step for p in progress] == sorted({p.step for p in progress})  # increasing, no repeats
     assert all(not o.finished and not o.images for o in outs[:-1])
@@ -85,10 +92,15 @@ async def test_request_level_waves_report_progress_before_the_image(tiny_sd: Asy
     assert final.finished and final.progress is None and len(final.images) == 1
 
 
-def test_the_blocking_api_returns_the_image_not_a_progress_notice() -> None:
-    with Omni(make_config([sd()])) as omni:
-        (out,) = omni.generate(["a green kite"], DiffusionSamplingParams(num_inference_steps=40))
-    assert out.finished and out.progress is None and len(out.images) == 1
+def test_the_blocking_api_returns_the_final_output_not_a_progress_notice() -> None:
+    # A stepping echo sends progress at each of its 8 steps, as a diffusion stage does, without a
+    # model to load.
+    stepping = echo_stage(
+        stage_type="tests.helpers:SteppingEcho", engine_args={"step_execution": True, "progress_interval_s": 0}
+    )
+    with Omni(make_config([stepping])) as omni:
+        (out,) = omni.generate(["a green kite"], EchoSamplingParams(delay_ms=1))
+    assert out.finished and out.progress is None and out.text == "a green kite"
 
 
 async def test_a_split_pipeline_reports_each_inner_stage_when_it_is_done() -> None:
@@ -112,8 +124,7 @@ async def test_with_step_execution_a_higher_priority_request_preempts_at_a_step_
             order.append("low")
 
         task = asyncio.create_task(low())
-        while not any(o.progress for o in low_outs):  # low is stepping, alone in the batch
-            await asyncio.sleep(0.01)
+        await eventually(lambda: has_progress(low_outs), timeout=120, what="low stepping")  # alone in the batch
         await finish(engine, "high", DiffusionSamplingParams(num_inference_steps=2, priority=9), order)
         await task
     assert order == ["high", "low"]

@@ -25,7 +25,7 @@ from omni_runtime.exceptions import (
 )
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
-from tests.conftest import make_config
+from tests.conftest import eventually, make_config
 
 pytestmark = pytest.mark.integration
 
@@ -126,6 +126,14 @@ async def test_progress_events_come_before_the_final_output_and_are_throttled(en
     assert s["progress_bursts"] <= s["step_time_ms"] / 300 + 5
 
 
+async def queued(engine: AsyncOmni) -> bool:
+    return (await stats(engine))["queue_len"] > 0
+
+
+async def running(engine: AsyncOmni) -> bool:
+    return (await stats(engine))["running"] > 0
+
+
 async def test_abort_and_deadline_free_the_slot_at_the_next_step(engine) -> None:
     [res] = await engine.collective_rpc("set_batching", kwargs={"max_num_seqs": 1})
     assert res.ok and res.result["max_num_seqs"] == 1
@@ -133,7 +141,7 @@ async def test_abort_and_deadline_free_the_slot_at_the_next_step(engine) -> None
         # Abort: the waiting request takes the slot a step later, not 300 steps later.
         hog = await first_progress(engine, "hog", "hog", seed=4, num_inference_steps=300)
         waiting = asyncio.create_task(outputs(engine, "next", seed=5))
-        await asyncio.sleep(0.2)
+        await eventually(lambda: queued(engine), what="the next request waiting in the stage")
         engine.abort("hog")
         with pytest.raises(RequestAbortedError):
             await hog
@@ -143,7 +151,7 @@ async def test_abort_and_deadline_free_the_slot_at_the_next_step(engine) -> None
         # Deadline: the same, through the engine's timer.
         start = time.monotonic()
         timed = asyncio.create_task(outputs(engine, "slow", seed=6, num_inference_steps=300, timeout=1.0))
-        await asyncio.sleep(0.05)
+        await eventually(lambda: running(engine), what="the slow request stepping")
         behind = await outputs(engine, "behind", seed=7)
         with pytest.raises(RequestTimeoutError):
             await timed

@@ -47,6 +47,10 @@ def test_bundled_configs_load():
             "deploy.yaml: stage_args[0].engine_args.request_batch_max_wait_ms: Expected `float` >= 0.0, got -1",
         ),
         (
+            {"stage_args": [stage(engine_args={"progress_interval_s": 61})]},
+            "deploy.yaml: stage_args[0].engine_args.progress_interval_s: Expected `float` <= 60.0, got 61",
+        ),
+        (
             {"stage_args": [stage(runtime={"num_replicas": 0})]},
             "deploy.yaml: stage_args[0].runtime.num_replicas: Expected `int` >= 1, got 0",
         ),

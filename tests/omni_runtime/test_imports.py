@@ -7,6 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration  # each test starts a fresh interpreter
+
 HEAVY = ("janus", "omni_runtime.engine", "omni_runtime.entrypoints", "fastapi", "uvicorn")
 
 

@@ -208,6 +208,7 @@ print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
+@pytest.mark.integration  # a fresh interpreter, to read its peak memory
 def test_a_huge_image_view_is_refused_before_it_is_copied():
     repo = Path(__file__).resolve().parents[2]
     out = subprocess.run(

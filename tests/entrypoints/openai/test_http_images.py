@@ -1,28 +1,34 @@
-"""The server with no model argument (builtin tiny-sd) and an API key: images, image-only chat,
-models, auth, validation errors, metrics and the control route, through the official client."""
+"""The server on the bundled tiny-sd config and an API key: images, image-only chat, models, auth,
+validation errors, metrics and the control route, through the official client. The config sends
+progress at every step (``progress_interval_s: 0``), so a stream's first progress comment is step 1
+without waiting for the throttle; test_http_image_inputs.py serves with no model argument."""
 
 from __future__ import annotations
 
 import base64
 import io
-import time
 import warnings
 
 import httpx
 import numpy as np
 import openai
 import pytest
+import yaml
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from .server_process import start_server, stop_server
+from .server_process import REPO, start_server, stop_server, write_config
 
 KEY = "sk-test-key"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server("--api-key", KEY, "--max-num-seqs", "4", log=tmp_path_factory.mktemp("srv") / "server.log")
+    tmp = tmp_path_factory.mktemp("srv")
+    config = yaml.safe_load((REPO / "stage_configs" / "tiny-sd.yaml").read_text())
+    config["stage_args"][0]["engine_args"]["progress_interval_s"] = 0
+    path = write_config(tmp / "tiny-sd.yaml", config)
+    srv = start_server(str(path), "--api-key", KEY, "--max-num-seqs", "4", log=tmp / "server.log")
     yield srv
     stop_server(srv)
 
@@ -107,7 +113,6 @@ def test_chat_stream_sends_progress_comments_while_the_image_is_drawn(http):
         "stream": True,
         "priority": 3,  # an extension field, like seed
     }
-    time.sleep(1.1)  # the stage sends a progress burst at most once a second: this one is due at step 1
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line]

@@ -311,6 +311,14 @@ def test_a_dear_burst_still_leaves_progress_at_least_once_a_second() -> None:
     assert throttle.interval_s == pytest.approx(1.0) and throttle.due(1.0)
 
 
+def test_a_fixed_interval_replaces_the_measured_one() -> None:
+    every_step = ProgressThrottle(fixed_interval_s=0.0)
+    every_step.sent(0.0, events=1, cost_s=0.05)  # dear, but the interval is fixed
+    assert every_step.interval_s == 0.0 and every_step.claim(0.0) and every_step.claim(0.0)
+    slow = ProgressThrottle(fixed_interval_s=5.0)
+    assert slow.claim(0.0) and not slow.due(4.9) and slow.due(5.0)
+
+
 def test_bursts_cost_about_the_budget_of_the_stepping_time() -> None:
     # Each burst disturbs the model for about 30 x its measured send cost; over a long run of 30 ms
     # steps, the estimated disturbance stays near 1 % of the time.

@@ -122,6 +122,17 @@ async def test_abort_frees_the_slot_at_the_next_step_and_sends_nothing_more(cach
         await worker.close()
 
 
+async def test_a_progress_interval_of_zero_reports_every_step() -> None:
+    worker, outbox = await started(stage("tests.helpers:SteppingEcho", step_execution=True, progress_interval_s=0))
+    try:
+        worker.handle(StageRequest(request_id="a", prompt="a", params={"delay_ms": 1.0}))
+        await outbox.wait_for(is_final("a"))
+        # Every step but the last, whose output is the final one (the throttle would send one or two).
+        assert [p.step for p in outbox.progress("a")] == list(range(1, 8))
+    finally:
+        await worker.close()
+
+
 async def test_a_request_the_runner_does_not_step_fails_instead_of_holding_its_slot(cache: Path) -> None:
     worker, outbox = await started(stage("tests.helpers:ForgetfulStepper", max_num_seqs=2, step_execution=True))
     try:
