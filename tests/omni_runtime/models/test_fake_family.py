@@ -79,9 +79,9 @@ def test_the_runner_reads_its_spec(model_cache: Path) -> None:
     runner = DiffusionRunner(stage)
     runner.load()
     constraints = runner.constraints()
-    assert constraints["size_multiple"] == 16
-    assert constraints["size_multiple_reason"].endswith("and the pipeline takes multiples of 16 only")
-    assert constraints["image_inputs"] == []  # its spec names no image forms
+    assert constraints.size_multiple == 16
+    assert constraints.size_multiple_reason.endswith("and the pipeline takes multiples of 16 only")
+    assert constraints.image_inputs == ()  # its spec names no image forms
 
     checks: list[str] = []
     progress: list[int] = []
