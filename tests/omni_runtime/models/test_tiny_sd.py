@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import time
 from pathlib import Path
 
 import pytest
@@ -29,11 +28,9 @@ def test_clip_vocab_matches_the_text_encoder(tmp_path: Path) -> None:
     assert all(a + b in vocab for a, b in (m.split() for m in merges[1:]))
 
 
-def test_two_builds_are_identical_and_fast(tmp_path: Path) -> None:
-    build_tiny_sd(tmp_path / "a")  # the first build also pays for lazy imports
-    start = time.perf_counter()
+def test_two_builds_are_identical(tmp_path: Path) -> None:
+    build_tiny_sd(tmp_path / "a")
     build_tiny_sd(tmp_path / "b")
-    assert time.perf_counter() - start < 1.0  # typically 0.1 s
     a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
     assert a.keys() == b.keys()
     assert {"model_index.json", "unet/diffusion_pytorch_model.safetensors", "tokenizer/vocab.json"} <= a.keys()
@@ -42,7 +39,7 @@ def test_two_builds_are_identical_and_fast(tmp_path: Path) -> None:
     assert "local_files_only" not in tokenizer_config
 
 
-def test_loads_offline_and_makes_a_small_image_quickly(tmp_path: Path) -> None:
+def test_loads_offline_and_makes_a_small_image(tmp_path: Path) -> None:
     import torch
     from diffusers import DiffusionPipeline
 
@@ -61,19 +58,12 @@ def test_loads_offline_and_makes_a_small_image_quickly(tmp_path: Path) -> None:
             generator=torch.Generator().manual_seed(0),
         ).images
 
-    # One thread and the best of three: a neighbour's load on a shared machine must not fail it.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert generate().shape == (1, 64, 64, 3)  # also the warm-up
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            generate()
-            times.append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-    assert min(times) < 1.0
+    # Deterministic for a seed, and tiny: about 2.1 million parameters in all (what keeps the suite's
+    # model loads and forwards cheap; its speed is measured in benchmarks/, not asserted here).
+    first = generate()
+    assert first.shape == (1, 64, 64, 3)
+    assert (generate() == first).all()
+    assert sum(p.numel() for m in (pipe.unet, pipe.vae, pipe.text_encoder) for p in m.parameters()) < 3_000_000
 
 
 def _ensure_in_child(barrier, results) -> None:
