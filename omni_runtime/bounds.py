@@ -31,6 +31,8 @@ MAX_LORA_SCALE = 10.0
 MAX_LORA_PATH_CHARS = 4096
 #: Smallest and largest side of an image, in pixels (requested sizes and input images).
 MIN_SIDE, MAX_SIDE = 8, 4096
+#: Most frames of a video any request may ask for (a model's own limit applies on top).
+MAX_FRAMES = 4097
 
 #: The keyword names of a bound, as both msgspec.Meta and pydantic's Field take them.
 BOUND_NAMES = ("ge", "gt", "le", "lt", "min_length", "max_length", "pattern")
@@ -100,6 +102,10 @@ REQUEST_BOUNDS: dict[str, Bounds] = {
     "num_images_per_prompt": Bounds(ge=1, le=16),
     "negative_prompt": Bounds(max_length=MAX_PROMPT_CHARS),
     "strength": Bounds(gt=0, le=1),
+    #: Frames of a video (a model's own rule, such as 4k + 1, and maximum are checked at enqueue).
+    "num_frames": Bounds(ge=1, le=MAX_FRAMES),
+    #: Frames per second of a video: what it plays at, not what the model makes.
+    "fps": Bounds(ge=1, le=240),
     "lora.name": Bounds(pattern=LORA_NAME_PATTERN),
     "lora.scale": Bounds(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE),
     "lora.path": Bounds(min_length=1, max_length=MAX_LORA_PATH_CHARS),

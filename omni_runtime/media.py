@@ -17,6 +17,8 @@ the runner and the renderer pass items on without looking at their kind.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
 
 import msgspec
@@ -71,8 +73,48 @@ class ImageItem(msgspec.Struct, tag="image", **_Item):
         return Image.fromarray(np.asarray(self.data))
 
 
+class VideoItem(msgspec.Struct, tag="video", **_Item):
+    """One video: uint8 ``FxHxWx3`` RGB frames, the rate they play at, and how they were made."""
+
+    kind: ClassVar[str] = "video"
+
+    #: uint8 ``FxHxWx3`` (frames, height, width, RGB); as :attr:`ImageItem.data` between processes.
+    data: Any
+    #: Frames per second a player shows them at.
+    fps: int
+    #: The seed of the generator this video was drawn with (None when unknown).
+    seed: int | None = None
+
+    @property
+    def frames(self) -> np.ndarray:
+        """The frames, uint8 ``FxHxWx3``."""
+        return np.asarray(self.data)
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def height(self) -> int:
+        return int(self.data.shape[1])
+
+    @property
+    def width(self) -> int:
+        return int(self.data.shape[2])
+
+    def save(self, path: str | os.PathLike[str], **options: Any) -> None:
+        """Write the video to ``path`` in the format its suffix names (``.mp4``; ``.png`` writes the
+        poster frame), through the encoder registry; ``options`` go to the encoder."""
+        from omni_runtime.encoders import encode
+
+        suffix = Path(path).suffix.lstrip(".").lower()
+        if not suffix:
+            raise ValueError(f"cannot tell the format of {str(path)!r}: give it a suffix such as .mp4")
+        Path(path).write_bytes(encode(self, suffix, **options))
+
+
 #: Every media item; a new kind joins here (``ImageItem | VideoItem | AudioItem``).
-MediaItem = ImageItem
+MediaItem = ImageItem | VideoItem
 
 
 def image_items(floats: Any, seed: float | None = None) -> list[ImageItem]:
@@ -81,6 +123,19 @@ def image_items(floats: Any, seed: float | None = None) -> list[ImageItem]:
     metrics, whose values are typed ``float | int``; it is an int)."""
     return [
         ImageItem(data=(x * 255).round().astype(np.uint8), seed=None if seed is None else int(seed) + j)
+        for j, x in enumerate(floats)
+    ]
+
+
+def video_items(floats: Any, fps: int, seed: float | None = None) -> list[VideoItem]:
+    """Videos from a video pipeline's float output (``NxFxHxWx3`` in [0, 1]), rounded to uint8 as
+    :func:`image_items` rounds images; video ``j`` of a request was drawn with ``seed + j``."""
+    return [
+        VideoItem(
+            data=(np.clip(x, 0.0, 1.0) * 255).round().astype(np.uint8),
+            fps=int(fps),
+            seed=None if seed is None else int(seed) + j,
+        )
         for j, x in enumerate(floats)
     ]
 

@@ -143,6 +143,13 @@ class StageConstraints(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     default_strength: dict[str, float] = {}
     #: Set (to the reason) when the pipeline only edits images: a request needs an input image.
     requires_image: str | None = None
+    #: A video model makes ``frames_step * k + 1`` frames; None: the stage makes images, and
+    #: ``num_frames`` / ``fps`` are refused.
+    frames_step: int | None = None
+    #: Why, in the model's terms, for the error.
+    frames_reason: str | None = None
+    #: Most frames a request may ask for.
+    max_frames: int | None = None
 
 
 class StageReady(msgspec.Struct, tag="ready", **_Msg):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omni_runtime.exceptions import OmniError
-from omni_runtime.media import MediaItem
+from omni_runtime.media import ImageItem, MediaItem, VideoItem
 
 
 @dataclass
@@ -26,8 +26,13 @@ class StageResult:
     def images(self) -> list[Any]:
         """This stage's images as PIL images (made once, on first use)."""
         if self._images is None:
-            self._images = [m.to_pil() for m in self.media if m.kind == "image"]
+            self._images = [m.to_pil() for m in self.media if isinstance(m, ImageItem)]
         return self._images
+
+    @property
+    def videos(self) -> list[VideoItem]:
+        """This stage's videos: ``.frames`` (uint8 FxHxWx3), ``.fps``, ``.save(path)``."""
+        return [m for m in self.media if isinstance(m, VideoItem)]
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ class OmniRequestOutput:
     stage_id: int
     finished: bool = False
     #: Every final stage's media items, in stage order (``images`` is the images among them, as
-    #: PIL images).
+    #: PIL images; ``videos`` the videos).
     media: list[MediaItem] = field(default_factory=list)
     text: str | None = None
     #: The newest streamed piece of ``text`` (AsyncOmni streaming); None otherwise.
@@ -76,6 +81,12 @@ class OmniRequestOutput:
     def images(self) -> list[Any]:
         """The images of every final stage, as PIL images (each made once per output)."""
         return [img for r in self.outputs_by_stage.values() for img in r.images]
+
+    @property
+    def videos(self) -> list[VideoItem]:
+        """The videos of every final stage: ``.frames`` (uint8 FxHxWx3), ``.fps`` and
+        ``.save("clip.mp4")`` (the format from the suffix, through the encoder registry)."""
+        return [video for r in self.outputs_by_stage.values() for video in r.videos]
 
     def snapshot(self) -> OmniRequestOutput:
         """A copy whose containers later deliveries do not change (AsyncOmni yields these)."""

@@ -79,7 +79,7 @@ class LoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
 
 
 class DiffusionSamplingParams(SamplingParams):
-    """Parameters of a diffusion (text-to-image) request."""
+    """Parameters of a diffusion (text-to-image, text-to-video) request."""
 
     stage_type: ClassVar[str] = "diffusion"
 
@@ -105,6 +105,10 @@ class DiffusionSamplingParams(SamplingParams):
     strength: Annotated[float, meta("strength")] | None = None
     #: A LoRA adapter to run with (a :class:`LoraRequest` or a dict of its fields); none when unset.
     lora: LoraRequest | None = None
+    #: Frames of a video (a video model only; its rule, such as ``4k + 1``, is checked at enqueue).
+    num_frames: Annotated[int, meta("num_frames")] | None = None
+    #: Frames per second the video plays at (a video model only); unset: the family's default.
+    fps: Annotated[int, meta("fps")] | None = None
 
 
 class TextSamplingParams(SamplingParams):
@@ -322,6 +326,7 @@ def check_constraints(params: dict[str, Any], constraints: StageConstraints) -> 
         )
     has_image = params.get("image") is not None
     check_image_capability(params, constraints)
+    check_frames(params, constraints)
     check_step_range(params.get("num_inference_steps"), constraints)
     h = params.get("height")
     w = params.get("width")
@@ -349,6 +354,33 @@ def check_constraints(params: dict[str, Any], constraints: StageConstraints) -> 
             f"invalid sampling param `height`/`width`: {w}x{h} exceeds this stage's limit of {max_pixels} "
             f"pixels (engine_args.max_pixels{made_for})",
             param="size",
+        )
+
+
+def check_frames(params: dict[str, Any], constraints: StageConstraints) -> None:
+    """Refuse video params on an image stage, and a frame count the video model cannot make."""
+    step = constraints.frames_step
+    for name in ("num_frames", "fps"):
+        if params.get(name) is not None and step is None:
+            raise InvalidRequestError(
+                f"invalid sampling param `{name}`: this stage's model makes images, not videos", param=name
+            )
+    frames = params.get("num_frames")
+    if frames is None or step is None:
+        return
+    why = constraints.frames_reason or "the model's VAE temporal compression"
+    if (frames - 1) % step:
+        below = (frames - 1) // step * step + 1
+        raise InvalidRequestError(
+            f"invalid sampling param `num_frames`: {frames} is not of the form {step}k+1 ({why}); "
+            f"the nearest are {below} and {below + step}",
+            param="num_frames",
+        )
+    most = constraints.max_frames
+    if most is not None and frames > most:
+        raise InvalidRequestError(
+            f"invalid sampling param `num_frames`: {frames} is more than the {most} this stage's model can make",
+            param="num_frames",
         )
 
 

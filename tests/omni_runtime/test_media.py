@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import io
 from collections.abc import Iterator
+from pathlib import Path
 from typing import ClassVar
 
+import av
 import msgspec
 import numpy as np
 import pytest
@@ -17,7 +19,18 @@ from entrypoints.async_omni import apply_output
 from entrypoints.openai import protocol as proto
 from omni_runtime import encoders
 from omni_runtime.config import StageConfig
-from omni_runtime.media import ALIASES, KINDS, OUTPUT_TYPES, ImageItem, image_items, items_of, output_type
+from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.media import (
+    ALIASES,
+    KINDS,
+    OUTPUT_TYPES,
+    ImageItem,
+    VideoItem,
+    image_items,
+    items_of,
+    output_type,
+    video_items,
+)
 from omni_runtime.messages import EngineOutput, Payload, Progress, StageMetrics, StageOutput
 from omni_runtime.outputs import OmniRequestOutput, RequestProgress
 from omni_runtime.serialization import INLINE_MAX, Encoder, outbound_decoder
@@ -195,3 +208,85 @@ def test_stage_metrics_are_a_struct_made_and_read_in_one_place() -> None:
     out = roundtrip(StageOutput(request_id="r", payload=Payload(metrics=metrics)))
     assert out.payload.metrics == metrics
     assert metrics.as_dict() == {"seed": 3, "execution_ms": 2.5, "batch_size": 1.5, "tokens_per_s": 9.0}
+
+
+# --------------------------------------------------------------------------- videos
+
+
+def clip(frames: int = 9, height: int = 32, width: int = 48) -> np.ndarray:
+    """Frames that differ from each other (a moving gradient), so a decoder cannot merge them."""
+    base = picture(height, width).astype(np.int32)
+    return np.stack([((base + 17 * f) % 256).astype(np.uint8) for f in range(frames)])
+
+
+def decode_mp4(data: bytes) -> tuple[list[np.ndarray], float, str, str]:
+    """What a player reads back: the frames, the frame rate, the codec and the pixel format."""
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+        rate = stream.average_rate
+        assert rate is not None
+        return frames, float(rate), stream.codec_context.name, str(stream.codec_context.pix_fmt)
+
+
+def test_a_video_item_travels_tagged_with_its_frames_as_a_frame() -> None:
+    frames = clip()
+    msg = StageOutput(request_id="r", payload=Payload(media=[VideoItem(data=frames, fps=8, seed=2)]))
+    (item,) = roundtrip(msg).payload.media
+    assert isinstance(item, VideoItem) and item.kind == "video" and (item.fps, item.seed) == (8, 2)
+    assert (item.num_frames, item.height, item.width) == (9, 32, 48)
+    assert item.frames.dtype == np.uint8 and np.array_equal(item.frames, frames)
+    assert msgspec.msgpack.decode(Encoder().encode(VideoItem(data=frames[:1], fps=1))[0])[0] == "video"
+
+
+def test_video_items_round_like_images_and_number_seeds_per_video() -> None:
+    floats = np.stack([np.full((5, 4, 6, 3), 0.5, np.float32), np.full((5, 4, 6, 3), 1.0, np.float32)])
+    items = video_items(floats, fps=12, seed=10)
+    assert [(i.seed, i.fps) for i in items] == [(10, 12), (11, 12)]
+    assert items[0].frames.shape == (5, 4, 6, 3) and int(items[0].frames[0, 0, 0, 0]) == 128
+    assert items_of([*items, ImageItem(data=picture())], "video") == items
+
+
+def test_mp4_is_h264_that_decodes_to_the_same_frames_size_and_rate() -> None:
+    frames = clip()
+    data = encoders.encode(VideoItem(data=frames, fps=8), "mp4")
+    assert encoders.media_type("video", "mp4") == "video/mp4"
+    decoded, fps, codec, pix_fmt = decode_mp4(data)
+    assert (len(decoded), fps, codec, pix_fmt) == (9, 8.0, "h264", "yuv420p")
+    assert all(f.shape == (32, 48, 3) for f in decoded)
+    # Lossy, but close: yuv420p halves the colour resolution; crf 18 keeps the rest.
+    assert np.abs(decoded[0].astype(int) - frames[0].astype(int)).mean() < 12
+
+
+def test_an_odd_size_is_refused_with_the_reason() -> None:
+    with pytest.raises(InvalidRequestError, match="even width and height, got 47x32"):
+        encoders.encode(VideoItem(data=clip(width=47), fps=8), "mp4")
+
+
+def test_the_poster_frame_is_the_first_frame_as_png() -> None:
+    frames = clip()
+    poster = Image.open(io.BytesIO(encoders.encode(VideoItem(data=frames, fps=8), "png")))
+    assert poster.format == "PNG" and np.array_equal(np.asarray(poster), frames[0])
+    assert "png" in encoders.formats("video") and "mp4" in encoders.formats("video")
+
+
+def test_encode_all_counts_every_frame_of_a_video() -> None:
+    # 9 x 192 x 192 pixels: past the inline budget, so encoded in a worker thread.
+    items = [VideoItem(data=clip(9, 192, 192), fps=4), VideoItem(data=clip(5, 16, 16), fps=2)]
+    blobs = asyncio.run(encoders.encode_all(items, "mp4"))
+    assert [len(decode_mp4(b)[0]) for b in blobs] == [9, 5]
+
+
+def test_videos_are_the_video_items_and_save_by_suffix(tmp_path: Path) -> None:
+    out = OmniRequestOutput(request_id="r", stage_id=-1)
+    video = VideoItem(data=clip(), fps=8, seed=1)
+    apply_output(out, delivered(0, Payload(media=[video], metrics=StageMetrics(seed=1))))
+    assert out.videos == [video] and out.images == [] and out.outputs_by_stage[0].videos == [video]
+    out.videos[0].save(tmp_path / "boat.mp4")
+    out.videos[0].save(tmp_path / "boat.png")
+    assert len(decode_mp4((tmp_path / "boat.mp4").read_bytes())[0]) == 9
+    assert Image.open(tmp_path / "boat.png").size == (48, 32)
+    with pytest.raises(KeyError, match="no 'gif' encoder for video items"):
+        video.save(tmp_path / "boat.gif")
+    with pytest.raises(ValueError, match="suffix"):
+        video.save(tmp_path / "boat")

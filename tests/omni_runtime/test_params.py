@@ -75,3 +75,23 @@ def test_model_constraints():
         InvalidRequestError, match=r"16384 pixels \(engine_args.max_pixels; the model was made for 64x64\)"
     ):
         check_constraints({"height": 1024, "width": 1024}, StageConstraints(max_pixels=16384, native_size=(64, 64)))
+
+
+def test_video_frames_follow_the_models_rule_and_images_take_none():
+    video = StageConstraints(frames_step=4, frames_reason="the VAE compresses time 4x", max_frames=125)
+    for frames in (1, 5, 9, 125):
+        check_constraints({"num_frames": frames, "fps": 8}, video)
+    with pytest.raises(
+        InvalidRequestError, match=r"`num_frames`: 8 is not of the form 4k\+1 \(the VAE compresses"
+    ) as info:
+        check_constraints({"num_frames": 8}, video)
+    assert info.value.param == "num_frames" and "nearest are 5 and 9" in str(info.value)
+    with pytest.raises(InvalidRequestError, match="129 is more than the 125"):
+        check_constraints({"num_frames": 129}, video)
+    for name in ("num_frames", "fps"):  # an image stage says so rather than ignoring them
+        with pytest.raises(InvalidRequestError, match=f"`{name}`: this stage's model makes images") as info:
+            check_constraints({name: 9}, StageConstraints(size_multiple=8))
+        assert info.value.param == name
+    with pytest.raises(InvalidRequestError, match="`num_frames`"):
+        resolve_params(DiffusionSamplingParams, {}, {"num_frames": 0})
+    assert resolve_params(DiffusionSamplingParams, {"num_frames": 9}, {"fps": 24}) == {"num_frames": 9, "fps": 24}

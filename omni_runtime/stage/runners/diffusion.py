@@ -1,4 +1,5 @@
-"""The diffusion runner: text-to-image with any diffusers pipeline, one forward per fused batch.
+"""The diffusion runner: text-to-image (and text-to-video, for a video family) with any diffusers
+pipeline, one forward per fused batch.
 
 It runs in the stage worker; ``execute()`` is called in the worker's executor thread. A batch
 holds requests with equal :meth:`DiffusionRunner.batch_key`, so one pipeline call serves all of
@@ -30,7 +31,7 @@ import torch
 
 from omni_runtime.config import EngineArgs, StageConfig, TorchCompile
 from omni_runtime.exceptions import RequestAbortedError, RequestError, StageAsleepError
-from omni_runtime.media import image_items
+from omni_runtime.media import image_items, video_items
 from omni_runtime.messages import StageConstraints
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.models.families import DEFAULT_FIXED_KWARGS, CallbackStyle, for_pipeline, import_family_modules
@@ -68,6 +69,8 @@ def accepts_batched_inputs(signature: inspect.Signature) -> bool:
 
 #: The default ``max_pixels`` is this many times the model's native area.
 NATIVE_AREA_FACTOR = 4
+#: A video's frame rate when neither the request nor its family names one.
+DEFAULT_FPS = 16
 
 
 def apply_engine_options(pipe: Any, args: EngineArgs) -> list[str]:
@@ -122,6 +125,13 @@ class DiffusionRunner(StageRunner):
         self._size_reason = "the VAE scale factor"
         self._scheduler_name = ""
         self._step_limits = StageConstraints()
+        #: A video model's frame rule (SizeLimits' frame fields); all None for an image model.
+        self._frames_step: int | None = None
+        self._frames_reason: str | None = None
+        self._max_frames: int | None = None
+        #: Whether the loaded pipeline makes videos (``frames``), and their default frame rate.
+        self._video = False
+        self._fps = DEFAULT_FPS
         self._fixed_kwargs: dict[str, Any] = {}
         #: The loaded family's callback style; None: a pipeline of no registered family, read per
         #: form from its signature (:func:`callback_style`).
@@ -166,6 +176,14 @@ class DiffusionRunner(StageRunner):
         self._size_multiple = limits.multiple
         self._size_reason = limits.reason
         self._native_size = limits.native
+        self._frames_step, self._frames_reason, self._max_frames = (
+            limits.frames_step,
+            limits.frames_reason,
+            limits.max_frames,
+        )
+        # A video pipeline of no registered family is told by its num_frames argument.
+        self._video = spec.output == "video" if spec is not None else "num_frames" in self._call_params
+        self._fps = (spec.fps if spec is not None else None) or DEFAULT_FPS
         self._scheduler_name = type(pipe.scheduler).__name__ if hasattr(pipe, "scheduler") else ""
         # What num_inference_steps the scheduler really runs (DDIM / PNDM: 999 of the 1,000 that
         # requests may ask for), reported at READY so a request past it is a 400, not a 500.
@@ -253,6 +271,10 @@ class DiffusionRunner(StageRunner):
             min_inference_steps=steps.min_inference_steps,
             max_inference_steps=steps.max_inference_steps,
             inference_steps_reason=steps.inference_steps_reason,
+            # A video pipeline of no registered family takes any frame count (step 1).
+            frames_step=(self._frames_step or 1) if self._video else None,
+            frames_reason=self._frames_reason,
+            max_frames=self._max_frames,
         )
         if self.stage.engine_args.step_execution and self._step_reason is None and out.image_inputs:
             # The worker runs every request of this stage in the step loop: what it cannot run
@@ -299,6 +321,8 @@ class DiffusionRunner(StageRunner):
             self._scheduler_name,
             self._forms.key(p) if self._forms is not None else (),
             LoraAdapters.key(p.get("lora")),
+            # A video's frame count shapes the latents; fps does not (it is the item's).
+            (p.get("num_frames") or self._default("num_frames")) if self._video else None,
         )
 
     # ------------------------------------------------------------------ execution
@@ -356,6 +380,8 @@ class DiffusionRunner(StageRunner):
             "generator": generators if batched else generators[0],
             "negative_prompt": negatives if batched or negatives is None else negatives[0],
             "num_images_per_prompt": per_prompt // rows,
+            "num_videos_per_prompt": per_prompt // rows,  # the video pipelines' name for it
+            "num_frames": first.get("num_frames"),
             # The native size is always passed: a signature default can be the real model's size
             # whatever this model is (Sana: 1024; Flux: 128 latent pixels per VAE factor).
             "height": first.get("height") or self._native_size[0],
@@ -414,7 +440,10 @@ class DiffusionRunner(StageRunner):
         elapsed_ms = (end - start) * 1e3
         # After the last denoising step: the VAE decode and post-processing of the whole wave.
         decode_ms = (end - last_step[0]) * 1e3 if last_step and output_type != "latent" else None
-        images = result.images if hasattr(result, "images") else result[0]
+        if self._video:
+            images = result.frames if hasattr(result, "frames") else result[0]
+        else:
+            images = result.images if hasattr(result, "images") else result[0]
 
         # 6) Split back per request, k consecutive outputs each.
         outputs = []
@@ -431,10 +460,15 @@ class DiffusionRunner(StageRunner):
                 out.tensors["latents"] = np.asarray(latents, dtype=np.float32)
             else:
                 floats = np.asarray(part, dtype=np.float32)
-                if output_type == "np":
+                if self._video and output_type == "np":
+                    out.tensors["videos"] = floats
+                elif self._video:
+                    fps = batch[i].params.get("fps") or self._fps
+                    out.media.extend(video_items(floats, fps=int(fps), seed=m["seed"]))
+                elif output_type == "np":
                     out.tensors["images"] = floats
                 else:
-                    out.media = image_items(floats, seed=m["seed"])
+                    out.media.extend(image_items(floats, seed=m["seed"]))
             outputs.append(out)
         return outputs
 
@@ -634,7 +668,7 @@ class DiffusionRunner(StageRunner):
                 if s.output_type == "np":
                     out.tensors["images"] = floats
                 else:
-                    out.media = image_items(floats, seed=s.seed)
+                    out.media.extend(image_items(floats, seed=s.seed))
                 outputs[s.request_id] = out
         for rid, out in outputs.items():
             out.metrics["seed"] = self._states[rid].seed

@@ -23,10 +23,9 @@ class SizeLimits:
     ``size_multiple_reason`` and ``native_size`` constraints).
 
     A family with other rules returns its own from its spec's ``limits`` hook. A video family
-    would compute ``multiple`` from its VAE's spatial factor x its transformer's patch size and
-    ``native`` from its transformer config; its frame rule (``num_frames = 4k + 1`` for a VAE that
-    compresses time 4x) becomes a field here beside them when the video params bring
-    ``num_frames``, so the runner, which passes these facts on as they are, does not change.
+    computes ``multiple`` from its VAE's spatial factor x its transformer's patch size, and its
+    frame rule (``num_frames = 4k + 1`` for a VAE that compresses time 4x) in the frame fields; an
+    image model leaves those None.
     """
 
     #: Height and width must be multiples of it.
@@ -35,6 +34,13 @@ class SizeLimits:
     reason: str
     #: The (height, width) the model was made for, in pixels; (None, None) if unknown.
     native: tuple[int | None, int | None]
+    #: A video model makes ``frames_step * k + 1`` frames (its VAE's temporal compression); None:
+    #: the model makes images.
+    frames_step: int | None = None
+    #: Why, in the model's terms.
+    frames_reason: str | None = None
+    #: Most frames it can make (its positional table's length in latent frames); None: no limit.
+    max_frames: int | None = None
 
 
 def derive_size_limits(pipe: Any, floor: int = DEFAULT_SIZE_FLOOR, packing: int | None = None) -> SizeLimits:

@@ -36,8 +36,8 @@ PROMPTS = ["a cup of coffee", "a toy dinosaur", "a fox yawning", "the running ri
 
 
 #: The family registry by tiny builtin name; SD's tiny model is tested in test_tiny_sd.py and
-#: step by step in test_diffusion_steps.py (its golden slice too).
-FAMILIES: dict[str, FamilySpec] = {f.tiny: f for f in families() if f.tiny and f.name != "sd"}
+#: step by step in test_diffusion_steps.py (its golden slice too); video families in test_wan.py.
+FAMILIES: dict[str, FamilySpec] = {f.tiny: f for f in families() if f.tiny and f.name != "sd" and f.output == "image"}
 
 
 @pytest.fixture(scope="module")

@@ -400,7 +400,7 @@ class SDVaeDecodeRunner(_SplitRunner):
                 if output_type == "np":
                     out.tensors["images"] = floats
                 else:
-                    out.media = image_items(floats, seed=metrics.get("seed"))
+                    out.media.extend(image_items(floats, seed=metrics.get("seed")))
             offset += lat.shape[0]
             outputs.append(out)
         return outputs

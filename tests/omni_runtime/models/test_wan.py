@@ -1,0 +1,158 @@
+"""The Wan text-to-video family: its tiny builtin, served by DiffusionRunner and end to end.
+
+The runner makes videos (``frames``) with the family's frame rule (4k + 1) and size step (VAE
+spatial factor 8 x patch 2) reported as constraints; a fused batch equals its requests run alone
+(within float tolerance); ``Omni("tiny-wan")`` returns videos that save as MP4 files a player
+reads back with the frames, size and rate asked for.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import av
+import msgspec
+import numpy as np
+import pytest
+
+from omni_runtime import Omni
+from omni_runtime.config import StageConfig, load_config
+from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.media import VideoItem
+from omni_runtime.models.builtin import builder
+from omni_runtime.models.families import GOLDEN_PARAMS, GOLDEN_PROMPT, family
+from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
+from omni_runtime.stage.runners.diffusion import DiffusionRunner
+
+pytestmark = pytest.mark.integration
+
+NOT_ABORTED = ExecuteContext(lambda rid: False)
+SPEC = family("wan")
+
+
+@pytest.fixture(scope="module")
+def runner(model_cache: Path) -> DiffusionRunner:
+    stage = msgspec.convert({"stage_id": 0, "stage_type": "diffusion", "model": "builtin:tiny-wan"}, StageConfig)
+    r = DiffusionRunner(stage)
+    r.load()
+    return r
+
+
+def req(rid: str, prompt: str = "a boat", **params: Any) -> RunnerRequest:
+    defaults = dict(load_config("tiny-wan").stage_args[0].default_sampling_params)
+    return RunnerRequest(request_id=rid, prompt=prompt, params={**defaults, **params})
+
+
+def run(runner: DiffusionRunner, *requests: RunnerRequest) -> list[RunnerOutput]:
+    outs = runner.execute(list(requests), NOT_ABORTED)
+    assert len(outs) == len(requests) and all(o.error is None for o in outs), [o.error for o in outs]
+    return outs
+
+
+def test_builder_is_offline_deterministic_and_small(tmp_path: Path) -> None:
+    build = builder("tiny-wan")
+    build(tmp_path / "a")
+    build(tmp_path / "b")
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    for name in files:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert json.loads((tmp_path / "a" / "model_index.json").read_text())["_class_name"] == "WanPipeline"
+    assert sum((tmp_path / "a" / n).stat().st_size for n in files) < 5e6
+
+
+def test_the_model_reports_its_frame_rule_and_size_step(runner: DiffusionRunner) -> None:
+    c = runner.constraints()
+    assert c.size_multiple == SPEC.size_multiple == 16
+    assert c.size_multiple_reason == "the VAE spatial factor 8 x the WanTransformer3DModel patch size 2"
+    assert c.frames_step == 4 and "4x" in (c.frames_reason or "")
+    assert c.max_frames == (32 - 1) * 4 + 1  # the tiny transformer's 32-entry rotary table
+    assert c.image_inputs == ()
+
+
+def test_videos_have_the_requested_frames_size_and_rate(runner: DiffusionRunner) -> None:
+    (out,) = run(runner, req("a", seed=1, num_frames=5, height=16, width=48, fps=8))
+    (video,) = out.media
+    assert isinstance(video, VideoItem) and (video.fps, video.seed) == (8, 1)
+    assert video.frames.shape == (5, 16, 48, 3) and video.frames.dtype == np.uint8
+    assert video.frames.std() > 0
+    (plain,) = run(runner, req("b", seed=1)).pop().media
+    assert isinstance(plain, VideoItem) and plain.fps == SPEC.fps and plain.frames.shape == (9, 32, 32, 3)
+
+
+def test_batch_key_holds_frames_and_size_but_not_fps_or_seed(runner: DiffusionRunner) -> None:
+    key = runner.batch_key(req("a", seed=1, fps=8))
+    assert runner.batch_key(req("b", "a cat", seed=2, fps=24)) == key
+    for change in ({"num_frames": 13}, {"height": 48}, {"num_inference_steps": 2}):
+        assert runner.batch_key(req("c", **change)) != key, change
+
+
+@pytest.mark.parametrize("output_type", ["latent", "pil"])
+def test_a_fused_batch_equals_each_request_run_alone(runner: DiffusionRunner, output_type: str) -> None:
+    batch = [req(f"r{i}", p, seed=10 + i, output_type=output_type) for i, p in enumerate(["a boat", "a red car"])]
+    fused = run(runner, *batch)
+    for request, out in zip(batch, fused, strict=True):
+        (solo,) = run(runner, request)
+        assert out.metrics["batch_size"] == 2 and out.metrics["seed"] == solo.metrics["seed"]
+        if output_type == "latent":
+            np.testing.assert_allclose(out.tensors["latents"], solo.tensors["latents"], rtol=0, atol=1e-4)
+        else:
+            a, b = (np.asarray(o.media[0].data, dtype=int) for o in (out, solo))
+            assert np.abs(a - b).max() <= 2
+    first, second = (np.asarray(o.media[0].data if o.media else o.tensors["latents"], float) for o in fused)
+    assert np.abs(first - second).max() > 0.05  # split per request, not one video twice
+
+
+def test_golden_slice(runner: DiffusionRunner) -> None:
+    (out,) = run(runner, req("golden", GOLDEN_PROMPT, **GOLDEN_PARAMS))
+    got = [round(float(v), 4) for v in out.tensors["videos"][0, -1, -3:, -3:, -1].flatten()]
+    np.testing.assert_allclose(got, SPEC.golden, rtol=0, atol=1e-3, err_msg=f"tiny-wan made {got}")
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def omni(model_cache: Path) -> Any:
+    with Omni("tiny-wan") as engine:
+        yield engine
+
+
+def test_python_api_makes_a_video_that_saves_as_mp4(omni: Any, tmp_path: Path) -> None:
+    (out,) = omni.generate("a boat", {"num_frames": 9, "fps": 8, "seed": 1}, use_tqdm=False)
+    assert out.error is None and out.images == []
+    video = out.videos[0]
+    assert video.frames.shape == (9, 32, 32, 3) and video.frames.dtype == np.uint8 and video.fps == 8
+    video.save(tmp_path / "boat.mp4")
+    with av.open(io.BytesIO((tmp_path / "boat.mp4").read_bytes())) as container:
+        stream = container.streams.video[0]
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+        assert stream.average_rate == 8 and stream.codec_context.name == "h264"
+    assert len(frames) == 9 and all(f.shape == (32, 32, 3) for f in frames)
+
+
+@pytest.mark.parametrize(
+    ("params", "param", "match"),
+    [
+        ({"num_frames": 8}, "num_frames", r"8 is not of the form 4k\+1 .*nearest are 5 and 9"),
+        ({"num_frames": 129}, "num_frames", "more than the 125"),
+        ({"height": 40}, "height", "not a multiple of 16 .*patch size 2"),
+        ({"fps": 0}, "fps", ">= 1"),
+    ],
+)
+def test_bad_video_params_are_refused_before_queueing(omni: Any, params: dict, param: str, match: str) -> None:
+    with pytest.raises(InvalidRequestError, match=match) as info:
+        omni.generate("a boat", params, use_tqdm=False)
+    assert info.value.param == param
+
+
+def test_batched_videos_equal_their_solo_videos(omni: Any) -> None:
+    prompts = ["a boat", "a sailing boat at sea"]
+    together = omni.generate(prompts, {"seed": 3}, use_tqdm=False)
+    assert [o.metrics["batch_size"] for o in together] == [2, 2]
+    for prompt, fused in zip(prompts, together, strict=True):
+        (solo,) = omni.generate(prompt, {"seed": 3}, use_tqdm=False)
+        diff = np.abs(fused.videos[0].frames.astype(int) - solo.videos[0].frames.astype(int))
+        assert diff.max() <= 2
