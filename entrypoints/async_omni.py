@@ -133,6 +133,10 @@ class AsyncOmni:
         what a server checks an upload's declared size against before decoding it."""
         return self.engine.max_input_pixels()
 
+    def frames_step(self) -> int | None:
+        """A video model's frame step (``step * k + 1`` frames); None for a model without video."""
+        return self.engine.frames_step()
+
     def sampling_params(
         self, *, image: dict[str, Any] | None = None, shared: dict[str, Any] | None = None
     ) -> list[dict[str, Any] | None]:

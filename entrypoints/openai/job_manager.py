@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni_runtime import encoders
 from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, UnavailableError
-from omni_runtime.media import items_of
+from omni_runtime.media import VideoItem, items_of
 from omni_runtime.outputs import RequestProgress
 
 from ..async_omni import AsyncOmni, ValidRequest
@@ -75,6 +75,8 @@ JOB_IMAGE_FIELDS = FieldMap(
         "inputs.guidance_scale": "guidance_scale",
         "inputs.seed": "seed",
         "inputs.size": ("width", "height"),
+        "inputs.num_frames": "num_frames",
+        "inputs.fps": "fps",
     },
     read={"inputs.size": lambda body: body.inputs.dimensions()},
     computed={"inputs.prompt": "prompt"},
@@ -83,6 +85,10 @@ JOB_SHARED_FIELDS = FieldMap(
     {"config.timeout": "timeout", "priority": "priority"}, read={"priority": lambda body: body.priority or None}
 )
 JOB_FIELDS = JOB_IMAGE_FIELDS | JOB_SHARED_FIELDS
+#: The media kind each task makes.
+TASK_KINDS = {"text2image": "image", "text2video": "video"}
+#: The file format of a video result, and of its poster (the first frame).
+VIDEO_FORMAT, POSTER_FORMAT = "mp4", "png"
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,9 @@ class JobManager:
         self._local: dict[str, _LocalJob] = {}
         self._background: asyncio.Task | None = None
         self._closing = False
+        #: Ids of the videos (``text2video`` jobs) made through this gateway, oldest first: what
+        #: ``GET /v1/videos`` lists (the store has no listing of its own).
+        self.videos: list[str] = []
         #: How jobs end: their end written once, kept through store outages.
         self.ends = JobEnds(
             store, self.gateway_id, otlp, on_recorded=lambda status: self.state.metrics.jobs.labels(status).inc()
@@ -252,13 +261,14 @@ class JobManager:
     # ------------------------------------------------------------------ submit
 
     def _validate(self, omni: AsyncOmni, body: GenerateRequest) -> ValidRequest:
-        if self.state.image_stage is None:
-            message = f"the model `{self.state.model_name}` has no image output"
-            raise ApiError(400, message, param="model", code="no_image")
+        kind = TASK_KINDS[body.task]
+        if (self.state.video_stage if kind == "video" else self.state.image_stage) is None:
+            message = f"the model `{self.state.model_name}` has no {kind} output (task `{body.task}`)"
+            raise ApiError(400, message, param="model", code=f"no_{kind}")
         # ``priority`` reaches every stage whose params take it (and none where no params class does).
         try:
             params = omni.sampling_params(image=JOB_IMAGE_FIELDS.params(body), shared=JOB_SHARED_FIELDS.params(body))
-            return omni.validate(body.inputs.prompt, params, modalities=["image"])
+            return omni.validate(body.inputs.prompt, params, modalities=[kind])
         except InvalidRequestError as e:
             JOB_FIELDS.rename(e)
             raise
@@ -428,8 +438,18 @@ class JobManager:
             self.state.metrics.observe_stage(sid, m)  # final stages are observed with the result
         await self._emit(job, "stage_done", done, {"trace": record.trace})
 
+    def _files_base(self, record: JobRecord) -> str:
+        """The URL of the gateway that stores a job's files: the configured public URL, else the
+        one the job was submitted through, unless another gateway took the job over (its own)."""
+        if self.state.public_url is not None:
+            return self.state.public_url
+        taken_over = record.attempts > 1 and self.state.local_url is not None
+        return self.state.local_url if taken_over and self.state.local_url else record.base_url.rstrip("/")
+
     async def _result(self, record: JobRecord, out: Any) -> dict[str, Any]:
         request = GenerateRequest.model_validate(record.request | {"async_run": True})
+        if TASK_KINDS[request.task] == "video":
+            return await self._video_result(record, out)
         fmt = request.config.output_format
         start = time.time()
         items = items_of(out.media, "image")
@@ -438,12 +458,7 @@ class JobManager:
             r.metrics.get("seed") for _, r in sorted(out.outputs_by_stage.items()) for _ in items_of(r.media, "image")
         ]
         images = []
-        # The URL of the gateway that stores the file: the configured public URL, else the one
-        # the job was submitted through, unless another gateway took the job over (then its own).
-        base = self.state.public_url
-        if base is None:
-            taken_over = record.attempts > 1 and self.state.local_url is not None
-            base = self.state.local_url if taken_over else record.base_url.rstrip("/")
+        base = self._files_base(record)
         for blob, seed in zip(blobs, seeds, strict=False):
             item: dict[str, Any] = {"seed": seed}
             if request.response_format == "url":
@@ -456,6 +471,33 @@ class JobManager:
         record.trace.append(span("encode", start, time.time(), images=len(images), format=fmt))
         size = f"{items[0].width}x{items[0].height}" if items else None
         return {"images": images, "output_format": fmt, "size": size}
+
+    async def _video_result(self, record: JobRecord, out: Any) -> dict[str, Any]:
+        """Each video as an MP4 file and its poster (the first frame, PNG) in the file store, their
+        media types from the encoder registry."""
+        start = time.time()
+        items = [item for item in items_of(out.media, "video") if isinstance(item, VideoItem)]
+        mp4s = await encoders.encode_all(items, VIDEO_FORMAT)
+        posters = await encoders.encode_all(items, POSTER_FORMAT)
+        base = self._files_base(record)
+        videos = []
+        for item, mp4, poster in zip(items, mp4s, posters, strict=True):
+            file_id = await self._put_file(record.job_id, mp4, encoders.media_type("video", VIDEO_FORMAT))
+            poster_id = await self._put_file(record.job_id, poster, encoders.media_type("video", POSTER_FORMAT))
+            videos.append(
+                {
+                    "url": f"{base}/v1/files/{file_id}",
+                    "file_id": file_id,
+                    "thumbnail_file_id": poster_id,
+                    "seed": item.seed,
+                    "num_frames": item.num_frames,
+                    "fps": item.fps,
+                }
+            )
+        record.trace.append(span("encode", start, time.time(), videos=len(videos), format=VIDEO_FORMAT))
+        first = items[0] if items else None
+        size = f"{first.width}x{first.height}" if first else None
+        return {"videos": videos, "output_format": VIDEO_FORMAT, "size": size}
 
     async def _put_file(self, job_id: str, blob: bytes, media_type: str) -> str:
         """Store a result file, waiting out an unreachable file store (Redis) with backoff: the

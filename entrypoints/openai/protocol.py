@@ -263,6 +263,9 @@ class GenerateInputs(_SizedRequest):
     num_inference_steps: Annotated[int, Field(**bounds("num_inference_steps"))] | None = None
     guidance_scale: Annotated[float, Field(**bounds("guidance_scale"))] | None = None
     seed: Seed | None = None
+    #: Frames and playback rate of a video (task ``text2video``); an image model refuses them.
+    num_frames: Annotated[int, Field(**bounds("num_frames"))] | None = None
+    fps: Annotated[int, Field(**bounds("fps"))] | None = None
 
     @model_validator(mode="after")
     def _one_size(self) -> GenerateInputs:
@@ -291,7 +294,7 @@ class GenerateRequest(_Request):
     """``POST /v1/generate``: a job. ``async_run`` (the default) answers at once with the queued job;
     ``async_run: false`` waits for the job to end and answers with the same shape."""
 
-    task: Literal["text2image"]
+    task: Literal["text2image", "text2video"]
     model: str | None = None
     inputs: GenerateInputs
     config: GenerateConfig = Field(default_factory=GenerateConfig)
@@ -299,6 +302,52 @@ class GenerateRequest(_Request):
     #: Higher is served first (docs/configuration.md, "Priority"); default 0.
     priority: Priority = 0
     response_format: Literal["url", "b64_json"] = "url"
+
+
+# --------------------------------------------------------------------------- videos
+
+
+class VideoCreateRequest(_SizedRequest):
+    """``POST /v1/videos`` (JSON, text to video): OpenAI's fields and the extensions
+    (``extra_body`` of the openai client). ``seconds`` becomes a frame count (docs/http_api.md,
+    "Videos"): with ``num_frames`` too, both must name the same count."""
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    model: str | None = None
+    #: Seconds of video, as a string (``"4"``); OpenAI's field.
+    seconds: str | None = Field(None, max_length=16)
+    #: ``WxH``; unset: the stage's default size.
+    size: str | None = None
+    num_frames: Annotated[int, Field(**bounds("num_frames"))] | None = None
+    fps: Annotated[int, Field(**bounds("fps"))] | None = None
+    negative_prompt: Annotated[str, Field(**bounds("negative_prompt"))] | None = None
+    num_inference_steps: Annotated[int, Field(**bounds("num_inference_steps"))] | None = None
+    guidance_scale: Annotated[float, Field(**bounds("guidance_scale"))] | None = None
+    seed: Seed | None = None
+    timeout: Timeout | None = None
+    priority: Priority = 0
+
+    @field_validator("seconds")
+    @classmethod
+    def _check_seconds(cls, value: str | None) -> str | None:
+        if value is not None:
+            seconds_of(value)
+        return value
+
+
+#: Longest video ``seconds`` may ask for (the frame bound applies on top).
+MAX_SECONDS = 600.0
+
+
+def seconds_of(value: str) -> float:
+    """``"4"`` / ``"2.5"`` -> seconds, positive and at most MAX_SECONDS; ValueError otherwise."""
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        raise ValueError(f"seconds must be a number of seconds such as '4', got {value[:16]!r}") from None
+    if not 0 < seconds <= MAX_SECONDS:
+        raise ValueError(f"seconds must be more than 0 and at most {MAX_SECONDS:g}, got {value[:16]!r}")
+    return seconds
 
 
 # --------------------------------------------------------------------------- chat

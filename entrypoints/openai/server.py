@@ -35,7 +35,7 @@ from omni_runtime.config import DeployConfig
 from omni_runtime.exceptions import OmniError
 
 from ..async_omni import load_resolved
-from . import chat, control, file_routes, health, images, jobs
+from . import chat, control, file_routes, health, images, jobs, videos
 from .dependencies import guards_of, require_api_key
 from .job_manager import JobSettings
 from .protocol import DISCONNECTED, ApiError, ClientDisconnected
@@ -47,7 +47,15 @@ logger = logging.getLogger(__name__)
 #: Largest request body; a 1 MB prompt still reaches validation (and gets a 400 naming the field).
 MAX_BODY_BYTES = 8 * 1024 * 1024
 #: The routers, one per surface; each declares its checks (API key, content type) as dependencies.
-ROUTERS = (health.router, images.router, chat.router, jobs.router, file_routes.router, control.router)
+ROUTERS = (
+    health.router,
+    images.router,
+    chat.router,
+    jobs.router,
+    videos.router,
+    file_routes.router,
+    control.router,
+)
 
 
 def api_routes(app: FastAPI) -> list[BaseRoute]:

@@ -93,6 +93,7 @@ class ServerState:
         self.model_name = config.model or "omni"
         finals = [s for s in config.stage_args if s.final_output]
         self.image_stage = next((s.stage_id for s in finals if s.final_output_type == "image"), None)
+        self.video_stage = next((s.stage_id for s in finals if s.final_output_type == "video"), None)
 
     # ------------------------------------------------------------------ lifecycle
 

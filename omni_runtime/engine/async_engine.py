@@ -194,6 +194,12 @@ class AsyncOmniEngine:
         ]
         return min([MAX_IMAGE_PIXELS, *limits])
 
+    def frames_step(self) -> int | None:
+        """A video model's frame step (it makes ``step * k + 1`` frames), as its stages reported
+        it in their READY messages; None when no stage makes videos."""
+        steps = [c.frames_step for c in self._orchestrator.constraints.values() if c.frames_step is not None]
+        return max(steps) if steps else None
+
     @property
     def is_running(self) -> bool:
         return not self._closed and self._dead is None and self._orchestrator.alive

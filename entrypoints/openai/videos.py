@@ -1,0 +1,230 @@
+"""The videos routes (``/v1/videos``, OpenAI's shape, text to video): a video is a job of task
+``text2video`` (job_manager.py runs it, the job store keeps it, a cancel stops it), seen through
+OpenAI's video object. Runs on the server's event loop.
+
+``seconds`` becomes a frame count: ``fps`` (the request's, else :data:`DEFAULT_FPS`) times the
+seconds, rounded to the nearest count the model makes (``step * k + 1`` frames, so that
+``(num_frames - 1) / fps`` is the length). Given with ``num_frames``, both must name the same count.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+
+from omni_runtime.bounds import MAX_FRAMES
+from omni_runtime.exceptions import InvalidRequestError
+
+from ..async_omni import AsyncOmni
+from .dependencies import AUTH, JSON_BODY, Jobs, State
+from .fields import FieldMap
+from .job_manager import JobManager
+from .protocol import ApiError, GenerateRequest, VideoCreateRequest, seconds_of
+from .responses import SafeJSONResponse
+
+#: The playback rate ``seconds`` is counted at when a request names no ``fps`` (Wan's rate).
+DEFAULT_FPS = 16
+#: Most videos one list page holds.
+MAX_LIST = 100
+
+#: ``POST /v1/videos`` field -> the ``/v1/generate`` field it becomes (and back, in errors).
+VIDEO_FIELDS = FieldMap(
+    {
+        "prompt": "inputs.prompt",
+        "size": "inputs.size",
+        "negative_prompt": "inputs.negative_prompt",
+        "num_inference_steps": "inputs.num_inference_steps",
+        "guidance_scale": "inputs.guidance_scale",
+        "seed": "inputs.seed",
+        "timeout": "config.timeout",
+        "priority": "priority",
+    },
+    computed={"num_frames": "inputs.num_frames", "fps": "inputs.fps", "seconds": "inputs.num_frames"},
+)
+#: Engine param (as a ``/v1/generate`` error names it) -> the ``/v1/generate`` field.
+_JOB_PARAMS = {"width": "inputs.size", "height": "inputs.size", "num_frames": "inputs.num_frames", "fps": "inputs.fps"}
+#: Job status -> video status.
+_STATUS = {"queued": "queued", "running": "in_progress", "completed": "completed", "failed": "failed"}
+
+
+def frames_for(seconds: float, fps: int, step: int) -> int:
+    """The frame count nearest to ``seconds`` at ``fps`` that a model of frame step ``step``
+    makes (``step * k + 1``, at least one step)."""
+    return step * max(1, round(seconds * fps / step)) + 1
+
+
+def _generate_request(body: VideoCreateRequest, omni: AsyncOmni) -> GenerateRequest:
+    frames, fps = body.num_frames, body.fps
+    if body.seconds is not None:
+        fps = fps or DEFAULT_FPS
+        wanted = frames_for(seconds_of(body.seconds), fps, omni.frames_step() or 1)
+        if frames is not None and frames != wanted:
+            raise InvalidRequestError(
+                f"seconds={body.seconds} at {fps} fps is {wanted} frames, but num_frames is {frames}: "
+                "give one of them, or both naming the same count",
+                param="seconds",
+            )
+        if wanted > MAX_FRAMES:
+            raise InvalidRequestError(
+                f"seconds={body.seconds} at {fps} fps is {wanted} frames, more than the {MAX_FRAMES} "
+                "any video may have",
+                param="seconds",
+            )
+        frames = wanted
+    inputs = {
+        "prompt": body.prompt,
+        "negative_prompt": body.negative_prompt,
+        "size": body.size,
+        "num_inference_steps": body.num_inference_steps,
+        "guidance_scale": body.guidance_scale,
+        "seed": body.seed,
+        "num_frames": frames,
+        "fps": fps,
+    }
+    return GenerateRequest.model_validate(
+        {
+            "task": "text2video",
+            "model": body.model,
+            "inputs": inputs,
+            "config": {"timeout": body.timeout},
+            "priority": body.priority,
+        }
+    )
+
+
+def _video_field(param: str | None) -> str | None:
+    """The ``/v1/videos`` field behind an error's param (an engine param or a ``/v1/generate`` field)."""
+    job_field = _JOB_PARAMS.get(param or "", param)
+    for name, target in (*VIDEO_FIELDS.fields.items(), *VIDEO_FIELDS.computed.items()):
+        if target == job_field:
+            return name
+    return param
+
+
+def video_object(job: dict[str, Any]) -> dict[str, Any]:
+    """A job record (its public view and its request) as OpenAI's video object."""
+    request = job.get("request") or {}
+    inputs = request.get("inputs") or {}
+    result = job.get("result") or {}
+    videos = result.get("videos") or [{}]
+    frames = videos[0].get("num_frames") or inputs.get("num_frames")
+    fps = videos[0].get("fps") or inputs.get("fps")
+    status = _STATUS.get(job["status"], "failed")
+    step = job.get("progress") or {}
+    progress = 100 if status == "completed" else 0
+    if status != "completed" and step.get("steps"):
+        progress = min(99, int(100 * step["step"] / step["steps"]))
+    error = job.get("error")
+    if job["status"] == "cancelled":
+        error = {"code": "cancelled", "message": "the video was cancelled before it finished"}
+    return {
+        "id": job["job_id"],
+        "object": "video",
+        "status": status,
+        "progress": progress,
+        "model": job.get("model"),
+        "prompt": inputs.get("prompt"),
+        "created_at": int(job.get("created_at") or 0),
+        "completed_at": int(job["finished_at"]) if status == "completed" and job.get("finished_at") else None,
+        "size": result.get("size") or inputs.get("size"),
+        "seconds": f"{(frames - 1) / fps:g}" if frames and fps else None,
+        "num_frames": frames,
+        "fps": fps,
+        "seed": videos[0].get("seed", inputs.get("seed")),
+        "error": error,
+    }
+
+
+async def _video_job(manager: JobManager, video_id: str) -> dict[str, Any]:
+    """The job behind ``video_id``, or a 404 when it is no video."""
+    record = await manager.get_record(video_id)
+    if record.task != "text2video":
+        message = f"video `{video_id[:64]}` does not exist or has expired"
+        raise ApiError(404, message, param="video_id", code="not_found")
+    return record.public() | {"request": record.request}
+
+
+router = APIRouter(prefix="/v1/videos", dependencies=[AUTH])
+
+
+@router.post("", dependencies=[JSON_BODY])
+async def create_video(body: VideoCreateRequest, request: Request, state: State, manager: Jobs) -> SafeJSONResponse:
+    omni = state.check_request(body.model)
+    if state.video_stage is None:
+        raise ApiError(400, f"the model `{state.model_name}` has no video output", param="model", code="no_video")
+    try:
+        job = _generate_request(body, omni)
+        record = await manager.submit(job, state.public_url or str(request.base_url).rstrip("/"))
+    except InvalidRequestError as e:
+        e.param = _video_field(e.param)
+        raise
+    manager.videos.append(record["job_id"])
+    video = video_object(record | {"request": job.model_dump(mode="json")})
+    return SafeJSONResponse(video, headers={"X-Request-Id": record["job_id"]})
+
+
+@router.get("")
+async def list_videos(
+    manager: Jobs,
+    limit: int = Query(20, ge=1, le=MAX_LIST),
+    after: str | None = Query(None, max_length=128),
+    order: Literal["asc", "desc"] = "desc",
+) -> SafeJSONResponse:
+    ids = manager.videos if order == "asc" else manager.videos[::-1]
+    if after is not None:
+        ids = ids[ids.index(after) + 1 :] if after in ids else []
+    data: list[dict[str, Any]] = []
+    for video_id in list(ids):
+        if len(data) > limit:
+            break
+        record = await manager.store.get(video_id)
+        if record is None:  # expired: no longer listed
+            manager.videos.remove(video_id)
+            continue
+        data.append(video_object(record))
+    page, more = data[:limit], len(data) > limit
+    body = {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": more,
+    }
+    return SafeJSONResponse(body)
+
+
+@router.get("/{video_id}")
+async def get_video(video_id: str, manager: Jobs) -> SafeJSONResponse:
+    return SafeJSONResponse(video_object(await _video_job(manager, video_id)))
+
+
+@router.delete("/{video_id}")
+async def delete_video(video_id: str, manager: Jobs) -> SafeJSONResponse:
+    """Cancel the video if it still runs and take it off the list; its record stays readable by id
+    (``failed``, error ``cancelled``) until the job store expires it."""
+    await _video_job(manager, video_id)
+    await manager.cancel(video_id)
+    if video_id in manager.videos:
+        manager.videos.remove(video_id)
+    return SafeJSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
+
+
+@router.get("/{video_id}/content")
+async def video_content(
+    video_id: str, state: State, manager: Jobs, variant: Literal["video", "thumbnail"] = "video"
+) -> Response:
+    job = await _video_job(manager, video_id)
+    if job["status"] != "completed":
+        raise ApiError(
+            409, f"video `{video_id}` is {video_object(job)['status']}, not completed: it has no content",
+            param="video_id", code="not_ready",
+        )  # fmt: skip
+    video = (job.get("result") or {}).get("videos", [{}])[0]
+    file_id = video.get("thumbnail_file_id" if variant == "thumbnail" else "file_id")
+    found = await state.files.get(file_id) if file_id else None
+    if found is None:
+        raise ApiError(404, f"the content of video `{video_id}` has expired", param="video_id", code="not_found")
+    media_type, data, _ = found
+    return Response(data, media_type=media_type)
