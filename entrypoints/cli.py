@@ -274,6 +274,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- generate
 
+#: The file format ``generate`` writes videos in (images are PNG).
+VIDEO_FORMAT = "mp4"
+
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
@@ -286,10 +289,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     overrides = {"max_num_seqs": args.max_num_seqs, "step_execution": args.step_execution, **_placement_args(args)}
     resolved = load_resolved(args.model, overrides, args.ray_address)
     config = resolved.config
-    image_stage = next((s.stage_id for s in config.stage_args if s.final_output_type == "image"), None)
-    if image_stage is None:
-        raise CliError(f"the model {args.model!r} has no image output")
+    # The first final stage that makes images or videos: what is generated, and its file format.
+    finals = [s for s in config.stage_args if s.final_output and s.final_output_type in ("image", "video")]
+    if not finals:
+        raise CliError(f"the model {args.model!r} has no image or video output")
+    image_stage, kind = finals[0].stage_id, str(finals[0].final_output_type)
+    if kind != "video" and (args.frames is not None or args.fps is not None):
+        raise CliError(f"--frames and --fps are for a video model; {args.model!r} makes images")
+    suffix = VIDEO_FORMAT if kind == "video" else "png"
     image: dict[str, Any] = {"num_inference_steps": args.steps, "guidance_scale": args.guidance_scale}
+    image.update(num_frames=args.frames, fps=args.fps)
     if args.size is not None:
         image["width"], image["height"] = args.size
     if args.lora is not None:
@@ -309,12 +318,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         say(f"loading {config.model or args.model} ({len(config.stage_args)} stage(s))...")
         started = time.perf_counter()
         async with AsyncOmni(resolved) as omni:
-            say(f"loaded in {time.perf_counter() - started:.1f} s; generating {len(jobs)} image(s)")
+            say(f"loaded in {time.perf_counter() - started:.1f} s; generating {len(jobs)} {kind}(s)")
             # Every stage that takes image params gets them (in a split pipeline the denoiser owns
             # seed and size, the encoder the negative prompt); each request is validated once,
             # all before the first runs, and the report says what each really ran with.
             requests = [
-                omni.validate(p, omni.sampling_params(image={**image, "seed": seed}), modalities=["image"])
+                omni.validate(p, omni.sampling_params(image={**image, "seed": seed}), modalities=[kind])
                 for p, seed in jobs
             ]
             for i, request in enumerate(requests):
@@ -370,9 +379,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             seed = res.outputs_by_stage[image_stage].metrics.get("seed")
             files = []
-            for j, item in enumerate(items_of(res.media, "image")):
-                path = args.out / f"image-{i:03d}{f'-{j}' if j else ''}.png"
-                path.write_bytes(encoders.encode(item, "png"))
+            for j, item in enumerate(items_of(res.media, kind)):
+                path = args.out / f"{kind}-{i:03d}{f'-{j}' if j else ''}.{suffix}"
+                path.write_bytes(encoders.encode(item, suffix))
                 files.append(str(path))
             images += len(files)
             record.update(request_id=res.request_id, seed=seed, files=files, metrics=res.metrics)
@@ -381,16 +390,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "model": config.model,
         "params": {k: v for k, v in image.items() if v is not None},
         "requests": len(jobs),
-        "images": images,
+        kind + "s": images,
         "failed": sum("error" in r for r in records),
         "interrupted": interrupted,
         "wall_s": round(wall, 4),
-        "images_per_s": round(images / wall, 3) if wall > 0 else None,
+        kind + "s_per_s": round(images / wall, 3) if wall > 0 else None,
         "results": records,
     }
     report_path = args.out / "report.json"
     report_path.write_text(json.dumps(report, indent=2, default=str))
-    print(f"{images} image(s) in {wall:.2f} s -> {args.out}/ (report: {report_path})")
+    print(f"{images} {kind}(s) in {wall:.2f} s -> {args.out}/ (report: {report_path})")
     for r in records:
         if "error" in r and not interrupted:
             print(f"error: request {r['index']} ({r['prompt'][:40]!r}): {r['error']}", file=sys.stderr)
@@ -695,6 +704,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="seed of the first image; image i gets seed + i (default: random)")
     g.add_argument("--steps", type=_positive_int, help="num_inference_steps (default: the model's)")
     g.add_argument("--size", type=_size, help="WIDTHxHEIGHT (default: the model's)")
+    g.add_argument("--frames", type=_positive_int, help="frames of each video (a video model; default: the model's)")
+    g.add_argument("--fps", type=_int(1, 240), help="frames per second a video plays at (default: the model's)")
     g.add_argument("--guidance-scale", type=_float(0), help="classifier-free guidance (default: the model's)")
     g.add_argument("--lora", metavar="PATH_OR_NAME", help="a LoRA adapter: a local folder/file, or a registered name")
     g.add_argument("--lora-scale", type=float, default=1.0, help="how strongly the LoRA applies")

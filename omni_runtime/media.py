@@ -32,9 +32,9 @@ KINDS: tuple[str, ...] = get_args(Kind)
 OutputType = Literal[Kind, "latent"]
 OUTPUT_TYPES: tuple[str, ...] = (*KINDS, "latent")
 #: Other names callers use for an output type, and the type each stands for.
-ALIASES: dict[str, str] = {"images": "image"}
+ALIASES: dict[str, str] = {"images": "image", "videos": "video"}
 #: What a caller may name in ``modalities``: an output type or an alias of one.
-Modality = Literal[OutputType, "images"]
+Modality = Literal[OutputType, "images", "videos"]
 
 
 def output_type(name: str) -> str:

@@ -6,7 +6,7 @@ import asyncio
 import io
 from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, get_args
 
 import av
 import msgspec
@@ -25,6 +25,7 @@ from omni_runtime.media import (
     KINDS,
     OUTPUT_TYPES,
     ImageItem,
+    Modality,
     VideoItem,
     image_items,
     items_of,
@@ -82,7 +83,9 @@ def test_image_items_round_like_the_pipelines_and_number_seeds_per_image() -> No
 def test_kinds_and_aliases_come_from_one_declaration() -> None:
     assert KINDS == ("image", "video", "audio", "text", "tensor")
     assert set(KINDS) < set(OUTPUT_TYPES) and "latent" in OUTPUT_TYPES
-    assert output_type("images") == "image" and output_type("text") == "text" and ALIASES == {"images": "image"}
+    assert output_type("images") == "image" and output_type("videos") == "video" and output_type("text") == "text"
+    assert ALIASES == {"images": "image", "videos": "video"}
+    assert set(ALIASES) <= set(get_args(Modality))
     for value in OUTPUT_TYPES:
         assert msgspec.convert({"stage_id": 0, "stage_type": "echo", "final_output_type": value}, StageConfig)
     with pytest.raises(msgspec.ValidationError):
