@@ -180,12 +180,24 @@ def test_job_routes_need_the_api_key(server):
         ({"task": "text2image", "inputs": {"prompt": "x"}, "priority": 2**40}, 400, "priority"),
         ({"task": "text2image", "inputs": {"prompt": "x"}, "priority": "high"}, 400, "priority"),
         ({"task": "text2image", "inputs": {"prompt": "x"}, "model": "nope"}, 404, "model"),
+        ({"task": "text2video", "inputs": {"prompt": "x"}}, 400, "model"),  # an image model: no_video
+        ({"task": "text2image", "inputs": {"prompt": "x", "num_frames": 9}}, 400, "inputs.num_frames"),
     ],
 )
 def test_bad_jobs_are_typed_errors_naming_the_field(server, http, body, status, param):
     r = http.post("/v1/generate", json=body)
     assert r.status_code == status, r.text[:300]
     assert r.json()["error"]["param"] == param
+
+
+def test_videos_on_an_image_model_are_a_400_naming_the_model(server, http):
+    r = http.post("/v1/videos", json={"prompt": "a boat"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "no_video", r.text
+    assert r.json()["error"]["param"] == "model"
+    # A job that is no video is not one under /v1/videos.
+    job = submit(http, job_body(steps=1))
+    assert http.get(f"/v1/videos/{job['job_id']}").status_code == 404
+    wait_status(http, job["job_id"], {"completed"})
 
 
 def test_unknown_jobs_bad_event_ids_and_post_jobs(server, http):
