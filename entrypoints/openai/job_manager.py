@@ -443,8 +443,8 @@ class JobManager:
         one the job was submitted through, unless another gateway took the job over (its own)."""
         if self.state.public_url is not None:
             return self.state.public_url
-        taken_over = record.attempts > 1 and self.state.local_url is not None
-        return self.state.local_url if taken_over and self.state.local_url else record.base_url.rstrip("/")
+        local = self.state.local_url
+        return local if record.attempts > 1 and local is not None else record.base_url.rstrip("/")
 
     async def _result(self, record: JobRecord, out: Any) -> dict[str, Any]:
         request = GenerateRequest.model_validate(record.request | {"async_run": True})
