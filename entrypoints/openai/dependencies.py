@@ -1,9 +1,10 @@
 """The checks a route declares with ``Depends``: the API key and the body's content type, and the
 shared state a route reads (:data:`State`).
 
-A router declares :data:`AUTH` for all its routes and a POST route declares :data:`JSON_BODY` or
-:data:`MULTIPART_BODY`; ``tests/entrypoints/openai/test_routes.py`` walks ``app.routes`` and fails
-for a route that forgets one. The HTTP middleware runs the :data:`GUARDS` a matched route declares
+A router declares :data:`AUTH` for all its routes and a POST route declares one of
+:data:`JSON_BODY`, :data:`MULTIPART_BODY` or :data:`JSON_OR_MULTIPART_BODY`;
+``tests/entrypoints/openai/test_routes.py`` walks ``app.routes`` and fails for a route that
+forgets one. The HTTP middleware runs the :data:`GUARDS` a matched route declares
 before its body is read (so an unauthorized client's body is never parsed, and a 401 comes before
 a 413 and a 415), and they run again as the route's dependencies."""
 
@@ -50,6 +51,13 @@ def require_multipart(conn: HTTPConnection) -> None:
     _check_content_type(conn, "multipart/form-data", "multipart/form-data with the image as a file part")
 
 
+def require_json_or_multipart(conn: HTTPConnection) -> None:
+    """A 415 unless the body is JSON or multipart/form-data (a route that takes the same fields
+    either way, as ``POST /v1/videos`` does for the openai client's form)."""
+    if _content_type(conn) != "multipart/form-data":
+        _check_content_type(conn, "application/json", "JSON ('Content-Type: application/json') or multipart/form-data")
+
+
 def get_jobs(state: State) -> JobManager:
     """The job manager, or a 503 while it is not running."""
     if state.jobs is None:
@@ -62,8 +70,16 @@ Jobs = Annotated[JobManager, Depends(get_jobs)]
 AUTH = Depends(require_api_key)
 JSON_BODY = Depends(require_json)
 MULTIPART_BODY = Depends(require_multipart)
+JSON_OR_MULTIPART_BODY = Depends(require_json_or_multipart)
 #: The checks the middleware runs early for the route that matched, in this order.
-GUARDS: tuple[Callable[[HTTPConnection], None], ...] = (require_api_key, require_json, require_multipart)
+GUARDS: tuple[Callable[[HTTPConnection], None], ...] = (
+    require_api_key,
+    require_json,
+    require_multipart,
+    require_json_or_multipart,
+)
+#: The guards of which a POST route with a body declares one.
+BODY_GUARDS = (require_json, require_multipart, require_json_or_multipart)
 
 
 def _calls(dependant: Any) -> Iterator[Callable[..., Any]]:

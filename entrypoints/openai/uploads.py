@@ -27,7 +27,7 @@ import ctypes.util
 import io
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -313,6 +313,36 @@ async def read_image_form(request: Any, form_cls: type[T]) -> tuple[T, dict[str,
     if masks:
         out["mask"] = masks[0]
     return body, out
+
+
+async def read_text_form(request: Any, refused: Mapping[str, str]) -> dict[str, str]:
+    """The text fields of a multipart request that takes no file, each given once, for a pydantic
+    model to validate (lax: ``"9"`` is the int 9, as in JSON). ``refused`` maps a field a route
+    does not take yet (as a file part, a text field or a nested ``field[key]``) to why: a 400
+    naming it, its upload never read. Any other file part is a 400 naming it.
+
+    Raises InvalidRequestError (400) naming the field.
+    """
+    from starlette.datastructures import UploadFile
+
+    try:
+        form = await request.form(max_files=4, max_fields=64)
+    except Exception as e:  # python-multipart's and Starlette's parse errors, whatever their class
+        raise InvalidRequestError(f"malformed multipart/form-data body: {e}", param=None) from None
+    try:
+        fields: dict[str, str] = {}
+        for key, value in form.multi_items():
+            name = key.split("[", 1)[0]
+            if name in refused:
+                raise InvalidRequestError(f"`{name}`: {refused[name]}", param=name)
+            if isinstance(value, UploadFile):
+                raise InvalidRequestError(f"unknown file field `{key}`: this route takes no file", param=key)
+            if key in fields:
+                raise InvalidRequestError(f"`{key}` is given more than once", param=key)
+            fields[key] = value
+    finally:
+        await form.close()
+    return fields
 
 
 async def image_params(

@@ -1,7 +1,7 @@
 """``/v1/videos`` on a real ``omni-runtime serve`` of tiny-wan (9 frames of 32 x 32, a few steps):
 create -> poll -> content decoded with PyAV, the thumbnail, the list, cancel by delete mid-run,
-bad input as 400s naming the field, ``/v1/generate`` with ``text2video``, and the openai client
-for what it sends as JSON (retrieve, list, delete, download)."""
+bad input as 400s naming the field (JSON or form), ``/v1/generate`` with ``text2video``, and the
+openai client (its ``create`` sends a multipart form; retrieve, list, delete, download)."""
 
 from __future__ import annotations
 
@@ -179,3 +179,42 @@ def test_any_value_is_a_200_or_a_400(http: httpx.Client, field: str, value: obje
 
 def test_the_server_serves_after_the_hypothesis_values(http: httpx.Client) -> None:
     assert wait_video(http, create(http)["id"])["status"] == "completed"
+
+
+def test_the_openai_clients_create_sends_a_form_that_is_taken(client: openai.OpenAI) -> None:
+    extra = {"num_frames": 9, "fps": 8, "num_inference_steps": 2}  # sent as form fields too
+    video = client.videos.create(model="tiny-wan", prompt="a boat", seconds="1", size="32x32", extra_body=extra)
+    assert video.status == "queued" and video.size == "32x32" and video.seconds == "1"
+    deadline = time.monotonic() + 120
+    while (video := client.videos.retrieve(video.id)).status not in ("completed", "failed"):
+        assert time.monotonic() < deadline, video
+        time.sleep(0.1)
+    assert video.status == "completed", video
+    with av.open(io.BytesIO(client.videos.download_content(video.id).content)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(container.streams.video[0])]
+    assert len(frames) == 9 and frames[0].shape == (32, 32, 3)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"num_frames": "8"}, "num_frames"), ({"fps": "fast"}, "fps"), ({"size": "33x33"}, "size"), ({"x": "1"}, "x")],
+)
+def test_a_bad_form_field_is_a_400_naming_it(http: httpx.Client, fields: dict[str, str], param: str) -> None:
+    data = {"prompt": "a boat", "num_inference_steps": "1"} | fields
+    # Each as a part without a filename: a multipart form of text fields, as the openai client sends.
+    resp = http.post("/v1/videos", files={k: (None, v) for k, v in data.items()})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param, resp.text
+
+
+def test_a_forms_input_reference_is_a_400_naming_it(http: httpx.Client) -> None:
+    files = {"input_reference": ("ref.png", b"\x89PNG" + b"\0" * 100_000, "image/png")}
+    resp = http.post("/v1/videos", data={"prompt": "a boat"}, files=files)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "input_reference" and "image-to-video is not supported" in error["message"]
+
+
+def test_a_text_body_is_a_415(http: httpx.Client) -> None:
+    resp = http.post("/v1/videos", content=b'{"prompt": "a boat"}', headers={"Content-Type": "text/plain"})
+    assert resp.status_code == 415 and resp.json()["error"]["code"] == "unsupported_media_type"

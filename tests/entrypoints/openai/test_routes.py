@@ -11,6 +11,7 @@ import re
 import pytest
 from fastapi.routing import APIRoute, APIWebSocketRoute
 from fastapi.testclient import TestClient
+from omni_runtime.entrypoints.openai.dependencies import BODY_GUARDS, guards_of
 from omni_runtime.entrypoints.openai.server import api_routes, create_app
 from starlette.websockets import WebSocketDisconnect
 
@@ -68,13 +69,15 @@ def test_every_post_route_refuses_a_wrong_content_type(app, client):
     for route in posts:
         if route.path in BODYLESS:
             continue
+        declared = [g for g in guards_of(route) if g in BODY_GUARDS]
+        assert len(declared) == 1, (route.path, declared)  # one declared body content type
         for content_type in ("text/plain", "application/x-www-form-urlencoded"):
             r = client.post(concrete(route.path), content=b"{}", headers=auth | {"content-type": content_type})
             assert r.status_code == 415, (route.path, content_type, r.text)
             assert r.json()["error"]["code"] == "unsupported_media_type"
-        if route.body_field is not None:  # a JSON body: sent without a content type, still a 415
-            r = client.post(concrete(route.path), content=b"{}", headers=auth)
-            assert r.status_code == 415, route.path
+        # Sent without a content type, whatever body the route takes: still a 415.
+        r = client.post(concrete(route.path), content=b"{}", headers=auth)
+        assert r.status_code == 415, route.path
 
 
 def test_an_unknown_v1_path_needs_the_key_before_it_is_a_404(client):
