@@ -274,10 +274,7 @@ async def read_image_form(request: Any, form_cls: type[T]) -> tuple[T, dict[str,
     from pydantic import ValidationError
     from starlette.datastructures import UploadFile
 
-    try:
-        form = await request.form(max_files=4, max_fields=64)
-    except Exception as e:  # python-multipart's and Starlette's parse errors, whatever their class
-        raise InvalidRequestError(f"malformed multipart/form-data body: {e}", param=None) from None
+    form = await _parse_form(request)
     try:
         fields: dict[str, str] = {}
         files: dict[str, list[bytes]] = {}
@@ -315,6 +312,15 @@ async def read_image_form(request: Any, form_cls: type[T]) -> tuple[T, dict[str,
     return body, out
 
 
+async def _parse_form(request: Any) -> Any:
+    """The request's multipart form (at most 4 files and 64 fields), or a 400 for a body that does
+    not parse."""
+    try:
+        return await request.form(max_files=4, max_fields=64)
+    except Exception as e:  # python-multipart's and Starlette's parse errors, whatever their class
+        raise InvalidRequestError(f"malformed multipart/form-data body: {e}", param=None) from None
+
+
 async def read_text_form(request: Any, refused: Mapping[str, str]) -> dict[str, str]:
     """The text fields of a multipart request that takes no file, each given once, for a pydantic
     model to validate (lax: ``"9"`` is the int 9, as in JSON). ``refused`` maps a field a route
@@ -325,10 +331,7 @@ async def read_text_form(request: Any, refused: Mapping[str, str]) -> dict[str, 
     """
     from starlette.datastructures import UploadFile
 
-    try:
-        form = await request.form(max_files=4, max_fields=64)
-    except Exception as e:  # python-multipart's and Starlette's parse errors, whatever their class
-        raise InvalidRequestError(f"malformed multipart/form-data body: {e}", param=None) from None
+    form = await _parse_form(request)
     try:
         fields: dict[str, str] = {}
         for key, value in form.multi_items():
