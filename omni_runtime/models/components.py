@@ -110,6 +110,26 @@ def gemma_tokenizer(model_max_length: int = 8192) -> GemmaTokenizer:
     return GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True, model_max_length=model_max_length)
 
 
+def tiny_t5_encoder(d_model: int = 32, d_ff: int = 37) -> dict[str, Any]:
+    """The config of the builtins' tiny T5 encoder (PixArt, SD3, Flux; Wan's UMT5 takes the same
+    keys): 2 layers of 4 heads x 8, gated GELU, encoder only. ``d_model`` is the width the
+    denoiser's text projection reads."""
+    return dict(
+        d_model=d_model,
+        d_kv=8,
+        d_ff=d_ff,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False,
+        use_cache=False,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+
+
 def save_pipeline(pipe: Any, path: Path, clip_tokenizers: tuple[str, ...] = ()) -> None:
     """``save_pretrained`` with safetensors, then strip load-time keys from every tokenizer folder.
 

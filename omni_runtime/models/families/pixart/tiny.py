@@ -14,23 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omni_runtime.models.components import save_pipeline, seeded, t5_tokenizer
+from omni_runtime.models.components import save_pipeline, seeded, t5_tokenizer, tiny_t5_encoder
 from omni_runtime.models.families.sd.tiny import TINY_VAE
 
-T5_ENCODER: dict[str, Any] = dict(
-    d_model=32,
-    d_kv=8,
-    d_ff=37,
-    num_layers=2,
-    num_heads=4,
-    relative_attention_num_buckets=8,
-    dropout_rate=0.0,
-    feed_forward_proj="gated-gelu",
-    is_encoder_decoder=False,
-    use_cache=False,
-    pad_token_id=0,
-    eos_token_id=1,
-)
+T5_ENCODER: dict[str, Any] = tiny_t5_encoder()
 TRANSFORMER: dict[str, Any] = dict(
     sample_size=32,
     num_layers=2,

@@ -107,26 +107,12 @@ def write_clip_vocab(directory: Path) -> None:
     (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(MERGES) + "\n")
 
 
-def _finish_tokenizer(tokenizer_dir: Path) -> None:
-    """Make the saved tokenizer folder independent of how it was loaded before saving.
-
-    transformers 5 saves only ``tokenizer.json`` and records load-time flags (``local_files_only``,
-    ``is_local``) in ``tokenizer_config.json``; the vocab files are added back (for loaders that
-    read the slow format) and those flags removed.
-    """
-    write_clip_vocab(tokenizer_dir)
-    config_file = tokenizer_dir / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    for key in ("local_files_only", "is_local", "name_or_path", "_commit_hash"):
-        config.pop(key, None)
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
 def _build(path: Path, unet_config: dict[str, Any], vae_config: dict[str, Any]) -> None:
     import torch
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-    from transformers.utils import logging as transformers_logging
+
+    from omni_runtime.models.components import save_pipeline
 
     path = Path(path)
     # Each component is seeded on its own, so a change to one leaves the others' weights alone;
@@ -151,15 +137,7 @@ def _build(path: Path, unet_config: dict[str, Any], vae_config: dict[str, Any]) 
         feature_extractor=None,
         requires_safety_checker=False,
     )
-    # The shard-writing progress bar is noise for a 10 MB model written at first use.
-    bars_were_on = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()
-    try:
-        pipe.save_pretrained(path, safe_serialization=True)
-    finally:
-        if bars_were_on:
-            transformers_logging.enable_progress_bar()
-    _finish_tokenizer(path / "tokenizer")
+    save_pipeline(pipe, path, clip_tokenizers=("tokenizer",))
 
 
 def build_tiny_sd(path: Path) -> None:

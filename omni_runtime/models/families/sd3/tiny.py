@@ -12,26 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omni_runtime.models.components import clip_tokenizer, save_pipeline, seeded, t5_tokenizer
+from omni_runtime.models.components import clip_tokenizer, save_pipeline, seeded, t5_tokenizer, tiny_t5_encoder
 from omni_runtime.models.families.sd.tiny import TEXT_ENCODER
 
 CLIP_PROJECTION_DIM = 32
 #: T5's width is the joint attention width; the two CLIPs' 32 + 32 states are zero-padded up to it.
 T5_WIDTH = 64
-T5_ENCODER: dict[str, Any] = dict(
-    d_model=T5_WIDTH,
-    d_kv=8,
-    d_ff=64,
-    num_layers=2,
-    num_heads=4,
-    relative_attention_num_buckets=8,
-    dropout_rate=0.0,
-    feed_forward_proj="gated-gelu",
-    is_encoder_decoder=False,
-    use_cache=False,
-    pad_token_id=0,
-    eos_token_id=1,
-)
+T5_ENCODER: dict[str, Any] = tiny_t5_encoder(d_model=T5_WIDTH, d_ff=64)
 TRANSFORMER: dict[str, Any] = dict(
     sample_size=32,
     patch_size=2,

@@ -12,23 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omni_runtime.models.components import save_pipeline, seeded, t5_tokenizer
+from omni_runtime.models.components import save_pipeline, seeded, t5_tokenizer, tiny_t5_encoder
 
 #: UMT5 is T5 with per-layer relative attention biases; the tiny one shares T5's tokenizer layout.
-UMT5_ENCODER: dict[str, Any] = dict(
-    d_model=32,
-    d_kv=8,
-    d_ff=37,
-    num_layers=2,
-    num_heads=4,
-    relative_attention_num_buckets=8,
-    dropout_rate=0.0,
-    feed_forward_proj="gated-gelu",
-    is_encoder_decoder=False,
-    use_cache=False,
-    pad_token_id=0,
-    eos_token_id=1,
-)
+UMT5_ENCODER: dict[str, Any] = tiny_t5_encoder()
 Z_DIM = 4
 TRANSFORMER: dict[str, Any] = dict(
     patch_size=(1, 2, 2),
