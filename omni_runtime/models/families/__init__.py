@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from omni_runtime.stage.runners.sizes import SizeLimits
 
 #: The families this package holds, in registration order.
-BUILTIN_FAMILIES = ("sd", "sdxl", "sd3", "flux", "pixart", "sana", "wan")
+BUILTIN_FAMILIES = ("sd", "sdxl", "sd3", "flux", "pixart", "sana", "wan", "ltx")
 
 #: Pipeline call arguments that would change what is asked for, turned off where a pipeline has
 #: them: ``clean_caption`` (PixArt, Sana) rewrites the prompt and needs packages this runtime does
