@@ -202,8 +202,19 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: Attention computed in slices to cut peak memory: ``auto`` (half the heads at a time),
     #: ``max`` (one at a time) or a slice size; null = off.
     attention_slicing: Literal["auto", "max"] | Annotated[int, msgspec.Meta(ge=1)] | None = None
-    #: Decode (and encode) large images with the VAE in tiles: bounded memory for big sizes.
+    #: Decode (and encode) large images and videos with the VAE in overlapping tiles, blended at
+    #: the seams: peak memory bounded by the tile, not the frame, for some time (tiles overlap)
+    #: and seams that differ slightly from an untiled decode. Where the VAE has it (image VAEs,
+    #: Wan's, LTX's).
     vae_tiling: bool = False
+    #: Decode a batch with the VAE one sample at a time: the decode's peak memory is one video's
+    #: (or image's), not the batch's, for a decode that uses the device less fully.
+    vae_slicing: bool = False
+    #: Largest ``num_frames x height x width`` a video request may ask for, and that a fused
+    #: batch may total (a wave past it runs in smaller parts): what bounds a video's memory, which
+    #: grows with its frames as with its pixels. ``null``: no bound beyond ``max_pixels`` and the
+    #: model's most frames.
+    max_video_pixels: Annotated[int, msgspec.Meta(ge=64)] | None = None
     #: Priority aging: a waiting request gains one priority level per this many seconds it waits,
     #: so a low-priority request is served at last however many higher ones keep arriving.
     priority_aging_s: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 10.0

@@ -150,6 +150,8 @@ class StageConstraints(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     frames_reason: str | None = None
     #: Most frames a request may ask for.
     max_frames: int | None = None
+    #: Most ``num_frames x height x width`` a video request may ask for (``engine_args.max_video_pixels``).
+    max_video_pixels: int | None = None
 
 
 class StageReady(msgspec.Struct, tag="ready", **_Msg):

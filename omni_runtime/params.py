@@ -382,6 +382,27 @@ def check_frames(params: dict[str, Any], constraints: StageConstraints) -> None:
             f"invalid sampling param `num_frames`: {frames} is more than the {most} this stage's model can make",
             param="num_frames",
         )
+    check_video_pixels(params, constraints)
+
+
+def check_video_pixels(params: dict[str, Any], constraints: StageConstraints) -> None:
+    """Refuse a video whose frames x pixels exceed the stage's ``max_video_pixels``: what its
+    latents, activations and decode take grows with both, so this is its memory bound."""
+    limit, frames = constraints.max_video_pixels, params.get("num_frames")
+    h, w = params.get("height"), params.get("width")
+    if limit is None or frames is None or h is None or w is None:
+        return
+    count = int(params.get("num_images_per_prompt") or 1)
+    total = frames * h * w * count
+    if total <= limit:
+        return
+    terms = f"num_frames x height x width{' x num_images_per_prompt' if count > 1 else ''}"
+    values = f"{frames} x {h} x {w}{f' x {count}' if count > 1 else ''}"
+    raise InvalidRequestError(
+        f"invalid sampling param `num_frames`: {terms} = {values} = {total} exceeds this stage's limit of "
+        f"{limit} (engine_args.max_video_pixels); ask for fewer frames or a smaller size",
+        param="num_frames",
+    )
 
 
 def check_step_range(steps: int | None, constraints: StageConstraints) -> None:

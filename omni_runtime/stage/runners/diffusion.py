@@ -92,6 +92,9 @@ def apply_engine_options(pipe: Any, args: EngineArgs) -> list[str]:
     if args.vae_tiling and vae is not None and hasattr(vae, "enable_tiling"):
         vae.enable_tiling()
         applied.append("VAE tiling")
+    if args.vae_slicing and vae is not None and hasattr(vae, "enable_slicing"):
+        vae.enable_slicing()
+        applied.append("VAE slicing")
     if args.torch_compile:
         options = args.torch_compile if isinstance(args.torch_compile, TorchCompile) else TorchCompile()
         module = denoiser(pipe)
@@ -275,6 +278,7 @@ class DiffusionRunner(StageRunner):
             frames_step=(self._frames_step or 1) if self._video else None,
             frames_reason=self._frames_reason,
             max_frames=self._max_frames,
+            max_video_pixels=self.stage.engine_args.max_video_pixels if self._video else None,
         )
         if self.stage.engine_args.step_execution and self._step_reason is None and out.image_inputs:
             # The worker runs every request of this stage in the step loop: what it cannot run
@@ -321,9 +325,24 @@ class DiffusionRunner(StageRunner):
             self._scheduler_name,
             self._forms.key(p) if self._forms is not None else (),
             LoraAdapters.key(p.get("lora")),
-            # A video's frame count shapes the latents; fps does not (it is the item's).
+            # A video's frame count shapes the latents; fps does not (it is the item's), except
+            # for a pipeline that takes it as its frame_rate (LTX scales its positions by it).
             (p.get("num_frames") or self._default("num_frames")) if self._video else None,
+            (p.get("fps") or self._fps) if self._video and "frame_rate" in self._call_params else None,
         )
+
+    def video_batch_cap(self, params: dict[str, Any]) -> int | None:
+        """Most requests of these (shape) params one forward may fuse so that the wave's total
+        ``num_frames x height x width`` stays within ``engine_args.max_video_pixels`` (at least
+        one: a single request past it was refused before it was queued); None: no such bound."""
+        limit = self.stage.engine_args.max_video_pixels
+        if not self._video or limit is None:
+            return None
+        frames = params.get("num_frames") or self._default("num_frames") or 1
+        height = params.get("height") or self._native_size[0] or 0
+        width = params.get("width") or self._native_size[1] or 0
+        per_request = int(frames) * int(height) * int(width) * int(params.get("num_images_per_prompt") or 1)
+        return max(1, limit // per_request) if per_request else None
 
     # ------------------------------------------------------------------ execution
 
@@ -332,6 +351,12 @@ class DiffusionRunner(StageRunner):
             # A pipeline that cannot batch still serves a worker that ignored max_batch_size.
             size = self.max_batch_size
             return [out for i in range(0, len(batch), size) for out in self.execute(batch[i : i + size], ctx)]
+        video_cap = self.video_batch_cap(batch[0].params)
+        if video_cap is not None and len(batch) > video_cap:
+            # A fused wave of videos past max_video_pixels runs in parts that each fit (equal keys:
+            # one size and frame count, so one cap for all).
+            parts = [batch[i : i + video_cap] for i in range(0, len(batch), video_cap)]
+            return [out for part in parts for out in self.execute(part, ctx)]
         if self.pipe is None:
             raise StageAsleepError("the diffusion stage is asleep; call wake_up first")
         called = time.perf_counter()
@@ -382,6 +407,8 @@ class DiffusionRunner(StageRunner):
             "num_images_per_prompt": per_prompt // rows,
             "num_videos_per_prompt": per_prompt // rows,  # the video pipelines' name for it
             "num_frames": first.get("num_frames"),
+            # LTX's name for the frame rate its positions are scaled by (in the batch key).
+            "frame_rate": first.get("fps") or self._fps,
             # The native size is always passed: a signature default can be the real model's size
             # whatever this model is (Sana: 1024; Flux: 128 latent pixels per VAE factor).
             "height": first.get("height") or self._native_size[0],
