@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from omni_runtime.config import EngineArgs
 from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.messages import StageConstraints
 from omni_runtime.params import (
@@ -95,3 +99,30 @@ def test_video_frames_follow_the_models_rule_and_images_take_none():
     with pytest.raises(InvalidRequestError, match="`num_frames`"):
         resolve_params(DiffusionSamplingParams, {}, {"num_frames": 0})
     assert resolve_params(DiffusionSamplingParams, {"num_frames": 9}, {"fps": 24}) == {"num_frames": 9, "fps": 24}
+
+
+@given(
+    frames=st.integers(1, 1_000),
+    height=st.integers(1, 4_096),
+    width=st.integers(1, 4_096),
+    per_prompt=st.integers(1, 8),
+    limit=st.integers(64, 2**40),
+)
+def test_the_video_memory_bound_refuses_exactly_what_exceeds_it(
+    frames: int, height: int, width: int, per_prompt: int, limit: int
+) -> None:
+    video = StageConstraints(frames_step=1, max_video_pixels=limit)
+    params = {"num_frames": frames, "height": height, "width": width, "num_images_per_prompt": per_prompt}
+    total = frames * height * width * per_prompt
+    if total <= limit:
+        check_constraints(params, video)
+        return
+    with pytest.raises(InvalidRequestError, match=rf"= {total} exceeds this stage's limit of {limit} ") as info:
+        check_constraints(params, video)
+    assert info.value.param == "num_frames" and "engine_args.max_video_pixels" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [0, 63, -1, 1.5, "big", True])
+def test_max_video_pixels_config_refuses_what_is_no_bound(bad: object) -> None:
+    with pytest.raises(msgspec.ValidationError, match="max_video_pixels"):
+        msgspec.convert({"max_video_pixels": bad}, EngineArgs)
