@@ -3,8 +3,9 @@
 ``Omni("tiny-stable-audio")`` returns audio clips (float32 ``channels x n`` at the model's rate)
 that save as WAV files soundfile reads back; requests of one length fuse into one wave whose clips
 equal their solo clips (within float tolerance); a clip past the model's window is refused before
-it is queued, naming the limit; the golden slice pins the seeded builder and the pipeline. The
-params' validation takes hostile values without an engine.
+it is queued, naming the limit; the golden slice pins the seeded builder and the pipeline (a
+second build here would cost more of the suite's time than it guards). The params' validation
+takes hostile values without an engine.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from hypothesis import strategies as st
 from omni_runtime import Omni
 from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.messages import StageConstraints
-from omni_runtime.models.builtin import builder, ensure_builtin
 from omni_runtime.models.families import GOLDEN_PARAMS, GOLDEN_PROMPT, family
 from omni_runtime.params import DiffusionSamplingParams, check_constraints, resolve_params
 
@@ -73,16 +73,6 @@ def test_audio_params_are_refused_by_a_stage_that_makes_no_audio() -> None:
 def omni(model_cache: Path) -> Any:
     with Omni("tiny-stable-audio") as engine:
         yield engine
-
-
-@pytest.mark.integration
-def test_builder_is_deterministic_and_small(omni: Any, tmp_path: Path) -> None:
-    cached = Path(ensure_builtin("tiny-stable-audio"))  # built by the engine's start
-    builder("tiny-stable-audio")(tmp_path / "again")
-    files = sorted(p.relative_to(cached) for p in cached.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(tmp_path / "again") for p in (tmp_path / "again").rglob("*") if p.is_file())
-    assert all((cached / f).read_bytes() == (tmp_path / "again" / f).read_bytes() for f in files)
-    assert sum((cached / f).stat().st_size for f in files) < 5e6
 
 
 @pytest.mark.integration
