@@ -276,6 +276,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 #: The file format ``generate`` writes videos in (images are PNG).
 VIDEO_FORMAT = "mp4"
+#: The file format ``generate`` writes audio clips in.
+AUDIO_FORMAT = "wav"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -289,16 +291,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     overrides = {"max_num_seqs": args.max_num_seqs, "step_execution": args.step_execution, **_placement_args(args)}
     resolved = load_resolved(args.model, overrides, args.ray_address)
     config = resolved.config
-    # The first final stage that makes images or videos: what is generated, and its file format.
-    finals = [s for s in config.stage_args if s.final_output and s.final_output_type in ("image", "video")]
+    # The first final stage that makes images, videos or audio: what is generated, and its format.
+    finals = [s for s in config.stage_args if s.final_output and s.final_output_type in ("image", "video", "audio")]
     if not finals:
-        raise CliError(f"the model {args.model!r} has no image or video output")
+        raise CliError(f"the model {args.model!r} has no image, video or audio output")
     image_stage, kind = finals[0].stage_id, str(finals[0].final_output_type)
     if kind != "video" and (args.frames is not None or args.fps is not None):
-        raise CliError(f"--frames and --fps are for a video model; {args.model!r} makes images")
-    suffix = VIDEO_FORMAT if kind == "video" else "png"
+        raise CliError(f"--frames and --fps are for a video model; {args.model!r} makes {kind}s")
+    if kind != "audio" and args.seconds is not None:
+        raise CliError(f"--seconds is for an audio model; {args.model!r} makes {kind}s")
+    if kind == "audio" and args.size is not None:
+        raise CliError(f"--size is for an image or video model; {args.model!r} makes audio")
+    suffix = {"video": VIDEO_FORMAT, "audio": AUDIO_FORMAT}.get(kind, "png")
     image: dict[str, Any] = {"num_inference_steps": args.steps, "guidance_scale": args.guidance_scale}
-    image.update(num_frames=args.frames, fps=args.fps)
+    image.update(num_frames=args.frames, fps=args.fps, audio_end_in_s=args.seconds)
     if args.size is not None:
         image["width"], image["height"] = args.size
     if args.lora is not None:
@@ -490,7 +496,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         return 0
     print("Bundled configs (omni-runtime serve NAME):")
     for c in configs:
-        print(f"  {c['name']:<16} {c.get('error') or ', '.join(c['stages'])}")
+        print(f"  {c['name']:<18} {c.get('error') or ', '.join(c['stages'])}")
     print("Builtin models (model: builtin:NAME in a deploy YAML):")
     for name in builtins:
         print(f"  {name}")
@@ -692,10 +698,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = command(
         "generate",
-        "generate images in process and write PNGs and a report",
+        "generate images, videos or audio in process and write PNG, MP4 or WAV files and a report",
         '  omni-runtime generate "a lighthouse at dusk"\n'
         '  omni-runtime generate "a fox" "a cat" -n 4 --seed 42 --steps 8 --size 64x64 --out out/\n'
-        '  omni-runtime generate "a boat" --model ./my-sdxl --device cuda --dtype float16',
+        '  omni-runtime generate "a boat" --model ./my-sdxl --device cuda --dtype float16\n'
+        '  omni-runtime generate "rain on a tin roof" --model tiny-stable-audio --seconds 1.5',
     )
     g.add_argument("prompts", nargs="+", metavar="PROMPT", help="one or more prompts")
     g.add_argument("-n", type=_positive_int, default=1, help="images per prompt (one request each)")
@@ -706,6 +713,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--size", type=_size, help="WIDTHxHEIGHT (default: the model's)")
     g.add_argument("--frames", type=_positive_int, help="frames of each video (a video model; default: the model's)")
     g.add_argument("--fps", type=_int(1, 240), help="frames per second a video plays at (default: the model's)")
+    g.add_argument(
+        "--seconds", type=_float(0, strict=True), help="length of each clip (an audio model; default: the model's)"
+    )
     g.add_argument("--guidance-scale", type=_float(0), help="classifier-free guidance (default: the model's)")
     g.add_argument("--lora", metavar="PATH_OR_NAME", help="a LoRA adapter: a local folder/file, or a registered name")
     g.add_argument("--lora-scale", type=float, default=1.0, help="how strongly the LoRA applies")

@@ -33,6 +33,8 @@ MAX_LORA_PATH_CHARS = 4096
 MIN_SIDE, MAX_SIDE = 8, 4096
 #: Most frames of a video any request may ask for (a model's own limit applies on top).
 MAX_FRAMES = 4097
+#: Longest clip any request may ask for, in seconds (a model's own limit applies on top).
+MAX_AUDIO_SECONDS = 3600.0
 
 #: The keyword names of a bound, as both msgspec.Meta and pydantic's Field take them.
 BOUND_NAMES = ("ge", "gt", "le", "lt", "min_length", "max_length", "pattern")
@@ -106,6 +108,10 @@ REQUEST_BOUNDS: dict[str, Bounds] = {
     "num_frames": Bounds(ge=1, le=MAX_FRAMES),
     #: Frames per second of a video: what it plays at, not what the model makes.
     "fps": Bounds(ge=1, le=240),
+    #: Where a clip ends and starts, in seconds (the model's window is checked at enqueue).
+    "audio_end_in_s": Bounds(gt=0, le=MAX_AUDIO_SECONDS),
+    "audio_start_in_s": Bounds(ge=0, lt=MAX_AUDIO_SECONDS),
+    "num_waveforms_per_prompt": Bounds(ge=1, le=16),
     "lora.name": Bounds(pattern=LORA_NAME_PATTERN),
     "lora.scale": Bounds(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE),
     "lora.path": Bounds(min_length=1, max_length=MAX_LORA_PATH_CHARS),

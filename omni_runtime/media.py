@@ -32,9 +32,9 @@ KINDS: tuple[str, ...] = get_args(Kind)
 OutputType = Literal[Kind, "latent"]
 OUTPUT_TYPES: tuple[str, ...] = (*KINDS, "latent")
 #: Other names callers use for an output type, and the type each stands for.
-ALIASES: dict[str, str] = {"images": "image", "videos": "video"}
+ALIASES: dict[str, str] = {"images": "image", "videos": "video", "audios": "audio"}
 #: What a caller may name in ``modalities``: an output type or an alias of one.
-Modality = Literal[OutputType, "images", "videos"]
+Modality = Literal[OutputType, "images", "videos", "audios"]
 
 
 def output_type(name: str) -> str:
@@ -113,8 +113,58 @@ class VideoItem(msgspec.Struct, tag="video", **_Item):
         Path(path).write_bytes(encode(self, suffix, **options))
 
 
-#: Every media item; a new kind joins here (``ImageItem | VideoItem | AudioItem``).
-MediaItem = ImageItem | VideoItem
+class AudioItem(msgspec.Struct, tag="audio", **_Item):
+    """One audio clip: float32 samples in [-1, 1], the rate they play at, and how they were made.
+
+    The layout is always ``channels x n`` (2-D, mono included: ``1 x n``), channel-major as the
+    diffusers audio pipelines return it; ``samples`` is that array, ``channels`` its first axis.
+    An encoder interleaves the channels itself (a file's frames are ``n x channels``).
+    """
+
+    kind: ClassVar[str] = "audio"
+
+    #: float32 ``channels x n``; as :attr:`ImageItem.data` between processes.
+    data: Any
+    #: Samples per second per channel.
+    sample_rate: int
+    #: The seed of the generator this clip was drawn with (None when unknown).
+    seed: int | None = None
+
+    @property
+    def samples(self) -> np.ndarray:
+        """The samples, float32 ``channels x n``."""
+        return np.asarray(self.data)
+
+    @property
+    def channels(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per channel (``n``)."""
+        return int(self.data.shape[1])
+
+    @property
+    def duration_s(self) -> float:
+        return self.num_samples / self.sample_rate
+
+    def save(self, path: str | os.PathLike[str], **options: Any) -> None:
+        """Write the clip to ``path`` in the format its suffix names (``.wav``, ``.flac``,
+        ``.mp3``, ``.aac``, ``.opus`` or ``.ogg`` (Opus), ``.pcm``), through the encoder registry;
+        ``options`` go to the encoder."""
+        from omni_runtime.encoders import encode
+
+        suffix = Path(path).suffix.lstrip(".").lower()
+        if not suffix:
+            raise ValueError(f"cannot tell the format of {str(path)!r}: give it a suffix such as .wav")
+        Path(path).write_bytes(encode(self, AUDIO_SUFFIXES.get(suffix, suffix), **options))
+
+
+#: File suffixes that name an audio format under another name (an Ogg file of Opus).
+AUDIO_SUFFIXES: dict[str, str] = {"ogg": "opus"}
+
+#: Every media item; a new kind joins here.
+MediaItem = ImageItem | VideoItem | AudioItem
 
 
 def image_items(floats: Any, seed: float | None = None) -> list[ImageItem]:
@@ -134,6 +184,19 @@ def video_items(floats: Any, fps: int, seed: float | None = None) -> list[VideoI
         VideoItem(
             data=(np.clip(x, 0.0, 1.0) * 255).round().astype(np.uint8),
             fps=int(fps),
+            seed=None if seed is None else int(seed) + j,
+        )
+        for j, x in enumerate(floats)
+    ]
+
+
+def audio_items(floats: Any, sample_rate: int, seed: float | None = None) -> list[AudioItem]:
+    """Clips from an audio pipeline's float output (``N x channels x n``, nominally in [-1, 1]),
+    clipped to that range as float32; clip ``j`` of a request was drawn with ``seed + j``."""
+    return [
+        AudioItem(
+            data=np.clip(np.asarray(x, dtype=np.float32), -1.0, 1.0),
+            sample_rate=int(sample_rate),
             seed=None if seed is None else int(seed) + j,
         )
         for j, x in enumerate(floats)

@@ -152,6 +152,11 @@ class StageConstraints(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     max_frames: int | None = None
     #: Most ``num_frames x height x width`` a video request may ask for (``engine_args.max_video_pixels``).
     max_video_pixels: int | None = None
+    #: The longest clip (seconds) an audio model makes; None: the stage makes no audio, and
+    #: ``audio_end_in_s`` / ``audio_start_in_s`` / ``num_waveforms_per_prompt`` are refused.
+    max_audio_s: float | None = None
+    #: Why, in the model's terms, for the error.
+    audio_reason: str | None = None
 
 
 class StageReady(msgspec.Struct, tag="ready", **_Msg):

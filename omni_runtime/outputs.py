@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omni_runtime.exceptions import OmniError
-from omni_runtime.media import ImageItem, MediaItem, VideoItem
+from omni_runtime.media import AudioItem, ImageItem, MediaItem, VideoItem
 
 
 @dataclass
@@ -34,6 +34,11 @@ class StageResult:
         """This stage's videos: ``.frames`` (uint8 FxHxWx3), ``.fps``, ``.save(path)``."""
         return [m for m in self.media if isinstance(m, VideoItem)]
 
+    @property
+    def audios(self) -> list[AudioItem]:
+        """This stage's audio clips: ``.samples`` (float32 channels x n), ``.sample_rate``, ``.save(path)``."""
+        return [m for m in self.media if isinstance(m, AudioItem)]
+
 
 @dataclass(frozen=True)
 class RequestProgress:
@@ -60,7 +65,7 @@ class OmniRequestOutput:
     stage_id: int
     finished: bool = False
     #: Every final stage's media items, in stage order (``images`` is the images among them, as
-    #: PIL images; ``videos`` the videos).
+    #: PIL images; ``videos`` the videos, ``audios`` the audio clips).
     media: list[MediaItem] = field(default_factory=list)
     text: str | None = None
     #: The newest streamed piece of ``text`` (AsyncOmni streaming); None otherwise.
@@ -87,6 +92,12 @@ class OmniRequestOutput:
         """The videos of every final stage: ``.frames`` (uint8 FxHxWx3), ``.fps`` and
         ``.save("clip.mp4")`` (the format from the suffix, through the encoder registry)."""
         return [video for r in self.outputs_by_stage.values() for video in r.videos]
+
+    @property
+    def audios(self) -> list[AudioItem]:
+        """The audio clips of every final stage: ``.samples`` (float32 ``channels x n``, mono
+        too), ``.sample_rate`` and ``.save("clip.wav")`` (the format from the suffix)."""
+        return [clip for r in self.outputs_by_stage.values() for clip in r.audios]
 
     def snapshot(self) -> OmniRequestOutput:
         """A copy whose containers later deliveries do not change (AsyncOmni yields these)."""

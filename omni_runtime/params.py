@@ -79,7 +79,7 @@ class LoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
 
 
 class DiffusionSamplingParams(SamplingParams):
-    """Parameters of a diffusion (text-to-image, text-to-video) request."""
+    """Parameters of a diffusion (text-to-image, text-to-video, text-to-audio) request."""
 
     stage_type: ClassVar[str] = "diffusion"
 
@@ -109,6 +109,12 @@ class DiffusionSamplingParams(SamplingParams):
     num_frames: Annotated[int, meta("num_frames")] | None = None
     #: Frames per second the video plays at (a video model only); unset: the family's default.
     fps: Annotated[int, meta("fps")] | None = None
+    #: Where the clip ends, in seconds (an audio model only); unset: the model's longest clip.
+    audio_end_in_s: Annotated[float, meta("audio_end_in_s")] | None = None
+    #: Where the clip starts, in seconds (an audio model only); unset: 0.
+    audio_start_in_s: Annotated[float, meta("audio_start_in_s")] | None = None
+    #: Clips per prompt (an audio model only; the audio pipelines' name for ``num_images_per_prompt``).
+    num_waveforms_per_prompt: Annotated[int, meta("num_waveforms_per_prompt")] | None = None
 
 
 class TextSamplingParams(SamplingParams):
@@ -327,6 +333,7 @@ def check_constraints(params: dict[str, Any], constraints: StageConstraints) -> 
     has_image = params.get("image") is not None
     check_image_capability(params, constraints)
     check_frames(params, constraints)
+    check_audio(params, constraints)
     check_step_range(params.get("num_inference_steps"), constraints)
     h = params.get("height")
     w = params.get("width")
@@ -403,6 +410,42 @@ def check_video_pixels(params: dict[str, Any], constraints: StageConstraints) ->
         f"{limit} (engine_args.max_video_pixels); ask for fewer frames or a smaller size",
         param="num_frames",
     )
+
+
+#: The params only an audio model takes.
+AUDIO_PARAMS = ("audio_end_in_s", "audio_start_in_s", "num_waveforms_per_prompt")
+
+
+def check_audio(params: dict[str, Any], constraints: StageConstraints) -> None:
+    """Refuse audio params on a stage that makes no audio, and a clip the audio model cannot make:
+    it ends past the model's window, or before it starts."""
+    most = constraints.max_audio_s
+    for name in AUDIO_PARAMS:
+        if params.get(name) is not None and most is None:
+            raise InvalidRequestError(f"invalid sampling param `{name}`: this stage's model makes no audio", param=name)
+    if most is None:
+        return
+    if params.get("num_images_per_prompt") is not None:
+        raise InvalidRequestError(
+            "invalid sampling param `num_images_per_prompt`: this stage's model makes audio; "
+            "use `num_waveforms_per_prompt`",
+            param="num_images_per_prompt",
+        )
+    end = params.get("audio_end_in_s")
+    start = params.get("audio_start_in_s") or 0.0
+    why = constraints.audio_reason or "the model's window"
+    if end is not None and end > most:
+        raise InvalidRequestError(
+            f"invalid sampling param `audio_end_in_s`: {end} s is past the {most:g} s this stage's model can make "
+            f"({why})",
+            param="audio_end_in_s",
+        )
+    if start >= (most if end is None else end):
+        raise InvalidRequestError(
+            f"invalid sampling param `audio_start_in_s`: {start} s is not before the clip's end "
+            f"({most if end is None else end:g} s)",
+            param="audio_start_in_s",
+        )
 
 
 def check_step_range(steps: int | None, constraints: StageConstraints) -> None:

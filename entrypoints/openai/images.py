@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 
 from omni_runtime import encoders
 from omni_runtime.exceptions import InvalidRequestError
-from omni_runtime.media import items_of
+from omni_runtime.media import ImageItem, items_of
 
 from ..async_omni import AsyncOmni, ValidRequest
 from . import protocol as proto
@@ -120,7 +120,7 @@ async def run_images(
     outs = await state.until_disconnect(
         request, ids, gather_or_abort([state.collect(omni, valid[i], ids[i]) for i in range(n)])
     )
-    images = [(img, out) for out in outs for img in items_of(out.media, "image")]
+    images = [(img, out) for out in outs for img in items_of(out.media, "image") if isinstance(img, ImageItem)]
     fmt = body.output_format
     encoded = await encoders.encode_all([img for img, _ in images], fmt, quality=body.output_compression)
     data = []

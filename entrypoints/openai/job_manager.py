@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni_runtime import encoders
 from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, UnavailableError
-from omni_runtime.media import VideoItem, items_of
+from omni_runtime.media import ImageItem, VideoItem, items_of
 from omni_runtime.outputs import RequestProgress
 
 from ..async_omni import AsyncOmni, ValidRequest
@@ -452,7 +452,7 @@ class JobManager:
             return await self._video_result(record, out)
         fmt = request.config.output_format
         start = time.time()
-        items = items_of(out.media, "image")
+        items = [item for item in items_of(out.media, "image") if isinstance(item, ImageItem)]
         blobs = await encoders.encode_all(items, fmt, quality=request.config.output_compression)
         seeds = [
             r.metrics.get("seed") for _, r in sorted(out.outputs_by_stage.items()) for _ in items_of(r.media, "image")

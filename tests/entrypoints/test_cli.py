@@ -57,8 +57,9 @@ def test_models_lists_bundled_configs_and_builtins():
     assert out.returncode == 0
     assert "tiny-sd" in out.stdout and "echo" in out.stdout and "tiny-lm" in out.stdout
     data = json.loads(run("models", "--json").stdout)
-    assert {"tiny-sd", "echo"} <= {c["name"] for c in data["configs"]}
-    assert "tiny-sd" in data["builtin_models"]
+    assert {"tiny-sd", "echo", "tiny-stable-audio"} <= {c["name"] for c in data["configs"]}
+    assert {"tiny-sd", "tiny-stable-audio"} <= set(data["builtin_models"])
+    assert "tiny-stable-audio  diffusion->audio" in out.stdout
 
 
 def test_generate_writes_pngs_and_a_report(tmp_path):
@@ -111,6 +112,23 @@ def test_generate_writes_videos_that_pyav_decodes(tmp_path):
 def test_generate_refuses_frames_for_an_image_model(tmp_path):
     out = run("generate", "a cat", "--frames", "9", "--out", str(tmp_path))
     assert out.returncode != 0 and "--frames" in out.stderr
+
+
+def test_generate_writes_wav_files_of_the_asked_length(tmp_path):
+    import soundfile
+
+    out = run("generate", "--model", "tiny-stable-audio", "rain", "-n", "2", "--seconds", "0.5", "--steps", "2",
+              "--seed", "3", "--out", str(tmp_path))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["audios"] == 2 and report["failed"] == 0 and [r["seed"] for r in report["results"]] == [3, 4]
+    assert report["results"][0]["params"]["audio_end_in_s"] == 0.5
+    for r in report["results"]:
+        (path,) = r["files"]
+        info = soundfile.info(path)
+        assert path.endswith(".wav") and (info.samplerate, info.channels, info.frames) == (16_000, 2, 8000)
+    refused = run("generate", "a cat", "--seconds", "1", "--out", str(tmp_path / "no"))
+    assert refused.returncode != 0 and "--seconds is for an audio model" in refused.stderr
 
 
 def test_generate_with_step_execution(tmp_path):

@@ -12,6 +12,7 @@ import av
 import msgspec
 import numpy as np
 import pytest
+import soundfile
 from PIL import Image
 from pydantic import ValidationError
 
@@ -24,9 +25,11 @@ from omni_runtime.media import (
     ALIASES,
     KINDS,
     OUTPUT_TYPES,
+    AudioItem,
     ImageItem,
     Modality,
     VideoItem,
+    audio_items,
     image_items,
     items_of,
     output_type,
@@ -84,7 +87,7 @@ def test_kinds_and_aliases_come_from_one_declaration() -> None:
     assert KINDS == ("image", "video", "audio", "text", "tensor")
     assert set(KINDS) < set(OUTPUT_TYPES) and "latent" in OUTPUT_TYPES
     assert output_type("images") == "image" and output_type("videos") == "video" and output_type("text") == "text"
-    assert ALIASES == {"images": "image", "videos": "video"}
+    assert ALIASES == {"images": "image", "videos": "video", "audios": "audio"}
     assert set(ALIASES) <= set(get_args(Modality))
     for value in OUTPUT_TYPES:
         assert msgspec.convert({"stage_id": 0, "stage_type": "echo", "final_output_type": value}, StageConfig)
@@ -293,3 +296,113 @@ def test_videos_are_the_video_items_and_save_by_suffix(tmp_path: Path) -> None:
         video.save(tmp_path / "boat.gif")
     with pytest.raises(ValueError, match="suffix"):
         video.save(tmp_path / "boat")
+
+
+# --------------------------------------------------------------------------- audio
+
+
+def tone(channels: int = 2, n: int = 22_050, rate: int = 22_050) -> np.ndarray:
+    """``channels x n`` float32: a different sine per channel, at half scale."""
+    t = np.arange(n) / rate
+    return np.stack([0.5 * np.sin(2 * np.pi * 220 * (c + 1) * t) for c in range(channels)]).astype(np.float32)
+
+
+def decode_audio(data: bytes, fmt: str) -> tuple[np.ndarray, int]:
+    """``channels x n`` float32 and the sample rate, decoded by a library other than the one that
+    wrote the bytes where there is one (FFmpeg for MP3 and AAC; soundfile for the rest: FFmpeg's
+    Opus decoder always outputs 48 kHz, whatever rate the file holds)."""
+    if fmt in ("wav", "flac", "opus"):
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        return samples.T, int(rate)
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.audio[0]
+        frames = [f.to_ndarray() for f in container.decode(stream)]
+        rate = int(stream.codec_context.sample_rate)
+    planes = np.concatenate(frames, axis=1)  # planar float: channels x n
+    return planes.astype(np.float32), rate
+
+
+def test_an_audio_item_travels_tagged_with_its_samples_as_a_frame() -> None:
+    samples = tone()
+    msg = StageOutput(request_id="r", payload=Payload(media=[AudioItem(data=samples, sample_rate=22_050, seed=4)]))
+    (item,) = roundtrip(msg).payload.media
+    assert isinstance(item, AudioItem) and item.kind == "audio" and (item.sample_rate, item.seed) == (22_050, 4)
+    assert (item.channels, item.num_samples, item.duration_s) == (2, 22_050, 1.0)
+    assert item.samples.dtype == np.float32 and np.array_equal(item.samples, samples)
+    assert msgspec.msgpack.decode(Encoder().encode(AudioItem(data=samples[:1], sample_rate=8000))[0])[0] == "audio"
+
+
+def test_audio_items_are_clipped_float32_and_number_seeds_per_clip() -> None:
+    floats = np.stack([np.full((1, 8), 2.0), np.full((1, 8), -0.25)])  # float64, one past full scale
+    items = audio_items(floats, sample_rate=16_000, seed=7)
+    assert [(i.seed, i.sample_rate, i.channels, i.num_samples) for i in items] == [(7, 16_000, 1, 8), (8, 16_000, 1, 8)]
+    assert items[0].samples.dtype == np.float32 and items[0].samples.max() == 1.0 and items[1].samples[0, 0] == -0.25
+    assert items_of([*items, ImageItem(data=picture())], "audio") == items
+
+
+#: Samples a lossy codec may add at the ends of a clip (AAC's priming and frame padding).
+CODEC_PADDING = {"mp3": 1152 * 2, "aac": 1024 * 3, "opus": 960}
+
+
+@pytest.mark.parametrize("channels", [1, 2])
+@pytest.mark.parametrize("fmt", ["wav", "flac", "opus", "mp3", "aac"])
+def test_every_audio_format_decodes_back_to_its_rate_channels_and_length(fmt: str, channels: int) -> None:
+    samples = tone(channels)
+    data = encoders.encode(AudioItem(data=samples, sample_rate=22_050), fmt)
+    decoded, rate = decode_audio(data, fmt)
+    # Opus codes at 8/12/16/24/48 kHz only: 22.05 kHz is resampled up to 24 kHz.
+    expected_rate = 24_000 if fmt == "opus" else 22_050
+    expected_n = samples.shape[1] * expected_rate // 22_050
+    assert (rate, decoded.shape[0]) == (expected_rate, channels)
+    assert expected_n <= decoded.shape[1] <= expected_n + CODEC_PADDING.get(fmt, 0)
+    if fmt in ("wav", "flac"):  # 16-bit: within one step of the source
+        assert np.abs(decoded - samples).max() <= 1 / 32767 + 1e-6
+    else:  # lossy, but the same loudness (a broken encoder makes silence or noise)
+        assert abs(float(np.sqrt(np.mean(decoded**2))) - float(np.sqrt(np.mean(samples**2)))) < 0.05
+
+
+def test_pcm_is_raw_interleaved_16_bit_little_endian() -> None:
+    samples = tone(2, n=100)
+    data = encoders.encode(AudioItem(data=samples, sample_rate=24_000), "pcm")
+    pcm = np.frombuffer(data, dtype="<i2").reshape(-1, 2).T
+    assert pcm.shape == (2, 100) and np.abs(pcm / 32767 - samples).max() <= 1 / 32767
+
+
+def test_audio_media_types_are_what_openai_sends() -> None:
+    assert {f: encoders.media_type("audio", f) for f in encoders.formats("audio")} == {
+        "wav": "audio/wav",
+        "flac": "audio/flac",
+        "opus": "audio/ogg",
+        "mp3": "audio/mpeg",
+        "aac": "audio/aac",
+        "pcm": "audio/pcm",
+    }
+
+
+def test_a_clip_that_is_not_channels_by_samples_is_refused() -> None:
+    for bad in (np.zeros(8, np.float32), np.zeros((2, 0), np.float32), np.zeros((1, 2, 3), np.float32)):
+        with pytest.raises(InvalidRequestError, match=r"shape \(channels, n\)"):
+            encoders.encode(AudioItem(data=bad, sample_rate=8000), "wav")
+    with pytest.raises(InvalidRequestError, match="mono or stereo"):
+        encoders.encode(AudioItem(data=np.zeros((3, 64), np.float32), sample_rate=8000), "mp3")
+
+
+def test_encode_all_counts_audio_samples_and_keeps_order() -> None:
+    # Two seconds of stereo: past the inline budget, so encoded in a worker thread.
+    items = [AudioItem(data=tone(2, n=44_100), sample_rate=22_050), AudioItem(data=tone(1, n=50), sample_rate=8000)]
+    assert not encoders._inline(items) and encoders._inline(items[1:])
+    blobs = asyncio.run(encoders.encode_all(items, "wav"))
+    assert [decode_audio(b, "wav")[0].shape for b in blobs] == [(2, 44_100), (1, 50)]
+
+
+def test_audios_are_the_audio_items_and_save_by_suffix(tmp_path: Path) -> None:
+    out = OmniRequestOutput(request_id="r", stage_id=-1)
+    clip_ = AudioItem(data=tone(1), sample_rate=22_050, seed=1)
+    apply_output(out, delivered(0, Payload(media=[clip_], metrics=StageMetrics(seed=1))))
+    assert out.audios == [clip_] and out.videos == [] and out.outputs_by_stage[0].audios == [clip_]
+    for suffix in ("wav", "flac", "ogg", "mp3"):
+        out.audios[0].save(tmp_path / f"rain.{suffix}")
+    assert soundfile.info(str(tmp_path / "rain.wav")).samplerate == 22_050
+    assert soundfile.info(str(tmp_path / "rain.ogg")).subtype == "OPUS"
+    with pytest.raises(KeyError, match="no 'gif' encoder for audio items"):
+        clip_.save(tmp_path / "rain.gif")

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from omni_runtime.stage.runners.sizes import SizeLimits
 
 #: The families this package holds, in registration order.
-BUILTIN_FAMILIES = ("sd", "sdxl", "sd3", "flux", "pixart", "sana", "wan", "ltx")
+BUILTIN_FAMILIES = ("sd", "sdxl", "sd3", "flux", "pixart", "sana", "wan", "ltx", "stable_audio")
 
 #: Pipeline call arguments that would change what is asked for, turned off where a pipeline has
 #: them: ``clean_caption`` (PixArt, Sana) rewrites the prompt and needs packages this runtime does
@@ -55,9 +55,11 @@ class FamilySpec:
     pipelines: tuple[str, ...]
     #: Its denoiser's class name (``pipe.unet`` or ``pipe.transformer``).
     denoiser: str
-    #: What its pipelines make: ``image`` (``NxHxWx3``) or ``video`` (``NxFxHxWx3``, read from the
-    #: output's ``frames``; the runner passes ``num_frames`` and makes video items).
-    output: Literal["image", "video"] = "image"
+    #: What its pipelines make: ``image`` (``NxHxWx3``), ``video`` (``NxFxHxWx3``, read from the
+    #: output's ``frames``; the runner passes ``num_frames`` and makes video items) or ``audio``
+    #: (``N x channels x n``, read from the output's ``audios``; the runner passes the clip's
+    #: seconds and makes audio items at the rate its ``limits`` hook reports).
+    output: Literal["image", "video", "audio"] = "image"
     #: A video family's frame rate when a request names none.
     fps: int | None = None
     #: ``builtin:<name>`` models -> ``"module:function"`` writing one into an empty directory.
@@ -102,7 +104,8 @@ class FamilySpec:
     pipeline_class: str | None = None
     #: The tiny builtin's output for the golden test: ``images[0, -3:, -3:, -1]`` (float, np)
     #: of GOLDEN_PROMPT with GOLDEN_PARAMS and its bundled defaults (a video family: of its
-    #: last frame, ``videos[0, -1, -3:, -3:, -1]``).
+    #: last frame, ``videos[0, -1, -3:, -3:, -1]``; an audio family: the last samples of each
+    #: channel, ``audios[0, :, -4:]``).
     golden: tuple[float, ...] = ()
 
     def step_class(self) -> type | None:

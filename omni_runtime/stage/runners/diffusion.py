@@ -1,5 +1,5 @@
-"""The diffusion runner: text-to-image (and text-to-video, for a video family) with any diffusers
-pipeline, one forward per fused batch.
+"""The diffusion runner: text-to-image (and text-to-video or text-to-audio, for a video or audio
+family) with any diffusers pipeline, one forward per fused batch.
 
 It runs in the stage worker; ``execute()`` is called in the worker's executor thread. A batch
 holds requests with equal :meth:`DiffusionRunner.batch_key`, so one pipeline call serves all of
@@ -31,7 +31,7 @@ import torch
 
 from omni_runtime.config import EngineArgs, StageConfig, TorchCompile
 from omni_runtime.exceptions import RequestAbortedError, RequestError, StageAsleepError
-from omni_runtime.media import image_items, video_items
+from omni_runtime.media import audio_items, image_items, video_items
 from omni_runtime.messages import StageConstraints
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.models.families import DEFAULT_FIXED_KWARGS, CallbackStyle, for_pipeline, import_family_modules
@@ -45,6 +45,12 @@ from omni_runtime.stage.runners.step_limits import step_constraints
 from omni_runtime.stage.runners.torch_common import WaveAborted, image_generators, release_memory, request_seeds
 
 logger = logging.getLogger(__name__)
+
+
+def _per_prompt(params: dict[str, Any]) -> int:
+    """Outputs per prompt: ``num_images_per_prompt``, or an audio request's ``num_waveforms_per_prompt``
+    (an audio stage refuses the former, so at most one is set)."""
+    return int(params.get("num_images_per_prompt") or params.get("num_waveforms_per_prompt") or 1)
 
 
 def accepts_batched_inputs(signature: inspect.Signature) -> bool:
@@ -135,6 +141,11 @@ class DiffusionRunner(StageRunner):
         #: Whether the loaded pipeline makes videos (``frames``), and their default frame rate.
         self._video = False
         self._fps = DEFAULT_FPS
+        #: An audio model's sample rate, longest clip (s) and why (SizeLimits' audio fields); the
+        #: rate is None for a model that makes no audio.
+        self._sample_rate: int | None = None
+        self._max_audio_s: float | None = None
+        self._audio_reason: str | None = None
         self._fixed_kwargs: dict[str, Any] = {}
         #: The loaded family's callback style; None: a pipeline of no registered family, read per
         #: form from its signature (:func:`callback_style`).
@@ -187,6 +198,10 @@ class DiffusionRunner(StageRunner):
         # A video pipeline of no registered family is told by its num_frames argument.
         self._video = spec.output == "video" if spec is not None else "num_frames" in self._call_params
         self._fps = (spec.fps if spec is not None else None) or DEFAULT_FPS
+        # Only a registered audio family makes audio: its limits hook says the rate and window.
+        audio = spec is not None and spec.output == "audio"
+        self._sample_rate = limits.sample_rate if audio else None
+        self._max_audio_s, self._audio_reason = (limits.max_audio_s, limits.audio_reason) if audio else (None, None)
         self._scheduler_name = type(pipe.scheduler).__name__ if hasattr(pipe, "scheduler") else ""
         # What num_inference_steps the scheduler really runs (DDIM / PNDM: 999 of the 1,000 that
         # requests may ask for), reported at READY so a request past it is a 400, not a 500.
@@ -279,6 +294,8 @@ class DiffusionRunner(StageRunner):
             frames_reason=self._frames_reason,
             max_frames=self._max_frames,
             max_video_pixels=self.stage.engine_args.max_video_pixels if self._video else None,
+            max_audio_s=self._max_audio_s,
+            audio_reason=self._audio_reason,
         )
         if self.stage.engine_args.step_execution and self._step_reason is None and out.image_inputs:
             # The worker runs every request of this stage in the step loop: what it cannot run
@@ -320,7 +337,7 @@ class DiffusionRunner(StageRunner):
             # An empty negative prompt runs as no negative prompt (see execute), and must be batched
             # with those: SDXL zeroes the unconditional embedding for None but encodes "".
             bool(p.get("negative_prompt")),
-            p.get("num_images_per_prompt") or 1,
+            _per_prompt(p),
             p.get("output_type") or "pil",
             self._scheduler_name,
             self._forms.key(p) if self._forms is not None else (),
@@ -329,6 +346,8 @@ class DiffusionRunner(StageRunner):
             # for a pipeline that takes it as its frame_rate (LTX scales its positions by it).
             (p.get("num_frames") or self._default("num_frames")) if self._video else None,
             (p.get("fps") or self._fps) if self._video and "frame_rate" in self._call_params else None,
+            # A clip's start and end: the pipeline cuts one span from the whole wave's waveforms.
+            self._clip_span(p) if self._sample_rate is not None else None,
         )
 
     def video_batch_cap(self, params: dict[str, Any]) -> int | None:
@@ -343,6 +362,11 @@ class DiffusionRunner(StageRunner):
         width = params.get("width") or self._native_size[1] or 0
         per_request = int(frames) * int(height) * int(width) * int(params.get("num_images_per_prompt") or 1)
         return max(1, limit // per_request) if per_request else None
+
+    def _clip_span(self, p: dict[str, Any]) -> tuple[float, float]:
+        """An audio request's ``(audio_start_in_s, audio_end_in_s)``, defaults resolved (the end's
+        is the model's longest clip)."""
+        return float(p.get("audio_start_in_s") or 0.0), float(p.get("audio_end_in_s") or self._max_audio_s or 0.0)
 
     # ------------------------------------------------------------------ execution
 
@@ -362,7 +386,7 @@ class DiffusionRunner(StageRunner):
         called = time.perf_counter()
         ids = [r.request_id for r in batch]
         first = batch[0].params  # equal batch keys: the shape params of one stand for all
-        per_prompt = int(first.get("num_images_per_prompt") or 1)
+        per_prompt = _per_prompt(first)
         output_type = first.get("output_type") or "pil"
 
         # 1) Seeds: the request's own, or a fresh one reported back so the image can be redone.
@@ -406,6 +430,7 @@ class DiffusionRunner(StageRunner):
             "negative_prompt": negatives if batched or negatives is None else negatives[0],
             "num_images_per_prompt": per_prompt // rows,
             "num_videos_per_prompt": per_prompt // rows,  # the video pipelines' name for it
+            "num_waveforms_per_prompt": per_prompt // rows,  # the audio pipelines' name for it
             "num_frames": first.get("num_frames"),
             # LTX's name for the frame rate its positions are scaled by (in the batch key).
             "frame_rate": first.get("fps") or self._fps,
@@ -418,6 +443,8 @@ class DiffusionRunner(StageRunner):
             # Decode to floats once; uint8 images are made here, identically for every pipeline.
             "output_type": "latent" if output_type == "latent" else "np",
         }
+        if self._sample_rate is not None:
+            kwargs["audio_start_in_s"], kwargs["audio_end_in_s"] = self._clip_span(first)
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k in call_params}
         kwargs.update({k: v for k, v in self._fixed_kwargs.items() if k in call_params})
         kwargs.update(size_kwargs(call_params, kwargs.get("height"), kwargs.get("width")))
@@ -469,6 +496,8 @@ class DiffusionRunner(StageRunner):
         decode_ms = (end - last_step[0]) * 1e3 if last_step and output_type != "latent" else None
         if self._video:
             images = result.frames if hasattr(result, "frames") else result[0]
+        elif self._sample_rate is not None:
+            images = result.audios if hasattr(result, "audios") else result[0]
         else:
             images = result.images if hasattr(result, "images") else result[0]
 
@@ -487,7 +516,11 @@ class DiffusionRunner(StageRunner):
                 out.tensors["latents"] = np.asarray(latents, dtype=np.float32)
             else:
                 floats = np.asarray(part, dtype=np.float32)
-                if self._video and output_type == "np":
+                if self._sample_rate is not None and output_type == "np":
+                    out.tensors["audios"] = floats
+                elif self._sample_rate is not None:
+                    out.media.extend(audio_items(floats, sample_rate=self._sample_rate, seed=m["seed"]))
+                elif self._video and output_type == "np":
                     out.tensors["videos"] = floats
                 elif self._video:
                     fps = batch[i].params.get("fps") or self._fps

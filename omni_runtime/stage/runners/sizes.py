@@ -41,6 +41,11 @@ class SizeLimits:
     frames_reason: str | None = None
     #: Most frames it can make (its positional table's length in latent frames); None: no limit.
     max_frames: int | None = None
+    #: An audio model's sample rate (Hz); None: the model makes images or videos.
+    sample_rate: int | None = None
+    #: The longest clip an audio model makes, in seconds (its latent window), and why.
+    max_audio_s: float | None = None
+    audio_reason: str | None = None
 
 
 def derive_size_limits(pipe: Any, floor: int = DEFAULT_SIZE_FLOOR, packing: int | None = None) -> SizeLimits:
