@@ -544,16 +544,22 @@ class DiffusionRunner(StageRunner):
         return self._step_reason
 
     def step_key(self, request: RunnerRequest) -> Hashable:
-        """Size, guidance mode and LoRA adapter: requests of one key take a step in one denoiser
-        call. The step count, guidance scale, seed and negative prompt are per sample and not part
-        of it; the adapter and its scale are the pipeline's, so they are."""
+        """Size (and a video's frame count), guidance mode and LoRA adapter: requests of one key take
+        a step in one denoiser call. The step count, guidance scale, seed and negative prompt are per
+        sample and not part of it; the adapter and its scale are the pipeline's, so they are."""
         p = request.params
         return (
             p.get("height") or self._native_size[0],
             p.get("width") or self._native_size[1],
             self._family.uses_cfg(self._guidance(p)),
             LoraAdapters.key(p.get("lora")),
+            self._frames(p),
         )
+
+    def _frames(self, params: dict[str, Any]) -> int | None:
+        """A video request's frame count, the pipeline's default if unset (None for images)."""
+        frames = params.get("num_frames") or self._default("num_frames")
+        return int(frames) if self._video and frames else None
 
     @property
     def _family(self) -> StepFamily:
@@ -598,6 +604,8 @@ class DiffusionRunner(StageRunner):
             # Pinned to the file its name points at now: re-pointing the name mid-denoise must
             # not switch this request's adapter between two of its steps.
             lora=self.loras.pin(p.get("lora")),
+            num_frames=self._frames(p),
+            fps=int(p.get("fps") or self._fps) if self._video else None,
         )
 
     def step_admit(self, requests: list[RunnerRequest], ctx: ExecuteContext) -> dict[str, RunnerOutput]:
@@ -699,16 +707,17 @@ class DiffusionRunner(StageRunner):
             DiffusionRunner._isolated([s], fn, failed)
 
     def _step_outputs(self, done: list[StepState], failed: dict[str, RunnerOutput]) -> dict[str, RunnerOutput]:
-        """Final outputs of finished requests; images of one size are decoded in one VAE call."""
+        """Final outputs of finished requests; images of one size (videos of one size and frame count)
+        are decoded in one VAE call."""
         outputs: dict[str, RunnerOutput] = {}
-        to_decode: dict[tuple[int, int], list[StepState]] = {}
+        to_decode: dict[tuple[int, int, int | None], list[StepState]] = {}
         for s in done:
             if s.output_type == "latent":
                 assert s.latents is not None  # set by prepare
                 latents = s.latents.detach().float().cpu()  # float() first: numpy has no bfloat16
                 outputs[s.request_id] = RunnerOutput(tensors={"latents": np.asarray(latents, dtype=np.float32)})
             else:
-                to_decode.setdefault((s.height, s.width), []).append(s)
+                to_decode.setdefault((s.height, s.width, s.num_frames), []).append(s)
         decoded: dict[str, np.ndarray] = {}
         decode_ms: dict[str, float] = {}
 
@@ -725,7 +734,11 @@ class DiffusionRunner(StageRunner):
             if s.request_id in decoded:
                 floats = decoded[s.request_id]
                 out = RunnerOutput()
-                if s.output_type == "np":
+                if s.num_frames is not None and s.output_type == "np":
+                    out.tensors["videos"] = floats
+                elif s.num_frames is not None:
+                    out.media.extend(video_items(floats, fps=s.fps or self._fps, seed=s.seed))
+                elif s.output_type == "np":
                     out.tensors["images"] = floats
                 else:
                     out.media.extend(image_items(floats, seed=s.seed))

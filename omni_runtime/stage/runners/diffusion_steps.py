@@ -11,7 +11,7 @@ pipelines' own pieces: ``encode_prompt``,
 is written here: what a pipeline's ``__call__`` does per step, for one request, is done per sample.
 
 Supported: the pipelines of every registered family with a ``steps`` loop (the builtins: SD 1.x/2.x,
-SDXL, SD3, Flux, PixArt-Sigma, Sana); :func:`step_family` says why anything else is not.
+SDXL, SD3, Flux, PixArt-Sigma, Sana, Wan text-to-video); :func:`step_family` says why anything else is not.
 
 Runs in the stage worker's forward thread, inside ``torch.inference_mode``.
 """
@@ -62,6 +62,9 @@ class StepState:
     strength: float | None = None
     #: The request's LoRA adapter (its params' ``lora``), active whenever it is encoded or steps.
     lora: dict[str, Any] | None = None
+    #: A video request's frame count (shapes its latents) and frame rate (its items'); None for images.
+    num_frames: int | None = None
+    fps: int | None = None
 
     @property
     def steps(self) -> int:
@@ -211,7 +214,8 @@ class StepFamily:
         state.index += 1
 
     def decode(self, states: list[StepState]) -> list[np.ndarray]:
-        """Images of finished requests of one size, batched: floats in [0, 1], NHWC, per request."""
+        """Images (videos: ``N x F x H x W x 3``) of finished requests of one shape, batched: floats in
+        [0, 1], channels last, per request."""
         parts = []
         for s in states:
             assert s.latents is not None  # set by prepare

@@ -44,6 +44,7 @@ SPEC = register(
         size_floor=16,
         limits="omni_runtime.models.families.wan:wan_limits",
         callback="on_step_end",
+        steps="omni_runtime.models.families.wan.steps:WanFamily",
         fps=16,
         golden=(0.4979, 0.5333, 0.5681, 0.5316, 0.5251, 0.5104, 0.568, 0.5841, 0.5486),
     )

@@ -1,5 +1,5 @@
-"""DiffusionRunner step by step, for every family it supports: a request's result equals its solo
-request-level one (same seed, within float tolerance) whenever it joined and whoever it ran with,
+"""DiffusionRunner step by step, for every family it supports (video ones too): a request's result
+equals its solo request-level one (same seed, within float tolerance) whenever it joined and whoever it ran with,
 with different step counts and guidance scales in one batched call; abort at a step boundary,
 preemption (a pause of any length) and a failing request that fails alone."""
 
@@ -100,8 +100,9 @@ def solo(runner: RecordingRunner, request: RunnerRequest) -> RunnerOutput:
 
 
 def images(out: RunnerOutput) -> np.ndarray:
+    """The output's images (a video family's videos, ``N x F x H x W x 3``)."""
     assert out.error is None, out.error
-    return out.tensors["images"]
+    return out.tensors["videos"] if "videos" in out.tensors else out.tensors["images"]
 
 
 def assert_equal_to_solo(runner: RecordingRunner, out: RunnerOutput, request: RunnerRequest) -> None:
@@ -224,7 +225,9 @@ def test_golden_slice(runner: RecordingRunner, name: str) -> None:
     on CPU with one torch thread; a deliberate change re-records them (the failure prints them)."""
     spec = next(f for f in families() if f.tiny == name)
     out = solo(runner, req(runner, "golden", GOLDEN_PROMPT, **GOLDEN_PARAMS))
-    got = [round(float(v), 4) for v in images(out)[0, -3:, -3:, -1].flatten()]
+    first = images(out)[0]
+    last = first[-1] if first.ndim == 4 else first  # a video's slice is of its last frame
+    got = [round(float(v), 4) for v in last[-3:, -3:, -1].flatten()]
     assert spec.golden, f"{spec.name}: no golden slice stored; this run made {got}"
     np.testing.assert_allclose(got, spec.golden, rtol=0, atol=1e-3, err_msg=f"{spec.name} made {got}")
     assert family(spec.name) is spec
