@@ -280,8 +280,9 @@ class JobManager:
             raise
 
     async def _input_image(self, omni: AsyncOmni, body: GenerateRequest) -> dict[str, Any]:
-        """``inputs.image`` decoded (``{"image": rgb}``), or nothing: required by the image tasks,
-        refused by the others; a model that takes no input image is a 400 before any decode."""
+        """``inputs.image`` decoded (``{"image": rgb}``, resized to ``inputs.size`` if given), or
+        nothing: required by the image tasks, refused by the others; a model that takes no input
+        image is a 400 before any decode."""
         url, param = body.inputs.image, "inputs.image"
         if body.task in IMAGE_TASKS and url is None:
             raise InvalidRequestError(
@@ -295,7 +296,8 @@ class JobManager:
             )
         if not any(stage.takes_image_params for stage in self.state.resolved.stages):
             raise InvalidRequestError(f"the model `{self.state.model_name}` takes no input image", param=param)
-        upload = Upload(decode_data_url(url, param), param, omni.max_input_pixels())
+        # Resized to the size asked for, if any, as the edits route resizes its upload.
+        upload = Upload(decode_data_url(url, param), param, omni.max_input_pixels(), body.inputs.dimensions())
         return {"image": (await decode_async(decode_image, upload)).rgb}
 
     async def submit(self, body: GenerateRequest, base_url: str, traceparent: str | None = None) -> dict[str, Any]:

@@ -242,7 +242,8 @@ async def create_video(
     except InvalidRequestError as e:
         job_field, e.param = e.param, _video_field(e.param)
         if job_field == "inputs.image":  # the image's errors name the field as this route's clients send it
-            e.args = (str(e).replace(f"`{job_field}`", f"`{REFERENCE}`"),)
+            message = str(e).replace(f"`{job_field}`", f"`{REFERENCE}`")
+            e.args = (message.replace("invalid sampling param `image`", f"`{REFERENCE}`"),)
         raise
     manager.videos.append(record["job_id"])
     video = video_object(record | {"request": job.model_dump(mode="json")})

@@ -253,8 +253,10 @@ def test_the_openai_client_makes_a_video_from_an_input_reference(
     # The same first frame as OpenAI's reference object in JSON (the client uploads files only).
     reference = {"image_url": data_url(png((255, 0, 0)))}
     same = create(http, prompt="a boat", input_reference=reference, num_frames=5, fps=None)
+    # An image of another size is resized to `size`, as /v1/images/edits resizes its upload.
+    blue_png = ("b.png", png((0, 0, 255), 96, 64), "image/png")
     blue = client.videos.create(
-        model="tiny-wan", prompt="a boat", input_reference=("b.png", png((0, 0, 255)), "image/png"), extra_body=extra
+        model="tiny-wan", prompt="a boat", input_reference=blue_png, size="48x32", extra_body=extra
     )
     videos = [first_frames(client, v) for v in (red.id, same["id"], blue.id)]
     assert all(len(v) == 5 and v[0].shape == (32, 48, 3) for v in videos)  # the image's size
@@ -285,8 +287,8 @@ def test_generate_takes_image2video(http: httpx.Client) -> None:
         ({"data": {"input_reference[file_id]": "file-1"}}, "input_reference", "file_id"),
         ({"data": {"input_reference[image_url]": "https://x.org/a.png"}}, "input_reference", "remote"),
         ({"data": {"input_reference[image_url]": "data:image/png;base64,@@"}}, "input_reference", "base64"),
-        ({"data": {"size": "32x32"}, "files": {"input_reference": ("r.png", png((9, 9, 9)), "image/png")}},
-         "size", "input image is 48x32"),
+        ({"data": {"size": "40x40"}, "files": {"input_reference": ("r.png", png((9, 9, 9)), "image/png")}},
+         "input_reference", "`input_reference`: the input image's height 40 is not a multiple of 16"),
     ],
 )  # fmt: skip
 def test_a_bad_input_reference_is_a_400_naming_it(http: httpx.Client, part: dict, param: str, match: str) -> None:
