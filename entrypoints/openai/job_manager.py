@@ -53,6 +53,7 @@ from ..jobs.tracing import OtlpExporter, span, stage_spans
 from .fields import FieldMap
 from .job_end import RECORD_RETRY_S, JobEnds, error_of
 from .protocol import ApiError, GenerateRequest
+from .uploads import Upload, decode_async, decode_data_url, decode_image
 
 if TYPE_CHECKING:
     from .state import ServerState
@@ -79,14 +80,16 @@ JOB_IMAGE_FIELDS = FieldMap(
         "inputs.fps": "fps",
     },
     read={"inputs.size": lambda body: body.inputs.dimensions()},
-    computed={"inputs.prompt": "prompt"},
+    computed={"inputs.prompt": "prompt", "inputs.image": "image"},
 )
 JOB_SHARED_FIELDS = FieldMap(
     {"config.timeout": "timeout", "priority": "priority"}, read={"priority": lambda body: body.priority or None}
 )
 JOB_FIELDS = JOB_IMAGE_FIELDS | JOB_SHARED_FIELDS
 #: The media kind each task makes.
-TASK_KINDS = {"text2image": "image", "text2video": "video"}
+TASK_KINDS = {"text2image": "image", "text2video": "video", "image2video": "video"}
+#: Tasks whose ``inputs.image`` is required (the others take none).
+IMAGE_TASKS = frozenset({"image2video"})
 #: The file format of a video result, and of its poster (the first frame).
 VIDEO_FORMAT, POSTER_FORMAT = "mp4", "png"
 
@@ -260,24 +263,48 @@ class JobManager:
 
     # ------------------------------------------------------------------ submit
 
-    def _validate(self, omni: AsyncOmni, body: GenerateRequest) -> ValidRequest:
+    async def _validate(self, omni: AsyncOmni, body: GenerateRequest) -> ValidRequest:
         kind = TASK_KINDS[body.task]
         if (self.state.video_stage if kind == "video" else self.state.image_stage) is None:
             message = f"the model `{self.state.model_name}` has no {kind} output (task `{body.task}`)"
             raise ApiError(400, message, param="model", code=f"no_{kind}")
         # ``priority`` reaches every stage whose params take it (and none where no params class does).
         try:
-            params = omni.sampling_params(image=JOB_IMAGE_FIELDS.params(body), shared=JOB_SHARED_FIELDS.params(body))
+            image = await self._input_image(omni, body)
+            params = omni.sampling_params(
+                image=JOB_IMAGE_FIELDS.params(body) | image, shared=JOB_SHARED_FIELDS.params(body)
+            )
             return omni.validate(body.inputs.prompt, params, modalities=[kind])
         except InvalidRequestError as e:
             JOB_FIELDS.rename(e)
             raise
 
+    async def _input_image(self, omni: AsyncOmni, body: GenerateRequest) -> dict[str, Any]:
+        """``inputs.image`` decoded (``{"image": rgb}``, resized to ``inputs.size`` if given), or
+        nothing: required by the image tasks, refused by the others; a model that takes no input
+        image is a 400 before any decode."""
+        url, param = body.inputs.image, "inputs.image"
+        if body.task in IMAGE_TASKS and url is None:
+            raise InvalidRequestError(
+                f"task `{body.task}` needs `{param}` (a data URL of the first frame)", param=param
+            )
+        if url is None:
+            return {}
+        if body.task not in IMAGE_TASKS:
+            raise InvalidRequestError(
+                f"task `{body.task}` takes no `{param}`; image to video is task `image2video`", param=param
+            )
+        if not any(stage.takes_image_params for stage in self.state.resolved.stages):
+            raise InvalidRequestError(f"the model `{self.state.model_name}` takes no input image", param=param)
+        # Resized to the size asked for, if any, as the edits route resizes its upload.
+        upload = Upload(decode_data_url(url, param), param, omni.max_input_pixels(), body.inputs.dimensions())
+        return {"image": (await decode_async(decode_image, upload)).rgb}
+
     async def submit(self, body: GenerateRequest, base_url: str, traceparent: str | None = None) -> dict[str, Any]:
         """Admit a job and store it; returns its record (``queued``). Raises the engine's
         admission errors (400, 429, 503) before anything is stored."""
         omni = self.state.check_request(body.model)
-        valid = self._validate(omni, body)
+        valid = await self._validate(omni, body)
         job_id = "job-" + secrets.token_urlsafe(18)
         now = time.time()
         record = JobRecord(
@@ -610,7 +637,7 @@ class JobManager:
         try:
             omni = self.state.started
             body = GenerateRequest.model_validate(record.request | {"async_run": True})
-            valid = self._validate(omni, body)
+            valid = await self._validate(omni, body)
             await self._launch(record, omni, valid, new=False)
         except Exception as e:
             await self.ends.end(job, record, "failed", error=error_of(e))

@@ -266,6 +266,9 @@ class GenerateInputs(_SizedRequest):
     #: Frames and playback rate of a video (task ``text2video``); an image model refuses them.
     num_frames: Annotated[int, Field(**bounds("num_frames"))] | None = None
     fps: Annotated[int, Field(**bounds("fps"))] | None = None
+    #: The first frame of task ``image2video``: a ``data:image/...;base64,`` URL (remote URLs are
+    #: refused, never fetched), decoded and bounded as the images routes' uploads are.
+    image: str | None = None
 
     @model_validator(mode="after")
     def _one_size(self) -> GenerateInputs:
@@ -294,7 +297,7 @@ class GenerateRequest(_Request):
     """``POST /v1/generate``: a job. ``async_run`` (the default) answers at once with the queued job;
     ``async_run: false`` waits for the job to end and answers with the same shape."""
 
-    task: Literal["text2image", "text2video"]
+    task: Literal["text2image", "text2video", "image2video"]
     model: str | None = None
     inputs: GenerateInputs
     config: GenerateConfig = Field(default_factory=GenerateConfig)
@@ -307,8 +310,17 @@ class GenerateRequest(_Request):
 # --------------------------------------------------------------------------- videos
 
 
+class VideoReference(_Request):
+    """OpenAI's JSON ``input_reference`` object: ``image_url`` as a data URL. A ``file_id`` is
+    refused (this server keeps no uploaded files to refer to)."""
+
+    image_url: str | None = None
+    file_id: str | None = Field(None, max_length=256)
+
+
 class VideoCreateRequest(_SizedRequest):
-    """``POST /v1/videos`` (JSON, text to video): OpenAI's fields and the extensions
+    """``POST /v1/videos`` (JSON or a form; text to video, or image to video with
+    ``input_reference``): OpenAI's fields and the extensions
     (``extra_body`` of the openai client). ``seconds`` becomes a frame count (docs/http_api.md,
     "Videos"): with ``num_frames`` too, both must name the same count."""
 
@@ -326,6 +338,9 @@ class VideoCreateRequest(_SizedRequest):
     seed: Seed | None = None
     timeout: Timeout | None = None
     priority: Priority = 0
+    #: The first frame (image to video): OpenAI's reference object in JSON; a multipart upload
+    #: (the openai client's file) is read by the route and never reaches this model.
+    input_reference: VideoReference | None = None
 
     @field_validator("seconds")
     @classmethod

@@ -27,7 +27,7 @@ import ctypes.util
 import io
 import re
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -346,6 +346,37 @@ async def read_text_form(request: Any, refused: Mapping[str, str]) -> dict[str, 
     finally:
         await form.close()
     return fields
+
+
+async def read_form(request: Any, file_fields: Collection[str]) -> tuple[dict[str, str], dict[str, bytes]]:
+    """The text fields of a multipart request, each given once, and its file parts, each one of
+    ``file_fields`` and given at most once (read whole: the server's body limit bounds them).
+
+    Raises InvalidRequestError (400) naming the field: an unknown file part, a file field sent as
+    text, a field given twice.
+    """
+    from starlette.datastructures import UploadFile
+
+    form = await _parse_form(request)
+    try:
+        fields: dict[str, str] = {}
+        files: dict[str, bytes] = {}
+        for key, value in form.multi_items():
+            if key in fields or key in files:
+                raise InvalidRequestError(f"`{key}` is given more than once", param=key)
+            if isinstance(value, UploadFile):
+                if key not in file_fields:
+                    raise InvalidRequestError(f"unknown file field `{key}`", param=key)
+                files[key] = await value.read()
+            elif key in file_fields:
+                raise InvalidRequestError(
+                    f"`{key}` must be a file part (multipart/form-data with a filename), not a text field", param=key
+                )
+            else:
+                fields[key] = value
+    finally:
+        await form.close()
+    return fields, files
 
 
 async def image_params(

@@ -1,14 +1,20 @@
-"""The videos routes (``/v1/videos``, OpenAI's shape, text to video): a video is a job of task
-``text2video`` (job_manager.py runs it, the job store keeps it, a cancel stops it), seen through
-OpenAI's video object. Runs on the server's event loop.
+"""The videos routes (``/v1/videos``, OpenAI's shape): a video is a job of task ``text2video``, or
+``image2video`` when the request has an ``input_reference`` (job_manager.py runs it, the job store
+keeps it, a cancel stops it), seen through OpenAI's video object. Runs on the server's event loop.
 
 ``seconds`` becomes a frame count: ``fps`` (the request's, else :data:`DEFAULT_FPS`) times the
 seconds, rounded to the nearest count the model makes (``step * k + 1`` frames, so that
 ``(num_frames - 1) / fps`` is the length). Given with ``num_frames``, both must name the same count.
+
+``input_reference`` is the first frame: a multipart file part (as ``client.videos.create`` uploads
+it), or OpenAI's reference object with an ``image_url`` data URL (JSON, or the form's
+``input_reference[image_url]``). It travels in the job as a data URL (so a job another gateway
+takes over still has it) and is decoded and bounded as the images routes' uploads are.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Annotated, Any, Literal
 
@@ -23,10 +29,10 @@ from omni_runtime.exceptions import InvalidRequestError
 from ..async_omni import AsyncOmni
 from .dependencies import AUTH, JSON_OR_MULTIPART_BODY, Jobs, State
 from .fields import FieldMap
-from .job_manager import JobManager
-from .protocol import ApiError, GenerateRequest, VideoCreateRequest, seconds_of
+from .job_manager import TASK_KINDS, JobManager
+from .protocol import ApiError, GenerateRequest, VideoCreateRequest, VideoReference, seconds_of
 from .responses import SafeJSONResponse
-from .uploads import read_text_form
+from .uploads import read_form
 
 #: The playback rate ``seconds`` is counted at when a request names no ``fps`` (Wan's rate).
 DEFAULT_FPS = 16
@@ -45,14 +51,25 @@ VIDEO_FIELDS = FieldMap(
         "timeout": "config.timeout",
         "priority": "priority",
     },
-    computed={"num_frames": "inputs.num_frames", "fps": "inputs.fps", "seconds": "inputs.num_frames"},
+    computed={
+        "num_frames": "inputs.num_frames",
+        "fps": "inputs.fps",
+        "seconds": "inputs.num_frames",
+        "input_reference": "inputs.image",
+    },
 )
 #: Engine param (as a ``/v1/generate`` error names it) -> the ``/v1/generate`` field.
-_JOB_PARAMS = {"width": "inputs.size", "height": "inputs.size", "num_frames": "inputs.num_frames", "fps": "inputs.fps"}
+_JOB_PARAMS = {
+    "width": "inputs.size",
+    "height": "inputs.size",
+    "num_frames": "inputs.num_frames",
+    "fps": "inputs.fps",
+    "image": "inputs.image",
+}
 #: Job status -> video status.
 _STATUS = {"queued": "queued", "running": "in_progress", "completed": "completed", "failed": "failed"}
-#: Form fields the route does not take yet, and why (the openai client's image-to-video upload).
-_REFUSED_FORM_FIELDS = {"input_reference": "image-to-video is not supported by this route yet (text to video only)"}
+#: The first frame's field: a file part of a form, or a reference object.
+REFERENCE = "input_reference"
 
 
 def frames_for(seconds: float, fps: int, step: int) -> int:
@@ -88,16 +105,48 @@ def _generate_request(body: VideoCreateRequest, omni: AsyncOmni) -> GenerateRequ
         "seed": body.seed,
         "num_frames": frames,
         "fps": fps,
+        "image": _reference_image(body.input_reference),
     }
     return GenerateRequest.model_validate(
         {
-            "task": "text2video",
+            "task": "text2video" if inputs["image"] is None else "image2video",
             "model": body.model,
             "inputs": inputs,
             "config": {"timeout": body.timeout},
             "priority": body.priority,
         }
     )
+
+
+def _reference_image(reference: VideoReference | None) -> str | None:
+    """The data URL of the first frame, or None (text to video)."""
+    if reference is None:
+        return None
+    if reference.file_id is not None or reference.image_url is None:
+        raise InvalidRequestError(
+            f"`{REFERENCE}`: this server keeps no files to refer to by file_id; upload the image as the "
+            f"`{REFERENCE}` file, or give `{REFERENCE}.image_url` as a data URL",
+            param=REFERENCE,
+        )
+    return reference.image_url
+
+
+def _form_data(fields: dict[str, str], files: dict[str, bytes]) -> dict[str, Any]:
+    """A form's fields as the JSON body they stand for: the ``input_reference`` file becomes a
+    reference object with its bytes as a data URL, ``input_reference[key]`` fields its keys."""
+    prefix = REFERENCE + "["
+    data: dict[str, Any] = {k: v for k, v in fields.items() if not k.startswith(prefix)}
+    nested = {k[len(prefix) : -1]: v for k, v in fields.items() if k.startswith(prefix) and k.endswith("]")}
+    if len(nested) != sum(k.startswith(prefix) for k in fields):
+        raise InvalidRequestError(f"`{REFERENCE}`: expected `{REFERENCE}[image_url]` fields", param=REFERENCE)
+    if REFERENCE in files:
+        if nested:
+            raise InvalidRequestError(f"`{REFERENCE}` is given as a file and as fields: give one", param=REFERENCE)
+        # No media type: the decoder tells the format from the image's header, whatever a client claims.
+        nested = {"image_url": "data:;base64," + base64.b64encode(files[REFERENCE]).decode()}
+    if nested:
+        data[REFERENCE] = nested
+    return data
 
 
 def _video_field(param: str | None) -> str | None:
@@ -146,7 +195,7 @@ def video_object(job: dict[str, Any]) -> dict[str, Any]:
 async def _video_job(manager: JobManager, video_id: str) -> dict[str, Any]:
     """The job behind ``video_id``, or a 404 when it is no video."""
     record = await manager.get_record(video_id)
-    if record.task != "text2video":
+    if TASK_KINDS.get(record.task or "") != "video":
         message = f"video `{video_id[:64]}` does not exist or has expired"
         raise ApiError(404, message, param="video_id", code="not_found")
     return record.public() | {"request": record.request}
@@ -159,7 +208,7 @@ async def video_request(request: Request) -> VideoCreateRequest:
     400 naming the field. The content type was checked by the route's guard."""
     data: Any
     if request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
-        data = await read_text_form(request, _REFUSED_FORM_FIELDS)
+        data = _form_data(*await read_form(request, (REFERENCE,)))
     else:
         # As FastAPI parses a JSON body parameter: the errors keep its shape (``body`` in loc).
         raw = await request.body()
@@ -191,7 +240,10 @@ async def create_video(
         job = _generate_request(body, omni)
         record = await manager.submit(job, state.public_url or str(request.base_url).rstrip("/"))
     except InvalidRequestError as e:
-        e.param = _video_field(e.param)
+        job_field, e.param = e.param, _video_field(e.param)
+        if job_field == "inputs.image":  # the image's errors name the field as this route's clients send it
+            message = str(e).replace(f"`{job_field}`", f"`{REFERENCE}`")
+            e.args = (message.replace("invalid sampling param `image`", f"`{REFERENCE}`"),)
         raise
     manager.videos.append(record["job_id"])
     video = video_object(record | {"request": job.model_dump(mode="json")})

@@ -383,6 +383,9 @@ class DiffusionRunner(StageRunner):
             return [out for part in parts for out in self.execute(part, ctx)]
         if self.pipe is None:
             raise StageAsleepError("the diffusion stage is asleep; call wake_up first")
+        if len(batch) > 1 and self._form(batch[0].params).single_image:
+            # A form whose pipeline takes one input image runs each request as its own call.
+            return [out for r in batch for out in self.execute([r], ctx)]
         called = time.perf_counter()
         ids = [r.request_id for r in batch]
         first = batch[0].params  # equal batch keys: the shape params of one stand for all
@@ -450,7 +453,7 @@ class DiffusionRunner(StageRunner):
         kwargs.update(size_kwargs(call_params, kwargs.get("height"), kwargs.get("width")))
         if form.kind != TEXT:
             image_kwargs = image_call_kwargs(batch, form, per_prompt)
-            if not batched:
+            if not batched or form.single_image:
                 image_kwargs = {k: v[0] if isinstance(v, list) else v for k, v in image_kwargs.items()}
             kwargs.update(image_kwargs)
 

@@ -65,6 +65,9 @@ class PipelineForm:
     kind: str
     pipe: Any
     call_params: dict[str, inspect.Parameter] = field(default_factory=dict)
+    #: Its ``__call__`` takes one input image, not a list (Wan image-to-video): each request is
+    #: then one call of its own, its image given once for all its outputs.
+    single_image: bool = False
 
     def default(self, name: str, fallback: Any = None) -> Any:
         param = self.call_params.get(name)
@@ -155,7 +158,7 @@ class PipelineForms:
 
     def _add(self, kind: str, pipe: Any) -> None:
         params = dict(inspect.signature(type(pipe).__call__).parameters)
-        self.forms[kind] = PipelineForm(kind, pipe, params)
+        self.forms[kind] = PipelineForm(kind, pipe, params, bool(getattr(type(pipe), "single_image", False)))
 
     @property
     def text(self) -> PipelineForm | None:

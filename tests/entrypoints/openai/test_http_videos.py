@@ -1,17 +1,23 @@
 """``/v1/videos`` on a real ``omni-runtime serve`` of tiny-wan (9 frames of 32 x 32, a few steps):
 create -> poll -> content decoded with PyAV, the thumbnail, the list, cancel by delete mid-run,
 bad input as 400s naming the field (JSON or form), ``/v1/generate`` with ``text2video``, and the
-openai client (its ``create`` sends a multipart form; retrieve, list, delete, download)."""
+openai client (its ``create`` sends a multipart form; retrieve, list, delete, download). Image to
+video: the client's ``input_reference`` upload (or reference object) is the first frame, and
+``/v1/generate`` with ``image2video``; hostile uploads are 400s naming the field."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
+import struct
 import time
+import zlib
 from typing import Any
 
 import av
 import httpx
+import numpy as np
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -207,12 +213,107 @@ def test_a_bad_form_field_is_a_400_naming_it(http: httpx.Client, fields: dict[st
     assert resp.json()["error"]["param"] == param, resp.text
 
 
-def test_a_forms_input_reference_is_a_400_naming_it(http: httpx.Client) -> None:
-    files = {"input_reference": ("ref.png", b"\x89PNG" + b"\0" * 100_000, "image/png")}
-    resp = http.post("/v1/videos", data={"prompt": "a boat"}, files=files)
+def png(rgb: tuple[int, int, int], width: int = 48, height: int = 32) -> bytes:
+    image = Image.new("RGB", (width, height), rgb)
+    image.paste(tuple(255 - c for c in rgb), (0, 0, width // 3, height // 2))  # type: ignore[arg-type]
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def huge_png() -> bytes:
+    """A 1x1 PNG whose header declares 100,000 x 100,000 pixels (the CRC fixed up)."""
+    data = bytearray(png((0, 0, 0), 1, 1))
+    data[16:24] = struct.pack(">II", 100_000, 100_000)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
+def first_frames(client: openai.OpenAI, video_id: str) -> list[Any]:
+    deadline = time.monotonic() + 120
+    while (video := client.videos.retrieve(video_id)).status not in ("completed", "failed"):
+        assert time.monotonic() < deadline, video
+        time.sleep(0.1)
+    assert video.status == "completed", video
+    with av.open(io.BytesIO(client.videos.download_content(video_id).content)) as container:
+        return [f.to_ndarray(format="rgb24") for f in container.decode(container.streams.video[0])]
+
+
+def test_the_openai_client_makes_a_video_from_an_input_reference(
+    client: openai.OpenAI, http: httpx.Client, tmp_path
+) -> None:
+    (tmp_path / "red.png").write_bytes(png((255, 0, 0)))
+    extra = {"num_frames": 5, "num_inference_steps": 2, "seed": 1}
+    with open(tmp_path / "red.png", "rb") as f:  # the client's multipart upload
+        red = client.videos.create(model="tiny-wan", prompt="a boat", input_reference=f, extra_body=extra)
+    # The same first frame as OpenAI's reference object in JSON (the client uploads files only).
+    reference = {"image_url": data_url(png((255, 0, 0)))}
+    same = create(http, prompt="a boat", input_reference=reference, num_frames=5, fps=None)
+    # An image of another size is resized to `size`, as /v1/images/edits resizes its upload.
+    blue_png = ("b.png", png((0, 0, 255), 96, 64), "image/png")
+    blue = client.videos.create(
+        model="tiny-wan", prompt="a boat", input_reference=blue_png, size="48x32", extra_body=extra
+    )
+    videos = [first_frames(client, v) for v in (red.id, same["id"], blue.id)]
+    assert all(len(v) == 5 and v[0].shape == (32, 48, 3) for v in videos)  # the image's size
+    diff = [np.abs(v[0].astype(int) - videos[0][0].astype(int)).mean() for v in videos[1:]]
+    assert diff[0] == 0 and diff[1] > 0.1  # the first frame reflects the image
+
+
+def test_generate_takes_image2video(http: httpx.Client) -> None:
+    inputs = {"prompt": "a boat", "num_frames": 5, "num_inference_steps": 2, "image": data_url(png((0, 255, 0)))}
+    job = http.post("/v1/generate", json={"task": "image2video", "inputs": inputs, "async_run": False}).json()
+    assert job["status"] == "completed", job
+    [video] = job["result"]["videos"]
+    assert video["num_frames"] == 5 and "image" not in json.dumps(job.get("request", {}))
+    assert http.get(f"/v1/videos/{job['job_id']}").json()["status"] == "completed"  # a video like the others
+    for task, inputs_ in (("image2video", {"prompt": "x"}), ("text2video", {"prompt": "x", "image": inputs["image"]})):
+        resp = http.post("/v1/generate", json={"task": task, "inputs": inputs_})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "inputs.image", resp.text
+
+
+@pytest.mark.parametrize(
+    ("part", "param", "match"),
+    [
+        ({"files": {"input_reference": ("r.png", b"not an image", "image/png")}}, "input_reference", "not an image"),
+        ({"files": {"input_reference": ("r.png", b"", "image/png")}}, "input_reference", "empty"),
+        ({"files": {"input_reference": ("r.png", huge_png(), "image/png")}}, "input_reference", "pixel limit"),
+        ({"files": {"ref": ("r.png", png((1, 2, 3)), "image/png")}}, "ref", "unknown file field"),
+        ({"data": {"input_reference": "abc"}}, "input_reference", "file part"),
+        ({"data": {"input_reference[file_id]": "file-1"}}, "input_reference", "file_id"),
+        ({"data": {"input_reference[image_url]": "https://x.org/a.png"}}, "input_reference", "remote"),
+        ({"data": {"input_reference[image_url]": "data:image/png;base64,@@"}}, "input_reference", "base64"),
+        ({"data": {"size": "40x40"}, "files": {"input_reference": ("r.png", png((9, 9, 9)), "image/png")}},
+         "input_reference", "`input_reference`: the input image's height 40 is not a multiple of 16"),
+    ],
+)  # fmt: skip
+def test_a_bad_input_reference_is_a_400_naming_it(http: httpx.Client, part: dict, param: str, match: str) -> None:
+    data = {"prompt": "a boat", "num_frames": "5", "num_inference_steps": "1"} | part.get("data", {})
+    files = {k: (None, v) for k, v in data.items()} | part.get("files", {})
+    resp = http.post("/v1/videos", files=files)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
-    assert error["param"] == "input_reference" and "image-to-video is not supported" in error["message"]
+    assert error["param"] == param and match in error["message"], error
+
+
+def test_a_json_input_reference_is_openais_object(http: httpx.Client) -> None:
+    for reference in ("data:image/png;base64,AAAA", {"image_url": "data:image/png;base64,AAAA", "x": 1}):
+        resp = http.post("/v1/videos", json={"prompt": "a boat", "input_reference": reference})
+        assert resp.status_code == 400 and "input_reference" in json.dumps(resp.json()), resp.text
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.one_of(st.binary(max_size=64), st.just(png((1, 2, 3))[:40]), st.just(png((1, 2, 3), 40, 40))))
+def test_any_upload_is_a_200_or_a_400(http: httpx.Client, data: bytes) -> None:
+    files = {"prompt": (None, "x"), "num_frames": (None, "5"), "input_reference": ("r.png", data, "image/png")}
+    resp = http.post("/v1/videos", files=files | {"num_inference_steps": (None, "1")})
+    assert resp.status_code in (200, 400), resp.text
+    if resp.status_code == 400:
+        assert resp.json()["error"]["param"] == "input_reference", resp.text
 
 
 def test_a_text_body_is_a_415(http: httpx.Client) -> None:

@@ -167,7 +167,9 @@ def test_job_routes_need_the_api_key(server):
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
-        ({"task": "image2video", "inputs": {"prompt": "x"}}, 400, "task"),
+        ({"task": "image2audio", "inputs": {"prompt": "x"}}, 400, "task"),
+        ({"task": "image2video", "inputs": {"prompt": "x"}}, 400, "model"),  # an image model: no_video
+        ({"task": "text2image", "inputs": {"prompt": "x", "image": "data:image/png;base64,AA=="}}, 400, "inputs.image"),
         ({"task": "text2image", "inputs": {}}, 400, "inputs.prompt"),
         (
             {"task": "text2image", "inputs": {"prompt": "x", "num_inference_steps": 0}},

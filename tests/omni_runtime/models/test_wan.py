@@ -1,9 +1,12 @@
-"""The Wan text-to-video family: its tiny builtin, served by DiffusionRunner and end to end.
+"""The Wan text- and image-to-video family: its tiny builtin, served by DiffusionRunner and end
+to end.
 
 The runner makes videos (``frames``) with the family's frame rule (4k + 1) and size step (VAE
 spatial factor 8 x patch 2) reported as constraints; a fused batch equals its requests run alone
 (within float tolerance); ``Omni("tiny-wan")`` returns videos that save as MP4 files a player
-reads back with the frames, size and rate asked for.
+reads back with the frames, size and rate asked for. With an ``image`` the same model makes a
+video from that first frame (Wan 2.2 TI2V's way: the image's latent is the first latent frame),
+each such request a pipeline call of its own.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import av
 import msgspec
 import numpy as np
 import pytest
+from diffusers import WanImageToVideoPipeline
 
 from omni_runtime import Omni
 from omni_runtime.config import StageConfig, load_config
@@ -69,7 +73,7 @@ def test_the_model_reports_its_frame_rule_and_size_step(runner: DiffusionRunner)
     assert c.size_multiple_reason == "the VAE spatial factor 8 x the WanTransformer3DModel patch size 2"
     assert c.frames_step == 4 and "4x" in (c.frames_reason or "")
     assert c.max_frames == (32 - 1) * 4 + 1  # the tiny transformer's 32-entry rotary table
-    assert c.image_inputs == ()
+    assert c.image_inputs == ("image",)  # image to video: the first frame
 
 
 def test_videos_have_the_requested_frames_size_and_rate(runner: DiffusionRunner) -> None:
@@ -103,6 +107,48 @@ def test_a_fused_batch_equals_each_request_run_alone(runner: DiffusionRunner, ou
             assert np.abs(a - b).max() <= 2
     first, second = (np.asarray(o.media[0].data if o.media else o.tensors["latents"], float) for o in fused)
     assert np.abs(first - second).max() > 0.05  # split per request, not one video twice
+
+
+def frame_image(rgb: tuple[int, int, int], height: int = 32, width: int = 48) -> np.ndarray:
+    image = np.zeros((height, width, 3), np.uint8)
+    image[...] = rgb
+    image[: height // 2, : width // 3] = 255 - np.asarray(rgb)  # a corner of another colour
+    return image
+
+
+def test_the_image_form_is_wan_image_to_video_sharing_the_weights(runner: DiffusionRunner) -> None:
+    assert runner._forms is not None
+    form = runner._forms.forms["image"]
+    assert isinstance(form.pipe, WanImageToVideoPipeline) and form.single_image
+    assert form.pipe.config.expand_timesteps and form.pipe.image_encoder is None
+    assert form.pipe.transformer is runner.pipe.transformer and form.pipe.vae is runner.pipe.vae
+    assert not runner.pipe.config.expand_timesteps  # text to video runs as before
+
+
+def test_image_to_video_starts_from_the_image_and_runs_each_request_alone(runner: DiffusionRunner) -> None:
+    red, blue = frame_image((255, 0, 0)), frame_image((0, 0, 255))
+    batch = [req(k, seed=1, num_frames=5, image=im, height=32, width=48) for k, im in (("r", red), ("b", blue))]
+    assert runner.batch_key(batch[0]) == runner.batch_key(batch[1])  # queued together...
+    together = run(runner, *batch)
+    assert [o.metrics["batch_size"] for o in together] == [1, 1]  # ...one pipeline call each
+    videos = [o.media[0].frames.astype(int) for o in together]
+    assert all(v.shape == (5, 32, 48, 3) for v in videos)
+    assert np.abs(videos[0][0] - videos[1][0]).mean() > 0.1  # the first frame reflects the image
+    (alone,) = run(runner, batch[0])
+    np.testing.assert_array_equal(alone.media[0].frames, together[0].media[0].frames)
+    (text,) = run(runner, req("t", seed=1, num_frames=5, height=32, width=48))
+    assert np.abs(text.media[0].frames.astype(int)[0] - videos[0][0]).mean() > 0.1
+
+
+def test_a_transformer_no_first_frame_fits_is_refused_when_made(runner: DiffusionRunner) -> None:
+    from diffusers import WanTransformer3DModel
+
+    from omni_runtime.models.families.wan.i2v import WanFirstFrameToVideoPipeline
+    from omni_runtime.models.families.wan.tiny import TRANSFORMER
+
+    odd = WanTransformer3DModel(**{**TRANSFORMER, "in_channels": 5})
+    with pytest.raises(ValueError, match=r"5 input channels: a first frame needs 4 .* or 12"):
+        WanFirstFrameToVideoPipeline(**{**runner.pipe.components, "transformer": odd})
 
 
 def test_golden_slice(runner: DiffusionRunner) -> None:
@@ -156,3 +202,14 @@ def test_batched_videos_equal_their_solo_videos(omni: Any) -> None:
         (solo,) = omni.generate(prompt, {"seed": 3}, use_tqdm=False)
         diff = np.abs(fused.videos[0].frames.astype(int) - solo.videos[0].frames.astype(int))
         assert diff.max() <= 2
+
+
+def test_python_api_makes_a_video_from_a_first_frame(omni: Any) -> None:
+    image = frame_image((0, 200, 0), height=48, width=32)
+    (out,) = omni.generate("a boat", {"image": image, "num_frames": 5, "seed": 2}, use_tqdm=False)
+    assert out.error is None and out.videos[0].frames.shape == (5, 48, 32, 3)  # the image's size
+    (again,) = omni.generate("a boat", {"image": image, "num_frames": 5, "seed": 2}, use_tqdm=False)
+    np.testing.assert_array_equal(again.videos[0].frames, out.videos[0].frames)
+    with pytest.raises(InvalidRequestError, match="multiple of 16") as info:
+        omni.generate("a boat", {"image": frame_image((0, 200, 0), height=40), "num_frames": 5}, use_tqdm=False)
+    assert info.value.param == "image"

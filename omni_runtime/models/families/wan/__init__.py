@@ -1,5 +1,6 @@
-"""Wan 2.1 text-to-video: UMT5 text encoder, a video DiT (patches of 1 x 2 x 2 latents), and a
-causal 3D VAE that compresses space 8x and time 4x."""
+"""Wan text-to-video and image-to-video: UMT5 text encoder, a video DiT (patches of 1 x 2 x 2
+latents), and a causal 3D VAE that compresses space 8x and time 4x. A model serves a request with
+an ``image`` (the first frame) through :mod:`omni_runtime.models.families.wan.i2v`."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ SPEC = register(
         name="wan",
         pipelines=("WanPipeline",),
         denoiser="WanTransformer3DModel",
+        # Image-to-video: the request's image is the first frame (see the wan.i2v module).
+        image_forms={"image": "omni_runtime.models.families.wan.i2v:WanFirstFrameToVideoPipeline", "mask": None},
         output="video",
         builders={"tiny-wan": "omni_runtime.models.families.wan.tiny:build_tiny_wan"},
         tiny="tiny-wan",

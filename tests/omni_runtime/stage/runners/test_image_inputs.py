@@ -32,14 +32,15 @@ from omni_runtime.stage.runners.diffusion import DiffusionRunner
 
 NOT_ABORTED = ExecuteContext(lambda rid: False)
 #: Builtin family -> (its img2img pipeline, its inpainting pipeline or None: SD3's takes 16-channel
-#: transformers only, and the tiny one has 4), from the family registry.
+#: transformers only, and the tiny one has 4), from the family registry. Image families only: a
+#: video family's image form (image to video) is tested with the family (test_wan.py).
 FAMILIES = {
     f.tiny: (
         f.image_forms["image"],
         None if f.image_forms.get("mask") in f.form_channels else f.image_forms.get("mask"),
     )
     for f in families()
-    if f.tiny and f.image_forms.get("image")
+    if f.tiny and f.image_forms.get("image") and f.output == "image"
 }
 SIZE = 64
 
