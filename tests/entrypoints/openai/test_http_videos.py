@@ -1,7 +1,9 @@
-"""``/v1/videos`` on a real ``omni-runtime serve`` of tiny-wan (9 frames of 32 x 32, a few steps):
-create -> poll -> content decoded with PyAV, the thumbnail, the list, cancel by delete mid-run,
-bad input as 400s naming the field (JSON or form), ``/v1/generate`` with ``text2video``, and the
-openai client (its ``create`` sends a multipart form; retrieve, list, delete, download)."""
+"""``/v1/videos`` on a real ``omni-runtime serve`` of tiny-wan (9 frames of 32 x 32, a few steps)
+over a private redis-server: create -> poll -> content decoded with PyAV, the thumbnail, the list,
+cancel by delete mid-run, bad input as 400s naming the field (JSON or form, hostile values through
+hypothesis), ``/v1/generate`` with ``text2video``, the openai client (its ``create`` sends a
+multipart form; retrieve, list, delete, download), and a second gateway over the same Redis that
+streams, reads, lists and deletes the first one's videos."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from PIL import Image
 
 from entrypoints.openai.videos import frames_for
 
+from .jobs_client import read_sse
 from .server_process import start_server, stop_server
 
 pytestmark = pytest.mark.e2e
@@ -30,9 +33,9 @@ LONG_STEPS = 300
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, redis_server):
     tmp = tmp_path_factory.mktemp("videos")
-    srv = start_server("tiny-wan", "--api-key", KEY, log=tmp / "server.log")
+    srv = start_server("tiny-wan", "--api-key", KEY, "--redis-url", redis_server.url, log=tmp / "server.log")
     yield srv
     stop_server(srv)
 
@@ -218,3 +221,59 @@ def test_a_forms_input_reference_is_a_400_naming_it(http: httpx.Client) -> None:
 def test_a_text_body_is_a_415(http: httpx.Client) -> None:
     resp = http.post("/v1/videos", content=b'{"prompt": "a boat"}', headers={"Content-Type": "text/plain"})
     assert resp.status_code == 415 and resp.json()["error"]["code"] == "unsupported_media_type"
+
+
+# ---------------------------------------------------------------- a second gateway, same Redis
+
+
+@pytest.fixture(scope="module")
+def http_b(server, redis_server, tmp_path_factory):
+    """Gateway B: another ``serve`` over the same Redis (jobs and files shared with the first)."""
+    tmp = tmp_path_factory.mktemp("videos-b")
+    srv = start_server("tiny-wan", "--api-key", KEY, "--redis-url", redis_server.url, log=tmp / "b.log")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c:
+            yield c
+    finally:
+        stop_server(srv)
+
+
+def decode(data: bytes) -> tuple[int, tuple[int, ...], float]:
+    """Frame count, frame shape and frame rate of an MP4, as PyAV reads them."""
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+        return len(frames), frames[0].shape, float(stream.average_rate or 0)
+
+
+def test_a_video_made_on_a_is_streamed_read_and_downloaded_through_b(http: httpx.Client, http_b) -> None:
+    video = create(http, size="32x32", num_inference_steps=4, seed=3)
+    events = read_sse(http_b, video["id"])  # the job's events, from the other gateway
+    steps = [e["data"]["step"] for e in events if e["type"] == "step"]
+    assert events[-1]["type"] == "completed" and len(set(steps)) > 1 and steps == sorted(steps), events
+    seen = http_b.get(f"/v1/videos/{video['id']}").json()
+    assert seen == http.get(f"/v1/videos/{video['id']}").json()
+    assert seen["status"] == "completed" and seen["progress"] == 100 and seen["size"] == "32x32", seen
+    content = http_b.get(f"/v1/videos/{video['id']}/content")
+    assert content.headers["content-type"] == "video/mp4"
+    assert decode(content.content) == (9, (32, 32, 3), 8.0)
+    thumb = http_b.get(f"/v1/videos/{video['id']}/content", params={"variant": "thumbnail"})
+    assert Image.open(io.BytesIO(thumb.content)).size == (32, 32)
+
+
+def test_both_gateways_list_the_stores_videos_and_a_delete_on_b_is_seen_on_a(http: httpx.Client, http_b) -> None:
+    on_a = create(http)
+    on_b = create(http_b)  # made later: listed first
+    for gateway in (http, http_b):
+        page = gateway.get("/v1/videos", params={"limit": 2}).json()
+        assert [v["id"] for v in page["data"]] == [on_b["id"], on_a["id"]] and page["has_more"], page
+        nxt = gateway.get("/v1/videos", params={"limit": 1, "after": on_a["id"]}).json()
+        assert nxt["data"] and nxt["data"][0]["created_at"] <= on_a["created_at"]
+        oldest_first = gateway.get("/v1/videos", params={"order": "asc", "after": on_a["id"], "limit": 1}).json()
+        assert [v["id"] for v in oldest_first["data"]] == [on_b["id"]], oldest_first
+    assert wait_video(http, on_b["id"])["status"] == "completed"  # made by B, read on A
+    deleted = http_b.delete(f"/v1/videos/{on_a['id']}").json()
+    assert deleted == {"id": on_a["id"], "object": "video.deleted", "deleted": True}
+    for gateway in (http, http_b):
+        assert on_a["id"] not in [v["id"] for v in gateway.get("/v1/videos", params={"limit": 100}).json()["data"]]
+    assert http.get(f"/v1/videos/{on_a['id']}").json()["id"] == on_a["id"]  # readable by id until it expires
