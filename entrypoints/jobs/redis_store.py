@@ -6,6 +6,9 @@ Keys (``omni:`` prefix):
 * ``job:{id}:events``: the events, one Redis Stream per job (same TTL). Stream ids are the SSE
   event ids, so ``Last-Event-ID`` replays from any gateway with ``XRANGE`` and ``XREAD BLOCK``
   waits for new ones without polling;
+* ``kind:{kind}``: the jobs created with a kind (``video``, ...), a sorted set scored by creation
+  time: a list page is one ``ZRANGE`` by rank, a job that expired leaves it when a list meets it,
+  and the oldest go past :data:`MAX_INDEXED`;
 * ``gw:{gateway}``: a gateway's lease, ``lease_s`` long, renewed every ``lease_s / 3``;
 * ``gw:{gateway}:jobs``: the unfinished jobs a gateway runs; ``gws``: every gateway with a set;
 * channel ``gw:{gateway}:cancel``: cancel requests for a gateway's jobs, from other gateways.
@@ -52,6 +55,8 @@ _EVENT_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
 _MAX_ID_PART = 2**64 - 1
 #: Events kept per job at most (approximate trimming: XADD MAXLEN ~).
 MAX_EVENTS = 10_000
+#: Jobs kept per kind's index at most (the oldest leave first).
+MAX_INDEXED = 100_000
 
 # Claims a dead gateway's jobs for this one, unless its lease came back meanwhile.
 _CLAIM = """
@@ -168,6 +173,9 @@ class RedisJobStore(JobStore):
     def _events(self, job_id: str) -> str:
         return f"{self.prefix}job:{job_id}:events"
 
+    def _kind(self, kind: str) -> str:
+        return f"{self.prefix}kind:{kind}"
+
     def _lease(self, gateway_id: str) -> str:
         return f"{self.prefix}gw:{gateway_id}"
 
@@ -179,13 +187,17 @@ class RedisJobStore(JobStore):
 
     # ------------------------------------------------------------------ records and events
 
-    async def create(self, record: dict[str, Any], first_event: tuple[str, dict[str, Any]]) -> str:
+    async def create(
+        self, record: dict[str, Any], first_event: tuple[str, dict[str, Any]], *, kind: str | None = None
+    ) -> str:
         job_id = record["job_id"]
         type_, data = first_event
         with _reachable():
-            return await self._create(job_id, record, type_, data)
+            return await self._create(job_id, record, type_, data, kind)
 
-    async def _create(self, job_id: str, record: dict[str, Any], type_: str, data: dict[str, Any]) -> str:
+    async def _create(
+        self, job_id: str, record: dict[str, Any], type_: str, data: dict[str, Any], kind: str | None
+    ) -> str:
         async with self.writes.pipeline(transaction=True) as p:
             p.hset(self._job(job_id), mapping={k: json.dumps(v) for k, v in record.items()})
             p.expire(self._job(job_id), self._ttl)
@@ -194,8 +206,43 @@ class RedisJobStore(JobStore):
             owner = record.get("owner")
             if owner:
                 p.sadd(self._owned(owner), job_id)
+            if kind is not None:
+                p.zadd(self._kind(kind), {job_id: float(record.get("created_at") or 0.0)})
+                p.zremrangebyrank(self._kind(kind), 0, -MAX_INDEXED - 1)
             results = await p.execute()
         return results[2]
+
+    async def list_kind(self, kind: str, *, after: str | None, limit: int, newest_first: bool) -> list[dict[str, Any]]:
+        key = self._kind(kind)
+        found: list[dict[str, Any]] = []
+        with _reachable():
+            start = 0
+            if after is not None:
+                rank = await (self.redis.zrevrank if newest_first else self.redis.zrank)(key, after)
+                if not isinstance(rank, int):  # not in the index
+                    return []
+                start = rank + 1
+            # A page of ids by rank, then their records in one round trip; ids whose record
+            # expired leave the index, and the page is filled from the next ranks.
+            while len(found) < limit:
+                page = self.redis.zrevrange if newest_first else self.redis.zrange
+                ids: list[str] = await page(key, start, start + limit - len(found) - 1)  # type: ignore[assignment]
+                if not ids:
+                    break
+                async with self.redis.pipeline(transaction=False) as p:
+                    for job_id in ids:
+                        p.hgetall(self._job(job_id))
+                    records = await p.execute()
+                gone = [job_id for job_id, fields in zip(ids, records, strict=True) if not fields]
+                found += [{k: json.loads(v) for k, v in fields.items()} for fields in records if fields]
+                if gone:
+                    await self.writes.zrem(key, *gone)
+                start += len(ids) - len(gone)
+        return found
+
+    async def unlist(self, kind: str, job_id: str) -> None:
+        with _reachable():
+            await self.writes.zrem(self._kind(kind), job_id)
 
     async def get(self, job_id: str) -> dict[str, Any] | None:
         with _reachable():
@@ -340,11 +387,18 @@ class RedisJobStore(JobStore):
             ("smembers", lambda p: p.smembers(probe + ":set")),
             ("scard", lambda p: p.scard(probe + ":set")),
             ("srem", lambda p: p.srem(probe + ":set", "x")),
+            ("zadd", lambda p: p.zadd(probe + ":z", {"x": 1.0})),
+            ("zremrangebyrank", lambda p: p.zremrangebyrank(probe + ":z", 0, -2)),
+            ("zrange", lambda p: p.zrange(probe + ":z", 0, 0)),
+            ("zrevrange", lambda p: p.zrevrange(probe + ":z", 0, 0)),
+            ("zrank", lambda p: p.zrank(probe + ":z", "x")),
+            ("zrevrank", lambda p: p.zrevrank(probe + ":z", "x")),
+            ("zrem", lambda p: p.zrem(probe + ":z", "x")),
             ("publish", lambda p: p.publish(probe, "probe")),
             ("script", lambda p: p.script_load(_PROBE_SCRIPT)),
             ("evalsha", lambda p: p.evalsha(sha, 0)),
             ("eval", lambda p: p.eval(_PROBE_SCRIPT, 0)),
-            ("del", lambda p: p.delete(probe, probe + ":s", probe + ":l", probe + ":set")),
+            ("del", lambda p: p.delete(probe, probe + ":s", probe + ":l", probe + ":set", probe + ":z")),
         ]
         with _reachable():
             async with self.writes.pipeline(transaction=False) as p:

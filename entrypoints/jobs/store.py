@@ -5,6 +5,9 @@ One small async interface, :class:`JobStore`, with two implementations: :class:`
 gateways share jobs). A job is a flat record (a dict of JSON values) plus an append-only list of
 events, each with an id that grows within the job: that id is the SSE event id, so a client that
 reconnects with ``Last-Event-ID`` gets exactly the events after it.
+
+Jobs created with a ``kind`` (the media a task makes: ``video``, ``image``) are indexed by it in
+creation order, so a route lists them (``GET /v1/videos``) from any gateway without scanning.
 """
 
 from __future__ import annotations
@@ -95,7 +98,21 @@ class JobStore(abc.ABC):
     backend: str = "?"
 
     @abc.abstractmethod
-    async def create(self, record: dict[str, Any], first_event: tuple[str, dict[str, Any]]) -> str: ...
+    async def create(
+        self, record: dict[str, Any], first_event: tuple[str, dict[str, Any]], *, kind: str | None = None
+    ) -> str:
+        """Store a new job with its first event; with ``kind``, also index it under that kind
+        (newest last) for :meth:`list_kind`."""
+
+    @abc.abstractmethod
+    async def list_kind(self, kind: str, *, after: str | None, limit: int, newest_first: bool) -> list[dict[str, Any]]:
+        """Up to ``limit`` records of the jobs indexed under ``kind``, by creation time (newest
+        first or oldest first), starting after the job ``after`` (None: from the start; a job
+        not in the index: nothing). Jobs that expired are skipped and leave the index."""
+
+    @abc.abstractmethod
+    async def unlist(self, kind: str, job_id: str) -> None:
+        """Take a job off ``kind``'s index (its record stays readable by id until it expires)."""
 
     @abc.abstractmethod
     async def get(self, job_id: str) -> dict[str, Any] | None: ...
@@ -159,10 +176,11 @@ class JobStore(abc.ABC):
 
 
 class _MemoryJob:
-    __slots__ = ("changed", "events", "expires", "record")
+    __slots__ = ("changed", "events", "expires", "kind", "record")
 
-    def __init__(self, record: dict[str, Any]) -> None:
+    def __init__(self, record: dict[str, Any], kind: str | None) -> None:
         self.record = record
+        self.kind = kind
         self.events: list[Event] = []
         #: Set (and replaced) whenever an event is appended: waiters wake without polling.
         self.changed = asyncio.Event()
@@ -187,6 +205,15 @@ class MemoryJobStore(JobStore):
         self._jobs: dict[str, _MemoryJob] = {}
         #: Finished jobs in the order they finished, which is also their expiry order.
         self._finished: OrderedDict[str, None] = OrderedDict()
+        #: Kind -> its jobs in creation order (oldest first).
+        self._kinds: dict[str, OrderedDict[str, None]] = {}
+
+    def _remove(self, job_id: str) -> None:
+        job = self._jobs.pop(job_id)
+        self._finished.pop(job_id, None)
+        if job.kind is not None:
+            self._kinds.get(job.kind, OrderedDict()).pop(job_id, None)
+        job.changed.set()  # streams of a removed job end
 
     def _evict(self, now: float) -> None:
         while self._finished:
@@ -194,25 +221,45 @@ class MemoryJobStore(JobStore):
             job = self._jobs[oldest]
             if job.expires is not None and job.expires > now and len(self._jobs) < self.max_jobs:
                 break
-            del self._finished[oldest]
-            del self._jobs[oldest]
-            job.changed.set()  # streams of an evicted job end
+            self._remove(oldest)
 
-    async def create(self, record: dict[str, Any], first_event: tuple[str, dict[str, Any]]) -> str:
+    async def create(
+        self, record: dict[str, Any], first_event: tuple[str, dict[str, Any]], *, kind: str | None = None
+    ) -> str:
         self._evict(time.monotonic())
         if len(self._jobs) >= self.max_jobs:
             raise QueueFullError(f"the job store holds {self.max_jobs} unfinished jobs; retry later")
-        job = _MemoryJob(dict(record))
+        job = _MemoryJob(dict(record), kind)
         self._jobs[record["job_id"]] = job
+        if kind is not None:
+            self._kinds.setdefault(kind, OrderedDict())[record["job_id"]] = None
         return await self.append_event(record["job_id"], *first_event)
+
+    async def list_kind(self, kind: str, *, after: str | None, limit: int, newest_first: bool) -> list[dict[str, Any]]:
+        index = self._kinds.get(kind, OrderedDict())
+        if after is not None and after not in index:
+            return []
+        ids = list(reversed(index) if newest_first else index)
+        if after is not None:
+            ids = ids[ids.index(after) + 1 :]
+        found: list[dict[str, Any]] = []
+        for job_id in ids:
+            if len(found) >= limit:
+                break
+            record = await self.get(job_id)  # an expired job leaves the index here
+            if record is not None:
+                found.append(record)
+        return found
+
+    async def unlist(self, kind: str, job_id: str) -> None:
+        self._kinds.get(kind, OrderedDict()).pop(job_id, None)
 
     async def get(self, job_id: str) -> dict[str, Any] | None:
         job = self._jobs.get(job_id)
         if job is None:
             return None
         if job.expires is not None and job.expires <= time.monotonic():
-            self._finished.pop(job_id, None)
-            del self._jobs[job_id]
+            self._remove(job_id)
             return None
         return dict(job.record)
 

@@ -168,9 +168,6 @@ class JobManager:
         self._local: dict[str, _LocalJob] = {}
         self._background: asyncio.Task | None = None
         self._closing = False
-        #: Ids of the videos (``text2video`` jobs) made through this gateway, oldest first: what
-        #: ``GET /v1/videos`` lists (the store has no listing of its own).
-        self.videos: list[str] = []
         #: How jobs end: their end written once, kept through store outages.
         self.ends = JobEnds(
             store, self.gateway_id, otlp, on_recorded=lambda status: self.state.metrics.jobs.labels(status).inc()
@@ -338,7 +335,7 @@ class JobManager:
         try:
             event = {"job_id": job_id, "priority": record.priority, "attempt": record.attempts, "at": time.time()}
             if new:
-                await self.store.create(record.to_store(), ("queued", event))
+                await self.store.create(record.to_store(), ("queued", event), kind=TASK_KINDS.get(record.task or ""))
             else:
                 await self.store.append_event(
                     job_id, "queued", event, {"status": "queued", "trace": record.trace}, fence=job.fence

@@ -27,6 +27,7 @@ from omni_runtime.bounds import MAX_FRAMES
 from omni_runtime.exceptions import InvalidRequestError
 
 from ..async_omni import AsyncOmni
+from ..jobs.record import JobRecord
 from .dependencies import AUTH, JSON_OR_MULTIPART_BODY, Jobs, State
 from .fields import FieldMap
 from .job_manager import TASK_KINDS, JobManager
@@ -38,6 +39,8 @@ from .uploads import read_form
 DEFAULT_FPS = 16
 #: Most videos one list page holds.
 MAX_LIST = 100
+#: The job store's index that ``GET /v1/videos`` lists (job_manager.TASK_KINDS: every video task).
+VIDEO_KIND = "video"
 
 #: ``POST /v1/videos`` field -> the ``/v1/generate`` field it becomes (and back, in errors).
 VIDEO_FIELDS = FieldMap(
@@ -229,7 +232,20 @@ async def video_request(request: Request) -> VideoCreateRequest:
 router = APIRouter(prefix="/v1/videos", dependencies=[AUTH])
 
 
-@router.post("", dependencies=[JSON_OR_MULTIPART_BODY])
+def _create_body() -> dict[str, Any]:
+    """``POST /v1/videos``'s body in the OpenAPI schema (the route reads the body itself, JSON or
+    a form, so FastAPI cannot see it): the same fields either way."""
+    schema = VideoCreateRequest.model_json_schema()
+    form = schema | {"description": "The same fields as text parts of a multipart form (as the openai client sends)."}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": schema}, "multipart/form-data": {"schema": form}},
+        }
+    }
+
+
+@router.post("", dependencies=[JSON_OR_MULTIPART_BODY], openapi_extra=_create_body())
 async def create_video(
     body: Annotated[VideoCreateRequest, Depends(video_request)], request: Request, state: State, manager: Jobs
 ) -> SafeJSONResponse:
@@ -245,7 +261,6 @@ async def create_video(
             message = str(e).replace(f"`{job_field}`", f"`{REFERENCE}`")
             e.args = (message.replace("invalid sampling param `image`", f"`{REFERENCE}`"),)
         raise
-    manager.videos.append(record["job_id"])
     video = video_object(record | {"request": job.model_dump(mode="json")})
     return SafeJSONResponse(video, headers={"X-Request-Id": record["job_id"]})
 
@@ -257,25 +272,17 @@ async def list_videos(
     after: str | None = Query(None, max_length=128),
     order: Literal["asc", "desc"] = "desc",
 ) -> SafeJSONResponse:
-    ids = manager.videos if order == "asc" else manager.videos[::-1]
-    if after is not None:
-        ids = ids[ids.index(after) + 1 :] if after in ids else []
-    data: list[dict[str, Any]] = []
-    for video_id in list(ids):
-        if len(data) > limit:
-            break
-        record = await manager.store.get(video_id)
-        if record is None:  # expired: no longer listed
-            manager.videos.remove(video_id)
-            continue
-        data.append(video_object(record))
-    page, more = data[:limit], len(data) > limit
+    """The job store's videos (every gateway's), newest first (``order=desc``) or oldest first;
+    a page starts after the video ``after`` and holds at most ``limit``."""
+    # One more than the page: whether there is a next page.
+    records = await manager.store.list_kind(VIDEO_KIND, after=after, limit=limit + 1, newest_first=order == "desc")
+    page = [video_object(JobRecord.from_store(r).public() | {"request": r.get("request")}) for r in records[:limit]]
     body = {
         "object": "list",
         "data": page,
         "first_id": page[0]["id"] if page else None,
         "last_id": page[-1]["id"] if page else None,
-        "has_more": more,
+        "has_more": len(records) > limit,
     }
     return SafeJSONResponse(body)
 
@@ -287,12 +294,12 @@ async def get_video(video_id: str, manager: Jobs) -> SafeJSONResponse:
 
 @router.delete("/{video_id}")
 async def delete_video(video_id: str, manager: Jobs) -> SafeJSONResponse:
-    """Cancel the video if it still runs and take it off the list; its record stays readable by id
-    (``failed``, error ``cancelled``) until the job store expires it."""
+    """Cancel the video if it still runs and take it off the job store's list (every gateway's
+    ``GET /v1/videos``); its record stays readable by id (a running one as ``failed``, error
+    ``cancelled``) until the job store expires it."""
     await _video_job(manager, video_id)
     await manager.cancel(video_id)
-    if video_id in manager.videos:
-        manager.videos.remove(video_id)
+    await manager.store.unlist(VIDEO_KIND, video_id)
     return SafeJSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 
 

@@ -67,3 +67,25 @@ def test_an_event_id_that_the_store_never_sent_is_a_400(bad):
     with pytest.raises(InvalidRequestError) as info:
         MemoryJobStore().check_event_id(bad)
     assert info.value.param == "Last-Event-ID"
+
+
+async def test_jobs_of_a_kind_list_in_creation_order_with_pages_and_expiry():
+    store = MemoryJobStore(max_jobs=100, ttl_s=0.05)
+    for i in range(5):
+        await store.create(_record(i), ("queued", {}), kind="video" if i != 2 else "image")
+    await store.create(_record(9), ("queued", {}))  # no kind: in no index
+
+    async def ids(**kw) -> list[str]:
+        args = {"after": None, "limit": 10, "newest_first": True} | kw
+        return [r["job_id"] for r in await store.list_kind("video", **args)]
+
+    assert await ids() == ["job-4", "job-3", "job-1", "job-0"]
+    assert await ids(newest_first=False, limit=2) == ["job-0", "job-1"]
+    assert await ids(after="job-3", limit=1) == ["job-1"]
+    assert await ids(after="job-2") == [] and await ids(after="nope") == []
+    await store.unlist("video", "job-3")
+    assert await ids() == ["job-4", "job-1", "job-0"] and await store.get("job-3") is not None
+    await store.update("job-1", {"status": "completed"})
+    await asyncio.sleep(0.06)
+    assert await ids() == ["job-4", "job-0"]  # the expired job left the index
+    assert [r["job_id"] for r in await store.list_kind("image", after=None, limit=5, newest_first=True)] == ["job-2"]

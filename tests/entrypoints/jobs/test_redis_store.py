@@ -217,3 +217,24 @@ async def test_a_user_without_the_commands_the_store_needs_is_told_which(stores,
         assert "XREAD" not in str(caught.value)
     finally:
         redis_server.command("ACL", "DELUSER", "limited")
+
+
+async def test_jobs_of_a_kind_list_from_another_store_newest_first(stores, redis_server):
+    a, b = stores(), stores()
+    for i in range(6):
+        record = {"job_id": f"k{i}", "status": "queued", "created_at": 1000.0 + i}
+        await a.create(record, ("queued", {}), kind="video" if i != 2 else "image")
+
+    async def ids(**kw) -> list[str]:
+        args = {"after": None, "limit": 10, "newest_first": True} | kw
+        return [r["job_id"] for r in await b.list_kind("video", **args)]
+
+    assert await ids() == ["k5", "k4", "k3", "k1", "k0"]
+    assert await ids(newest_first=False, limit=2) == ["k0", "k1"]
+    assert await ids(after="k4", limit=2) == ["k3", "k1"]
+    assert await ids(after="k2") == [] and await ids(after="nope") == []
+    await b.unlist("video", "k4")
+    assert await ids(limit=2) == ["k5", "k3"] and await a.get("k4") is not None
+    await a.redis.delete("omni:job:k3", "omni:job:k1")  # as if both had expired
+    assert await ids(limit=2) == ["k5", "k0"]  # the page is filled past the expired ones
+    assert await a.redis.zrange("omni:kind:video", 0, -1) == ["k0", "k5"]

@@ -1,9 +1,11 @@
-"""``/v1/videos`` on a real ``omni-runtime serve`` of tiny-wan (9 frames of 32 x 32, a few steps):
-create -> poll -> content decoded with PyAV, the thumbnail, the list, cancel by delete mid-run,
-bad input as 400s naming the field (JSON or form), ``/v1/generate`` with ``text2video``, and the
-openai client (its ``create`` sends a multipart form; retrieve, list, delete, download). Image to
-video: the client's ``input_reference`` upload (or reference object) is the first frame, and
-``/v1/generate`` with ``image2video``; hostile uploads are 400s naming the field."""
+"""``/v1/videos`` on a real ``omni-runtime serve`` of tiny-wan (9 frames of 32 x 32, a few steps)
+over a private redis-server: create -> poll -> content decoded with PyAV, the thumbnail, the list,
+cancel by delete mid-run, bad input as 400s naming the field (JSON or form, hostile values through
+hypothesis), ``/v1/generate`` with ``text2video``, the openai client (its ``create`` sends a
+multipart form; retrieve, list, delete, download), and a second gateway over the same Redis that
+streams, reads, lists and deletes the first one's videos. Image to video: the client's
+``input_reference`` upload (or reference object) is the first frame, and ``/v1/generate`` with
+``image2video``; hostile uploads are 400s naming the field."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from PIL import Image
 
 from entrypoints.openai.videos import frames_for
 
+from .jobs_client import read_sse
 from .server_process import start_server, stop_server
 
 pytestmark = pytest.mark.e2e
@@ -36,9 +39,9 @@ LONG_STEPS = 300
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, redis_server):
     tmp = tmp_path_factory.mktemp("videos")
-    srv = start_server("tiny-wan", "--api-key", KEY, log=tmp / "server.log")
+    srv = start_server("tiny-wan", "--api-key", KEY, "--redis-url", redis_server.url, log=tmp / "server.log")
     yield srv
     stop_server(srv)
 
@@ -162,32 +165,69 @@ def test_generate_takes_text2video(http: httpx.Client) -> None:
     assert resp.headers["content-type"] == "video/mp4" and video["num_frames"] == 5
 
 
+#: Every field ``POST /v1/videos`` takes (``input_reference`` aside: a file).
+FIELDS = [
+    "prompt", "model", "negative_prompt", "num_frames", "fps", "num_inference_steps", "guidance_scale",
+    "seconds", "size", "seed",
+]  # fmt: skip
+#: Text that no UTF-8 encodes (lone surrogates), next to ordinary text.
+UNENCODABLE = st.text(st.characters(codec=None, categories=["Cs", "Lu", "Nd"]), min_size=1, max_size=8)
 VALUES = st.one_of(
-    st.none(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=12), st.booleans()
+    st.none(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=12),
+    UNENCODABLE,
+    st.booleans(),
+    st.lists(st.integers(0, 9), max_size=2),
+    st.dictionaries(st.sampled_from(["a", "width"]), st.integers(0, 9), max_size=1),
 )
+#: A form's parts are bytes: numbers as text, words, bytes that are no UTF-8, nothing.
+FORM_VALUES = st.one_of(
+    st.integers(-(2**70), 2**70).map(lambda i: str(i).encode()),
+    UNENCODABLE.map(lambda t: t.encode("utf-8", "surrogatepass")),
+    st.sampled_from([b"", b" ", b"1e999", b"nan", b"-inf", b"2.5", b"[1]", b"null", b"true", b"\xff\xfe", b"9" * 400]),
+)
+
+
+def _assert_refused_or_made(http: httpx.Client, resp: httpx.Response, field: str) -> None:
+    """A 200 (its video is deleted at once, so later examples do not queue behind it), or a
+    400 that names ``field`` with a message; an unknown model is OpenAI's 404. Never a 500."""
+    if resp.status_code == 200:
+        http.delete(f"/v1/videos/{resp.json()['id']}")
+        return
+    allowed = (400, 404) if field == "model" else (400,)
+    assert resp.status_code in allowed, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == field and error["message"], resp.text
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(
-    field=st.sampled_from(["num_frames", "fps", "num_inference_steps", "guidance_scale", "seconds", "size", "seed"]),
-    value=VALUES,
-)
+@given(field=st.sampled_from(FIELDS), value=VALUES)
 def test_any_value_is_a_200_or_a_400(http: httpx.Client, field: str, value: object) -> None:
     body = {"prompt": "x", "num_frames": 5, "num_inference_steps": 1, field: value}
     if field == "seconds":
         body.pop("num_frames")
     resp = http.post("/v1/videos", content=json.dumps(body), headers={"Content-Type": "application/json"})
-    assert resp.status_code in (200, 400), resp.text
-    if resp.status_code == 200:
-        # A 200 may still ask for a long video: stop it rather than let the next examples queue.
-        http.delete(f"/v1/videos/{resp.json()['id']}")
+    _assert_refused_or_made(http, resp, field)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(field=st.sampled_from(FIELDS), value=FORM_VALUES)
+def test_any_form_value_is_a_200_or_a_400(http: httpx.Client, field: str, value: bytes) -> None:
+    data = {"prompt": b"x", "num_frames": b"5", "num_inference_steps": b"1", field: value}
+    if field == "seconds":
+        data.pop("num_frames")
+    resp = http.post("/v1/videos", files={k: (None, v) for k, v in data.items()})
+    _assert_refused_or_made(http, resp, field)
 
 
 def test_the_server_serves_after_the_hypothesis_values(http: httpx.Client) -> None:
     assert wait_video(http, create(http)["id"])["status"] == "completed"
 
 
-def test_the_openai_clients_create_sends_a_form_that_is_taken(client: openai.OpenAI) -> None:
+def test_the_openai_clients_create_retrieve_download_delete_and_list(client: openai.OpenAI) -> None:
+    """``create`` sends a multipart form, which is taken; ``list`` pages are followed by the client."""
     extra = {"num_frames": 9, "fps": 8, "num_inference_steps": 2}  # sent as form fields too
     video = client.videos.create(model="tiny-wan", prompt="a boat", seconds="1", size="32x32", extra_body=extra)
     assert video.status == "queued" and video.size == "32x32" and video.seconds == "1"
@@ -199,6 +239,11 @@ def test_the_openai_clients_create_sends_a_form_that_is_taken(client: openai.Ope
     with av.open(io.BytesIO(client.videos.download_content(video.id).content)) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(container.streams.video[0])]
     assert len(frames) == 9 and frames[0].shape == (32, 32, 3)
+    assert [v.id for v in client.videos.list(limit=1).data] == [video.id]  # the newest
+    assert client.videos.delete(video.id).deleted
+    # Every page, as the client follows them (after = the last id of each page of 5).
+    listed = [v.id for v in client.videos.list(limit=5)]
+    assert video.id not in listed and len(listed) == len(set(listed))
 
 
 @pytest.mark.parametrize(
@@ -319,3 +364,71 @@ def test_any_upload_is_a_200_or_a_400(http: httpx.Client, data: bytes) -> None:
 def test_a_text_body_is_a_415(http: httpx.Client) -> None:
     resp = http.post("/v1/videos", content=b'{"prompt": "a boat"}', headers={"Content-Type": "text/plain"})
     assert resp.status_code == 415 and resp.json()["error"]["code"] == "unsupported_media_type"
+
+
+# ---------------------------------------------------------------- a second gateway, same Redis
+
+
+@pytest.fixture(scope="module")
+def http_b(server, redis_server, tmp_path_factory):
+    """Gateway B: another ``serve`` over the same Redis (jobs and files shared with the first)."""
+    tmp = tmp_path_factory.mktemp("videos-b")
+    srv = start_server("tiny-wan", "--api-key", KEY, "--redis-url", redis_server.url, log=tmp / "b.log")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c:
+            yield c
+    finally:
+        stop_server(srv)
+
+
+def decode(data: bytes) -> tuple[int, tuple[int, ...], float]:
+    """Frame count, frame shape and frame rate of an MP4, as PyAV reads them."""
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+        return len(frames), frames[0].shape, float(stream.average_rate or 0)
+
+
+def test_a_video_made_on_a_is_read_and_downloaded_through_b(http: httpx.Client, http_b) -> None:
+    video = create(http, size="32x32", seed=3)
+    events = read_sse(http_b, video["id"])  # the job's events, from the other gateway
+    assert [e["type"] for e in events][-1] == "completed", events
+    seen = http_b.get(f"/v1/videos/{video['id']}").json()
+    assert seen == http.get(f"/v1/videos/{video['id']}").json()
+    assert seen["status"] == "completed" and seen["progress"] == 100 and seen["size"] == "32x32", seen
+    content = http_b.get(f"/v1/videos/{video['id']}/content")
+    assert content.headers["content-type"] == "video/mp4"
+    assert decode(content.content) == (9, (32, 32, 3), 8.0)
+    thumb = http_b.get(f"/v1/videos/{video['id']}/content", params={"variant": "thumbnail"})
+    assert Image.open(io.BytesIO(thumb.content)).size == (32, 32)
+
+
+def test_progress_moves_in_the_events_read_on_b_which_then_cancels_the_video(http: httpx.Client, http_b) -> None:
+    video = create(http, num_inference_steps=LONG_STEPS)
+    # queued, started, then step events (at most one per 0.3 s: the worker's progress throttle).
+    events = read_sse(http_b, video["id"], limit=4)
+    steps = [e["data"] for e in events if e["type"] == "step"]
+    assert len(steps) == 2 and steps[0]["step"] < steps[1]["step"] < LONG_STEPS == steps[1]["steps"], events
+    running = http.get(f"/v1/videos/{video['id']}").json()
+    assert running["status"] == "in_progress" and 0 <= running["progress"] < 100, running
+    assert http_b.delete(f"/v1/videos/{video['id']}").json()["deleted"]  # A runs it: a signal to A
+    ended = http.get(f"/v1/videos/{video['id']}").json()
+    assert ended["status"] == "failed" and ended["error"]["code"] == "cancelled", ended
+
+
+def test_both_gateways_list_the_stores_videos_and_a_delete_on_b_is_seen_on_a(http: httpx.Client, http_b) -> None:
+    on_a = create(http)
+    on_b = create(http_b)  # made later: listed first
+    for gateway in (http, http_b):
+        page = gateway.get("/v1/videos", params={"limit": 2}).json()
+        assert [v["id"] for v in page["data"]] == [on_b["id"], on_a["id"]] and page["has_more"], page
+        nxt = gateway.get("/v1/videos", params={"limit": 1, "after": on_a["id"]}).json()
+        assert nxt["data"] and nxt["data"][0]["created_at"] <= on_a["created_at"]
+        oldest_first = gateway.get("/v1/videos", params={"order": "asc", "after": on_a["id"], "limit": 1}).json()
+        assert [v["id"] for v in oldest_first["data"]] == [on_b["id"]], oldest_first
+    assert wait_video(http, on_b["id"])["status"] == "completed"  # made by B, read on A
+    deleted = http_b.delete(f"/v1/videos/{on_a['id']}").json()
+    assert deleted == {"id": on_a["id"], "object": "video.deleted", "deleted": True}
+    for gateway in (http, http_b):
+        assert on_a["id"] not in [v["id"] for v in gateway.get("/v1/videos", params={"limit": 100}).json()["data"]]
+    assert http.get(f"/v1/videos/{on_a['id']}").json()["id"] == on_a["id"]  # readable by id until it expires

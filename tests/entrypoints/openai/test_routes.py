@@ -84,3 +84,12 @@ def test_an_unknown_v1_path_needs_the_key_before_it_is_a_404(client):
     assert client.get("/v1/no-such-route").status_code == 401
     assert client.get("/v1/no-such-route", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
     assert client.get("/health").status_code == 503  # probes stay open (loading: no lifespan here)
+
+
+def test_post_v1_videos_shows_its_json_and_form_body_in_the_openapi_schema(app):
+    body = app.openapi()["paths"]["/v1/videos"]["post"]["requestBody"]
+    assert body["required"] is True
+    for content_type in ("application/json", "multipart/form-data"):
+        schema = body["content"][content_type]["schema"]
+        assert schema["required"] == ["prompt"], content_type
+        assert {"prompt", "seconds", "size", "num_frames", "fps", "seed"} <= set(schema["properties"])
