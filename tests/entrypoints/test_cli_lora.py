@@ -1,4 +1,5 @@
-"""``omni-runtime generate --lora`` and the LoRA control calls in ``rpc --help``, through a subprocess."""
+"""``omni-runtime generate --lora`` and the LoRA control calls in ``rpc --help``, through a subprocess;
+the plain run the LoRA image is compared with also checks the params a generate reports."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from tests.entrypoints.test_cli import run
 
 
 def generate(out: Path, *extra: str):
-    args = ["generate", "a red fox", "--seed", "7", "--steps", "2", "--size", "32x32", "--out", str(out)]
-    return run(*args, "--quiet", *extra)
+    # tiny-sd's default size and steps: the plain run checks that they are what the report says.
+    return run("generate", "a red fox", "--seed", "7", "--out", str(out), "--quiet", *extra)
 
 
 def image(out: Path) -> np.ndarray:
@@ -30,6 +31,9 @@ def test_generate_with_a_lora_folder(tmp_path: Path) -> None:
     assert result["params"]["lora"] == {"path": str(adapter.resolve()), "scale": 0.8}
     plain = generate(tmp_path / "plain")
     assert plain.returncode == 0, plain.stderr
+    [result] = json.loads((tmp_path / "plain" / "report.json").read_text())["results"]
+    # tiny-sd's defaults, resolved: what the request ran with, not only what was typed.
+    assert result["params"] == {"seed": 7, "num_inference_steps": 4, "guidance_scale": 7.5, "height": 64, "width": 64}
     assert np.abs(image(tmp_path / "with") - image(tmp_path / "plain")).mean() > 1.0
     # Not a folder here: a name, which tiny-sd does not offer; the request fails, naming it.
     unknown = generate(tmp_path / "unknown", "--lora", "watercolor")

@@ -67,6 +67,10 @@ class RayOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Arrays at least this large travel through Ray's object store (handed from actor to
     #: actor); smaller ones ride in the message, as each stored object costs a few ms.
     object_store_min_bytes: Annotated[int, msgspec.Meta(ge=0)] = 1 << 20
+    #: Seconds an actor that hears nothing from the engine (its node lost touch) waits before it
+    #: exits by itself, freeing its node. Unset: ``max(10, 3 * heartbeat_timeout_s)``; keep it
+    #: well above ``heartbeat_timeout_s``. Never used when heartbeats are off.
+    orphan_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
 def ray_options(stage: StageConfig) -> RayOptions:
@@ -223,11 +227,13 @@ class RayStageClient(StageClient):
             raise StageStartupError(f"stage {self.stage_id} replica {self.replica_id} cannot be placed: {why}")
         options = self._backend.actor_options(stage)
         heartbeat = stage.runtime.heartbeat_timeout_s
+        settings = ray_options(stage)
+        orphan = settings.orphan_timeout_s or max(10.0, 3 * heartbeat)
         self._actor = self._backend._actor_class.options(**options).remote(
             msgspec.to_builtins(stage),
             self.replica_id,
-            orphan_timeout_s=max(10.0, 3 * heartbeat) if heartbeat else 0.0,
-            remote_min_bytes=ray_options(stage).object_store_min_bytes,
+            orphan_timeout_s=orphan if heartbeat else 0.0,
+            remote_min_bytes=settings.object_store_min_bytes,
         )
         token = self._backend.resources.add(
             f"stage {self.stage_id} replica {self.replica_id} (ray actor)", partial(ray.kill, self._actor)

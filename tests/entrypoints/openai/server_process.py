@@ -110,6 +110,10 @@ class ServerProcess:
         """SIGTERM, wait; SIGKILL if it hangs (and fail through the return code)."""
         if self.proc.poll() is None:
             self.signal(signal.SIGTERM)
+        return self.wait_stopped(timeout)
+
+    def wait_stopped(self, timeout: float = 30.0) -> int:
+        """Wait for the exit a SIGTERM already asked for; SIGKILL if it hangs (return code -9)."""
         try:
             return self.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -144,9 +148,35 @@ def start_server(*args: str, log: Path) -> ServerProcess:
     return server
 
 
+def start_servers(*specs: tuple[tuple[str, ...], Path]) -> list[ServerProcess]:
+    """Several servers, ``(args, log)`` each, started at once: their imports and model loads
+    overlap instead of queueing. All are healthy on return, or all are stopped and it raises."""
+    servers: list[ServerProcess] = []
+    try:
+        for args, log in specs:
+            servers.append(ServerProcess(*args, log=log))
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
 def stop_server(server: ServerProcess) -> None:
     """Stop a module's server: exit status 0 and no stage process left behind."""
-    children = server.children()
-    rc = server.stop()
-    assert rc == 0, f"server exit status {rc}:\n{server.log()[-3000:]}"
-    assert_gone(children)
+    stop_servers(server)
+
+
+def stop_servers(*servers: ServerProcess) -> None:
+    """:func:`stop_server` for each, their shutdowns overlapping: every one is signalled first."""
+    children = [server.children() for server in servers]
+    for server in servers:
+        if server.proc.poll() is None:
+            server.signal(signal.SIGTERM)
+    codes = [server.wait_stopped() for server in servers]
+    for server, rc in zip(servers, codes, strict=True):
+        assert rc == 0, f"server exit status {rc}:\n{server.log()[-3000:]}"
+    for processes in children:
+        assert_gone(processes)

@@ -20,7 +20,7 @@ import pytest
 from tests.redis_server import RedisServer
 
 from .jobs_client import first_step, job_body, read_sse, submit, wait_status
-from .server_process import start_server, stop_server, wait_for
+from .server_process import start_server, start_servers, stop_server, stop_servers, wait_for
 
 BUDGET = 8
 TERMINAL = {"completed", "failed", "cancelled"}
@@ -34,27 +34,29 @@ def redis_aof():
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory, redis_aof):
+def gateways(tmp_path_factory, redis_aof):
+    """The gateway under test and a second one on the same store (what every gateway sees, and
+    cancel across gateways), started together."""
     tmp = tmp_path_factory.mktemp("outage")
-    server = start_server(
-        "tiny-sd", "--step-execution", "--max-num-seqs", "4", "--redis-url", redis_aof.url,
-        "--job-streams", str(BUDGET), "--redis-connections", "4", "--redis-timeout", "1", "--job-lease", "2",
-        log=tmp / "gw.log",
+    servers = start_servers(
+        (("tiny-sd", "--step-execution", "--max-num-seqs", "4", "--redis-url", redis_aof.url,
+          "--job-streams", str(BUDGET), "--redis-connections", "4", "--redis-timeout", "1", "--job-lease", "2"),
+         tmp / "gw.log"),
+        (("tiny-sd", "--step-execution", "--redis-url", redis_aof.url, "--redis-timeout", "1", "--job-lease", "2"),
+         tmp / "gw-b.log"),
     )  # fmt: skip
-    yield server
-    stop_server(server)
+    yield servers
+    stop_servers(*servers)
 
 
 @pytest.fixture(scope="module")
-def gateway_b(tmp_path_factory, redis_aof):
-    """A second gateway on the same store: what every gateway sees, and cancel across gateways."""
-    tmp = tmp_path_factory.mktemp("outage-b")
-    server = start_server(
-        "tiny-sd", "--step-execution", "--redis-url", redis_aof.url, "--redis-timeout", "1", "--job-lease", "2",
-        log=tmp / "gw-b.log",
-    )  # fmt: skip
-    yield server
-    stop_server(server)
+def gateway(gateways):
+    return gateways[0]
+
+
+@pytest.fixture(scope="module")
+def gateway_b(gateways):
+    return gateways[1]
 
 
 @pytest.fixture(scope="module")
@@ -197,15 +199,10 @@ def test_redis_stopped_calls_are_503_within_seconds_and_jobs_end_once_after(http
 def test_a_paused_gateway_past_its_lease_does_not_end_a_job_twice(tmp_path, redis_server):
     url = redis_server.url.rsplit("/", 1)[0] + "/4"
     common = ("tiny-sd", "--step-execution", "--redis-url", url, "--job-lease", "1")
-    a = start_server(*common, log=tmp_path / "a.log")
-    try:
-        b = start_server(*common, log=tmp_path / "b.log")
-    except BaseException:
-        stop_server(a)
-        raise
+    a, b = start_servers((common, tmp_path / "a.log"), (common, tmp_path / "b.log"))
     try:
         with httpx.Client(base_url=a.url, timeout=60) as ca, httpx.Client(base_url=b.url, timeout=60) as cb:
-            job = submit(ca, job_body("paused mid-job", steps=40))
+            job = submit(ca, job_body("paused mid-job", steps=20))  # run twice: by a, then by b
             first_step(ca, job["job_id"])
             a.signal(signal.SIGSTOP)
             try:  # b claims the job once a's lease ran out, and runs it again
@@ -228,8 +225,7 @@ def test_a_paused_gateway_past_its_lease_does_not_end_a_job_twice(tmp_path, redi
             assert wait_status(ca, nxt["job_id"], TERMINAL, timeout=60)["status"] == "completed"
             assert "answered no heartbeat" not in a.log()
     finally:
-        stop_server(a)
-        stop_server(b)
+        stop_servers(a, b)
 
 
 def test_a_full_memory_store_is_a_429(tmp_path):

@@ -22,7 +22,16 @@ from PIL import Image
 from websockets.sync.client import connect
 
 from .jobs_client import first_step, job_body, read_sse, submit, wait_status
-from .server_process import ServerProcess, assert_gone, free_port, start_server, stop_server, wait_for
+from .server_process import (
+    ServerProcess,
+    assert_gone,
+    free_port,
+    start_server,
+    start_servers,
+    stop_server,
+    stop_servers,
+    wait_for,
+)
 
 LONG_STEPS = 400
 #: Gateway B's --public-url (nothing listens there: its files are fetched by path).
@@ -80,15 +89,12 @@ def receiver():
 def gateways(tmp_path_factory, redis_server, receiver):
     tmp = tmp_path_factory.mktemp("gateways")
     common = ("tiny-sd", "--step-execution", "--max-num-seqs", "1", "--redis-url", redis_server.url)
-    a = start_server(*common, "--otlp-endpoint", receiver.url, log=tmp / "a.log")
-    try:
-        b = start_server(*common, "--public-url", PUBLIC_URL, log=tmp / "b.log")
-    except BaseException:
-        stop_server(a)
-        raise
+    a, b = start_servers(
+        ((*common, "--otlp-endpoint", receiver.url), tmp / "a.log"),
+        ((*common, "--public-url", PUBLIC_URL), tmp / "b.log"),
+    )
     yield a, b
-    stop_server(a)
-    stop_server(b)
+    stop_servers(a, b)
 
 
 @pytest.fixture(scope="module")

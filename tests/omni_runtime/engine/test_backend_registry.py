@@ -29,6 +29,7 @@ def test_flat_backend_keys_load_into_the_backend_s_own_struct():
         config(backend="ray", ray_address="local", resources={"CPU": 0.5}, placement="spread").stage_args[0].runtime
     )
     assert runtime.options == RayOptions(ray_address="local", resources={"CPU": 0.5}, placement="spread")
+    assert config(backend="ray", orphan_timeout_s=4).stage_args[0].runtime.options.orphan_timeout_s == 4.0
     assert config(transport="tcp").stage_args[0].runtime.options == ProcessOptions(transport="tcp")
     assert config(backend="inproc").stage_args[0].runtime.backend == "inproc"
 
@@ -36,6 +37,9 @@ def test_flat_backend_keys_load_into_the_backend_s_own_struct():
 def test_errors_in_backend_keys_name_the_yaml_path():
     assert "stage_args[0].runtime.object_store_min_bytes: Expected `int` >= 0" in error_of(
         backend="ray", object_store_min_bytes=-1
+    )
+    assert "stage_args[0].runtime.orphan_timeout_s: Expected `float` > 0.0" in error_of(
+        backend="ray", orphan_timeout_s=0
     )
     assert "stage_args[0].runtime.transport: Invalid enum value 'udp'" in error_of(transport="udp")
     assert "stage_args[0].runtime.backend: Invalid enum value 'nope'" in error_of(backend="nope")

@@ -6,9 +6,11 @@ placements that can never be satisfied."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -39,21 +41,30 @@ async def run(engine, prompt, params=None, **kw):
     return last
 
 
-def solo_image(prompt: str, seed: int) -> np.ndarray:
-    """The image the request-level runner makes for one request alone, in this process."""
+@functools.cache
+def _solo_runner() -> Any:
+    """tiny-sd's request-level runner in this process, loaded once for the module's comparisons."""
     import msgspec
-    import torch
 
     from omni_runtime.config import StageConfig
-    from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
     from omni_runtime.stage.runners.diffusion import DiffusionRunner
+
+    stage = msgspec.convert({"stage_id": 0, "stage_type": "diffusion", "model": "builtin:tiny-sd"}, StageConfig)
+    runner = DiffusionRunner(stage)
+    runner.load()
+    return runner
+
+
+def solo_image(prompt: str, seed: int) -> np.ndarray:
+    """The image the request-level runner makes for one request alone, in this process."""
+    import torch
+
+    from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        stage = msgspec.convert({"stage_id": 0, "stage_type": "diffusion", "model": "builtin:tiny-sd"}, StageConfig)
-        runner = DiffusionRunner(stage)
-        runner.load()
+        runner = _solo_runner()
         params = {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 7.5, "seed": seed}
         [out] = runner.execute([RunnerRequest("r", prompt, params)], ExecuteContext(lambda rid: False))
         return out.media[0].data
@@ -183,7 +194,8 @@ async def test_a_node_that_stops_answering_is_replaced_by_heartbeat_and_its_acto
     import psutil
 
     lost = ray_cluster.add("d", num_cpus=1, resources={"lonely": 1, "spare_d": 1})
-    stage = echo_stage(runtime={**RAY, "resources": {"spare_d": 1}, "heartbeat_timeout_s": 2.0, "max_restarts": 1})
+    runtime = {"resources": {"spare_d": 1}, "heartbeat_timeout_s": 2.0, "orphan_timeout_s": 4.0, "max_restarts": 1}
+    stage = echo_stage(runtime={**RAY, **runtime})
     async with AsyncOmni(make_config([stage]), default_timeout=60) as engine:
         [ping] = await engine.collective_rpc("ping", timeout=10)
         orphan = psutil.Process(ping.result["pid"])
@@ -193,7 +205,7 @@ async def test_a_node_that_stops_answering_is_replaced_by_heartbeat_and_its_acto
         await eventually(lambda: engine.health().stages[0].replica_states != ["live"], timeout=10, what="loss")
         assert time.monotonic() - start < 6
         # Its replacement needs spare_d, which only the lost node had: it waits for capacity while
-        # the orphan exits by itself (10 s without a word from the engine).
+        # the orphan exits by itself (orphan_timeout_s without a word from the engine).
         gone, _ = psutil.wait_procs([orphan], timeout=30)
         assert gone and time.monotonic() - start < 30
     ray_cluster.cluster.remove_node(lost, allow_graceful=False)
@@ -201,23 +213,25 @@ async def test_a_node_that_stops_answering_is_replaced_by_heartbeat_and_its_acto
 
 def test_a_replica_waiting_to_be_placed_leaves_its_ready_sibling_alive_and_is_named_at_the_timeout(ray_cluster):
     """Two replicas that each need node a's only ``node_a``: one starts, the other can only wait
-    for it. The ready one is heartbeaten meanwhile (unpinged, it would exit by itself after 10 s
-    and free its place for the other), and the pool fails at ``startup_timeout_s`` naming what
-    the waiting replica waits for."""
+    for it. The ready one is heartbeaten meanwhile (unpinged, it would exit by itself after
+    ``orphan_timeout_s`` and free its place for the other, which would then start well within
+    ``startup_timeout_s``), and the pool fails at ``startup_timeout_s`` naming what the waiting
+    replica waits for."""
     stage = echo_stage(
         runtime={
             **RAY,
             "num_replicas": 2,
             "resources": {"CPU": 0.5, "node_a": 1},
-            "heartbeat_timeout_s": 1.0,  # the replica's own silence limit: max(10 s, 3 x 1 s)
-            "startup_timeout_s": 20,
+            "heartbeat_timeout_s": 1.0,  # pings every 0.25 s
+            "orphan_timeout_s": 3.0,  # the replica's own silence limit
+            "startup_timeout_s": 10,
         }
     )
     start = time.monotonic()
     waits = r"replica [01] of stage 0 waits for resources \{'CPU': 0.5, 'node_a': 1"
     with pytest.raises(StageStartupError, match=waits):
         AsyncOmni(make_config([stage]))
-    assert 20 <= time.monotonic() - start < 40
+    assert 10 <= time.monotonic() - start < 30
 
 
 def test_omni_runtime_worker_joins_the_cluster_with_the_resources_a_config_asks_for(ray_cluster, tmp_path):
