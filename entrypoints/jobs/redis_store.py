@@ -240,9 +240,13 @@ class RedisJobStore(JobStore):
                 start += len(ids) - len(gone)
         return found
 
-    async def unlist(self, kind: str, job_id: str) -> None:
+    async def delete(self, kind: str, job_id: str) -> bool:
         with _reachable():
-            await self.writes.zrem(self._kind(kind), job_id)
+            async with self.writes.pipeline(transaction=True) as p:
+                p.zrem(self._kind(kind), job_id)
+                p.delete(self._job(job_id), self._events(job_id))
+                _, removed = await p.execute()
+        return bool(removed)
 
     async def get(self, job_id: str) -> dict[str, Any] | None:
         with _reachable():

@@ -111,8 +111,10 @@ class JobStore(abc.ABC):
         not in the index: nothing). Jobs that expired are skipped and leave the index."""
 
     @abc.abstractmethod
-    async def unlist(self, kind: str, job_id: str) -> None:
-        """Take a job off ``kind``'s index (its record stays readable by id until it expires)."""
+    async def delete(self, kind: str, job_id: str) -> bool:
+        """Remove a job: its record, its events and its place in ``kind``'s index, for every
+        gateway at once (a read by id finds nothing, as for an expired job; a write for it from
+        a gateway that still runs it is dropped). False when there was no record."""
 
     @abc.abstractmethod
     async def get(self, job_id: str) -> dict[str, Any] | None: ...
@@ -251,8 +253,12 @@ class MemoryJobStore(JobStore):
                 found.append(record)
         return found
 
-    async def unlist(self, kind: str, job_id: str) -> None:
+    async def delete(self, kind: str, job_id: str) -> bool:
         self._kinds.get(kind, OrderedDict()).pop(job_id, None)
+        if job_id not in self._jobs:
+            return False
+        self._remove(job_id)
+        return True
 
     async def get(self, job_id: str) -> dict[str, Any] | None:
         job = self._jobs.get(job_id)

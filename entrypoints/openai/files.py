@@ -70,6 +70,13 @@ class FileStore:
             return None
         return media_type, data, left
 
+    async def delete(self, file_ids: list[str]) -> None:
+        """Remove files now (ids that are gone already are skipped)."""
+        for file_id in file_ids:
+            entry = self._files.pop(file_id, None)
+            if entry is not None:
+                self._bytes -= len(entry[2])
+
     def __len__(self) -> int:
         return len(self._files)
 
@@ -134,6 +141,15 @@ class RedisFileStore:
         if media_type is None or data is None or left_ms <= 0:
             return None
         return media_type.decode(), data, left_ms / 1000.0
+
+    async def delete(self, file_ids: list[str]) -> None:
+        """Remove files now, for every gateway; UnavailableError while Redis cannot be reached."""
+        if not file_ids:
+            return
+        try:
+            await self.redis.delete(*(self._key(f) for f in file_ids))
+        except (RedisError, OSError) as e:
+            raise UnavailableError(f"the file store cannot be reached: {e}", retry_after_s=2.0) from e
 
     async def close(self) -> None:
         await self.redis.aclose()

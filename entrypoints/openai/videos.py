@@ -199,9 +199,19 @@ async def _video_job(manager: JobManager, video_id: str) -> dict[str, Any]:
     """The job behind ``video_id``, or a 404 when it is no video."""
     record = await manager.get_record(video_id)
     if TASK_KINDS.get(record.task or "") != "video":
-        message = f"video `{video_id[:64]}` does not exist or has expired"
-        raise ApiError(404, message, param="video_id", code="not_found")
+        raise _not_found(video_id)
     return record.public() | {"request": record.request}
+
+
+def _not_found(video_id: str) -> ApiError:
+    message = f"video `{video_id[:64]}` does not exist, was deleted or has expired"
+    return ApiError(404, message, param="video_id", code="not_found")
+
+
+def _file_ids(result: dict[str, Any] | None) -> list[str]:
+    """The file store ids of a video job's result: each video's MP4 and its poster."""
+    videos = (result or {}).get("videos") or []
+    return [v[key] for v in videos for key in ("file_id", "thumbnail_file_id") if v.get(key)]
 
 
 async def video_request(request: Request) -> VideoCreateRequest:
@@ -293,13 +303,17 @@ async def get_video(video_id: str, manager: Jobs) -> SafeJSONResponse:
 
 
 @router.delete("/{video_id}")
-async def delete_video(video_id: str, manager: Jobs) -> SafeJSONResponse:
-    """Cancel the video if it still runs and take it off the job store's list (every gateway's
-    ``GET /v1/videos``); its record stays readable by id (a running one as ``failed``, error
-    ``cancelled``) until the job store expires it."""
+async def delete_video(video_id: str, state: State, manager: Jobs) -> SafeJSONResponse:
+    """Cancel the video if it still runs, then remove its files and its job from the stores:
+    from then on every gateway answers 404 for it (its record, its content, its events), as for
+    a video that never was."""
     await _video_job(manager, video_id)
-    await manager.cancel(video_id)
-    await manager.store.unlist(VIDEO_KIND, video_id)
+    ended = await manager.cancel(video_id)
+    # The files first: a store that cannot be reached fails the request (503) before the job is
+    # gone, so the client's retry still finds the files to remove.
+    await state.files.delete(_file_ids(ended.get("result")))
+    if not await manager.store.delete(VIDEO_KIND, video_id):
+        raise _not_found(video_id)  # another DELETE removed it meanwhile
     return SafeJSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 
 

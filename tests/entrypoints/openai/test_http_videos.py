@@ -117,8 +117,7 @@ def test_delete_cancels_a_running_video_and_the_server_serves_on(http: httpx.Cli
         time.sleep(0.05)
     deleted = client.videos.delete(video["id"])
     assert deleted.deleted and deleted.id == video["id"]
-    after = http.get(f"/v1/videos/{video['id']}").json()
-    assert after["status"] == "failed" and after["error"]["code"] == "cancelled"
+    assert http.get(f"/v1/videos/{video['id']}").status_code == 404
     assert video["id"] not in [v["id"] for v in http.get("/v1/videos").json()["data"]]
     assert wait_video(http, create(http)["id"])["status"] == "completed"
 
@@ -412,8 +411,7 @@ def test_progress_moves_in_the_events_read_on_b_which_then_cancels_the_video(htt
     running = http.get(f"/v1/videos/{video['id']}").json()
     assert running["status"] == "in_progress" and 0 <= running["progress"] < 100, running
     assert http_b.delete(f"/v1/videos/{video['id']}").json()["deleted"]  # A runs it: a signal to A
-    ended = http.get(f"/v1/videos/{video['id']}").json()
-    assert ended["status"] == "failed" and ended["error"]["code"] == "cancelled", ended
+    assert http.get(f"/v1/videos/{video['id']}").status_code == 404
 
 
 def test_both_gateways_list_the_stores_videos_and_a_delete_on_b_is_seen_on_a(http: httpx.Client, http_b) -> None:
@@ -427,8 +425,20 @@ def test_both_gateways_list_the_stores_videos_and_a_delete_on_b_is_seen_on_a(htt
         oldest_first = gateway.get("/v1/videos", params={"order": "asc", "after": on_a["id"], "limit": 1}).json()
         assert [v["id"] for v in oldest_first["data"]] == [on_b["id"]], oldest_first
     assert wait_video(http, on_b["id"])["status"] == "completed"  # made by B, read on A
+    assert wait_video(http, on_a["id"])["status"] == "completed"
+    files = [
+        v[k]
+        for v in http.get(f"/v1/jobs/{on_a['id']}").json()["result"]["videos"]
+        for k in ("file_id", "thumbnail_file_id")
+    ]
+    assert all(http.get(f"/v1/files/{f}").status_code == 200 for f in files)
     deleted = http_b.delete(f"/v1/videos/{on_a['id']}").json()
     assert deleted == {"id": on_a["id"], "object": "video.deleted", "deleted": True}
     for gateway in (http, http_b):
         assert on_a["id"] not in [v["id"] for v in gateway.get("/v1/videos", params={"limit": 100}).json()["data"]]
-    assert http.get(f"/v1/videos/{on_a['id']}").json()["id"] == on_a["id"]  # readable by id until it expires
+    # Gone on A as well: the video, its content and poster, its events, its files; a second DELETE.
+    paths = [f"/v1/videos/{on_a['id']}", f"/v1/videos/{on_a['id']}/content", f"/v1/jobs/{on_a['id']}/events"]
+    paths += [f"/v1/videos/{on_a['id']}/content?variant=thumbnail", *(f"/v1/files/{f}" for f in files)]
+    assert [http.get(path).status_code for path in paths] == [404] * len(paths)
+    assert http.delete(f"/v1/videos/{on_a['id']}").status_code == 404
+    assert http_b.get(f"/v1/videos/{on_b['id']}").json()["status"] == "completed"  # the other video stays
