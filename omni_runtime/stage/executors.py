@@ -193,7 +193,9 @@ class StepExecutor(Executor):
         self.scheduler: StepScheduler = scheduler
 
     def add(self, req: RunnerRequest) -> None:
-        self.scheduler.add(req.request_id, self.worker.runner.step_key(req), req, priority=req.priority)
+        runner = self.worker.runner
+        cap = runner.step_batch_cap(req)
+        self.scheduler.add(req.request_id, runner.step_key(req), req, priority=req.priority, max_batch=cap)
 
     def abort(self, rid: str) -> None:
         # A running request leaves at the next step boundary and nothing more is sent for it

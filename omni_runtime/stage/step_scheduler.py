@@ -17,7 +17,9 @@ denoising step at a time: before each step it asks :meth:`StepScheduler.schedule
   compatible request that arrives while the key is stepping joins at the next step when there is
   room, and a request leaves the batch after its own last step. Those taking their first step are
   *admitted* (the runner encodes them, in one call). Under load the batch is as full as a
-  request-level wave would be.
+  request-level wave would be. A request may bound the batch it steps in (``max_batch``: a video's
+  share of ``max_video_pixels``): the batch ends before the first request that would take it past
+  its own bound or a member's, and that request waits for room, as it would for ``max_num_seqs``.
 * Pauses. A request that has taken steps but is not in this step's batch keeps its state in the
   runner and resumes when it is again: when a request of higher priority took its place in the
   batch (preemption), or when an older or higher-priority request of another key leads.
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -81,6 +83,8 @@ class _Entry:
     first_step_at: float | None = None
     max_batch: int = 0
     pauses: int = 0
+    #: Most requests that may step together while this one does (None: max_num_seqs alone).
+    cap: int | None = None
 
 
 class StepScheduler(BatchSize):
@@ -115,13 +119,23 @@ class StepScheduler(BatchSize):
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, request_id: str, key: Hashable, payload: Any = None, *, priority: int = 0) -> None:
-        """Queue a request. ``key`` groups requests that may step together; higher ``priority`` first."""
+    def add(
+        self,
+        request_id: str,
+        key: Hashable,
+        payload: Any = None,
+        *,
+        priority: int = 0,
+        max_batch: int | None = None,
+    ) -> None:
+        """Queue a request. ``key`` groups requests that may step together; higher ``priority`` first;
+        ``max_batch`` bounds the batch of any step this one takes (at least 1)."""
         if request_id in self._entries:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight", param="request_id")
         if self._max_queue_len is not None and self.num_waiting >= self._max_queue_len:
             raise QueueFullError(f"{self.num_waiting} requests already wait (max_queue_len)")
         entry = _Entry(request_id, key, payload, int(priority), next(self._seq), self._clock())
+        entry.cap = None if max_batch is None else max(1, int(max_batch))
         self._entries[request_id] = entry
         self._by_priority.setdefault(entry.priority, {})[request_id] = entry
         self._by_key.setdefault(key, {}).setdefault(entry.priority, {})[request_id] = entry
@@ -293,16 +307,20 @@ class StepScheduler(BatchSize):
         return next(iter(self._by_priority[max(self._by_priority)].values()))
 
     def _best_of(self, key: Hashable, limit: int) -> list[_Entry]:
-        best: list[_Entry] = []
         by_priority = self._by_key[key]
         if len(by_priority) > 1:
-            entries = (e for same in by_priority.values() for e in same.values())
-            return sorted(entries, key=self._rank)[:limit]
-        for priority in sorted(by_priority, reverse=True):
-            for entry in by_priority[priority].values():
-                best.append(entry)
-                if len(best) == limit:
-                    return best
+            entries: Iterable[_Entry] = sorted(
+                (e for same in by_priority.values() for e in same.values()), key=self._rank
+            )
+        else:
+            entries = (e for priority in sorted(by_priority, reverse=True) for e in by_priority[priority].values())
+        best: list[_Entry] = []
+        for entry in entries:
+            if entry.cap is not None:
+                limit = min(limit, entry.cap)
+            if len(best) >= limit:  # full, or this one's bound leaves it no room: it waits
+                break
+            best.append(entry)
         return best
 
     def _remove(self, entry: _Entry) -> None:

@@ -143,6 +143,11 @@ class StageRunner(ABC):
         """Requests with equal keys may take a step together (in one batched call)."""
         return self.batch_key(request)
 
+    def step_batch_cap(self, request: RunnerRequest) -> int | None:
+        """Most requests that may take a step together while this one does (a memory bound of the
+        runner's); None: only ``max_num_seqs`` bounds the step's batch."""
+        return None
+
     def step_admit(self, requests: list[RunnerRequest], ctx: ExecuteContext) -> dict[str, RunnerOutput]:
         """Take requests into the running set: encode them (batched) and prepare their state.
         Returns an error output for each request that could not be admitted (only that one fails)."""

@@ -559,6 +559,10 @@ class DiffusionRunner(StageRunner):
             self._frames(p),
         )
 
+    def step_batch_cap(self, request: RunnerRequest) -> int | None:
+        """A video's share of ``engine_args.max_video_pixels``, as a request-level wave's."""
+        return self.video_batch_cap(request.params)
+
     def _frames(self, params: dict[str, Any]) -> int | None:
         """A video request's frame count, the pipeline's default if unset (None for images)."""
         frames = params.get("num_frames") or self._default("num_frames")

@@ -1,8 +1,9 @@
 """Wan text-to-video in step execution through a real engine (one stage process): a video request
 joins a running batch of its frame count and size, leaves when its steps are done, and each video
-equals the one it makes alone (same seed); a video request aborted mid-denoise frees its slot, so
-the request behind it runs. The runner-level equality with request-level videos is in
-tests/omni_runtime/stage/runners/test_diffusion_steps.py (every family with a step loop)."""
+equals the one it makes alone (same seed); ``max_video_pixels`` bounds a step's batch; a video
+request aborted mid-denoise frees its slot, so the request behind it runs. The runner-level
+equality with request-level videos is in tests/omni_runtime/stage/runners/test_diffusion_steps.py
+(every family with a step loop)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def wan_stage() -> dict:
         "final_output": True,
         "final_output_type": "video",
         "default_sampling_params": DEFAULTS,
-        "engine_args": {"max_num_seqs": 4, "step_execution": True},
+        # Two 5-frame 32 x 32 videos' worth: a step's batch holds two of them at most.
+        "engine_args": {"max_num_seqs": 4, "step_execution": True, "max_video_pixels": 2 * 5 * 32 * 32},
     }
 
 
@@ -102,6 +104,17 @@ async def test_two_frame_counts_run_in_steps_of_their_own(engine) -> None:
     assert video(five[-1]).frames.shape[0] == 5 and video(nine[-1]).frames.shape[0] == 9
     # Latents of two frame counts never share a denoiser call: 4 steps each.
     assert (await stats(engine))["steps"] - before == 4 + 4
+
+
+async def test_max_video_pixels_bounds_a_step_batch_and_the_third_video_waits(engine) -> None:
+    before = (await stats(engine))["batch_size_histogram"]
+    finals = [out[-1] for out in await asyncio.gather(*(outputs(engine, "a boat", seed=seed) for seed in (6, 7, 8)))]
+    sizes = [f.metrics["batch_size"] for f in finals]
+    assert max(sizes) == 2, sizes  # two stepped together, never three (max_num_seqs is 4)
+    after = (await stats(engine))["batch_size_histogram"]
+    assert set(after) - set(before) <= {"1", "2"} and "3" not in after and "4" not in after, after
+    for seed, final in zip((6, 7, 8), finals, strict=True):
+        assert_same_video(video(final), video((await outputs(engine, "a boat", seed=seed))[-1]))
 
 
 async def queued(engine: AsyncOmni) -> bool:

@@ -58,6 +58,18 @@ def test_the_batch_is_capped_and_a_finished_request_makes_room(clock: FakeClock)
     assert plan.join == ["c"] and plan.run == ["b", "c"]
 
 
+def test_a_requests_own_bound_caps_its_batch_and_the_one_past_it_waits(clock: FakeClock) -> None:
+    s = make(clock, max_num_seqs=4)
+    for rid in "abc":
+        s.add(rid, "k", max_batch=2)  # a video's share of max_video_pixels: two fit
+    plan = step(s, finished=("a",))
+    assert plan.run == ["a", "b"] and s.num_waiting == 1
+    assert step(s).run == ["b", "c"]
+    s.add("d", "k", max_batch=1)  # too large to step beside anyone: waits, then steps alone
+    assert step(s, finished=("b", "c")).run == ["b", "c"]
+    assert step(s).run == ["d"] and s.stats()["batch_size_histogram"] == {1: 1, 2: 3}
+
+
 def test_the_oldest_request_picks_the_key_and_its_batch_fills_from_that_key(clock: FakeClock) -> None:
     s = make(clock)
     s.add("a1", "64")
