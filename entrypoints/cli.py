@@ -280,6 +280,18 @@ VIDEO_FORMAT = "mp4"
 AUDIO_FORMAT = "wav"
 
 
+def _read_image(path: Path) -> Any:
+    """An input image file as the uint8 RGB array the engine takes; CliError if it is none."""
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            return np.asarray(img.convert("RGB"))
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as e:
+        raise CliError(f"--image {path}: not an image this can read ({e})") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
@@ -307,6 +319,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     image.update(num_frames=args.frames, fps=args.fps, audio_end_in_s=args.seconds)
     if args.size is not None:
         image["width"], image["height"] = args.size
+    if args.image is not None:
+        if kind == "audio":
+            raise CliError(f"--image is for an image or video model; {args.model!r} makes audio")
+        image["image"] = _read_image(args.image)
+
+    def shown(params: dict[str, Any]) -> dict[str, Any]:
+        """Params as the report gives them: the input image as its path."""
+        return {k: str(args.image) if k == "image" else v for k, v in params.items() if v is not None}
+
     if args.lora is not None:
         # An existing file or folder is a path (this process loads it); anything else a name.
         where = Path(args.lora).expanduser()
@@ -333,7 +354,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 for p, seed in jobs
             ]
             for i, request in enumerate(requests):
-                used[i] = request.params.get(image_stage, {})
+                used[i] = shown(request.params.get(image_stage, {}))
             # The bar counts denoising steps of every image, so it moves while images are drawn
             # (the stages report progress a few times a second), not only when one is done.
             steps = [int(u.get("num_inference_steps") or 1) for u in used]
@@ -394,7 +415,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         records.append(record)
     report = {
         "model": config.model,
-        "params": {k: v for k, v in image.items() if v is not None},
+        "params": shown(image),
         "requests": len(jobs),
         kind + "s": images,
         "failed": sum("error" in r for r in records),
@@ -702,6 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
         '  omni-runtime generate "a lighthouse at dusk"\n'
         '  omni-runtime generate "a fox" "a cat" -n 4 --seed 42 --steps 8 --size 64x64 --out out/\n'
         '  omni-runtime generate "a boat" --model ./my-sdxl --device cuda --dtype float16\n'
+        '  omni-runtime generate "a boat sets sail" --model tiny-wan --image first.png --frames 5\n'
         '  omni-runtime generate "rain on a tin roof" --model tiny-stable-audio --seconds 1.5',
     )
     g.add_argument("prompts", nargs="+", metavar="PROMPT", help="one or more prompts")
@@ -715,6 +737,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fps", type=_int(1, 240), help="frames per second a video plays at (default: the model's)")
     g.add_argument(
         "--seconds", type=_float(0, strict=True), help="length of each clip (an audio model; default: the model's)"
+    )
+    g.add_argument(
+        "--image",
+        type=Path,
+        help="an input image: a video model's first frame (image to video), an image model's source; "
+        "the output takes its size",
     )
     g.add_argument("--guidance-scale", type=_float(0), help="classifier-free guidance (default: the model's)")
     g.add_argument("--lora", metavar="PATH_OR_NAME", help="a LoRA adapter: a local folder/file, or a registered name")

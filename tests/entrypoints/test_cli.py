@@ -94,23 +94,27 @@ def test_generate_writes_pngs_and_a_report_with_step_execution(tmp_path):
         assert Image.open(path).size == (32, 40)
 
 
-def test_generate_writes_videos_that_pyav_decodes(tmp_path):
+def test_generate_writes_videos_that_pyav_decodes_from_a_first_frame(tmp_path):
     import av
+    from PIL import Image
 
-    out = run("generate", "--model", "tiny-wan", "a boat", "--frames", "9", "--fps", "8", "--steps", "2",
-              "--seed", "1", "--out", str(tmp_path))  # fmt: skip
+    first = tmp_path / "first.png"  # image to video: the video takes the image's size (not the model's 32x32)
+    Image.new("RGB", (48, 32), (200, 40, 40)).save(first)
+    out = run("generate", "--model", "tiny-wan", "a boat", "--image", str(first), "--frames", "9", "--fps", "8",
+              "--steps", "2", "--seed", "1", "--out", str(tmp_path))  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "generate" in out.stderr and "step" in out.stderr  # the progress bar counts steps
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["videos"] == 1 and report["failed"] == 0
     assert report["results"][0]["params"]["num_frames"] == 9
+    assert report["params"]["image"] == report["results"][0]["params"]["image"] == str(first)
     (path,) = report["results"][0]["files"]
     assert path.endswith(".mp4")
     with av.open(path) as container:
         stream = container.streams.video[0]
         frames = list(container.decode(stream))
         assert stream.average_rate == 8
-    assert len(frames) == 9 and (frames[0].width, frames[0].height) == (32, 32)
+    assert len(frames) == 9 and (frames[0].width, frames[0].height) == (48, 32)
 
 
 def test_generate_refuses_frames_for_an_image_model(tmp_path):
