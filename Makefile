@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench lint format clean redis-server
+.PHONY: serve test bench lint format clean redis-server chromium
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,11 +26,18 @@ redis-server:
 		$(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q redis-server; }
 
+# The page tests drive Debian's Chromium through its chromedriver (both paths given to Selenium, which
+# then downloads nothing).
+chromium:
+	@{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || { \
+		$(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver; }
+
 # Two pytest-xdist workers, a test file each at a time (module-scoped engines stay in one worker):
 # most tests wait on processes, sockets and leases, so two overlap well on two cores. The slowest
 # tests are listed at the end, so that a run says where the suite's time goes.
 TEST_WORKERS ?= 2
-test: $(STAMP) redis-server
+test: $(STAMP) redis-server chromium
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)

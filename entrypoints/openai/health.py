@@ -154,14 +154,19 @@ async def metrics(state: State) -> Response:
 
 @router.get("/v1/models", dependencies=[AUTH])
 async def list_models(state: State) -> JSONResponse:
-    card = proto.ModelCard(id=state.model_name, created=state.created)
+    card = proto.ModelCard(id=state.model_name, created=state.created, kinds=_kinds(state))
     return SafeJSONResponse(proto.ModelList(data=[card]).model_dump())
 
 
 @router.get("/v1/models/{model_id:path}", dependencies=[AUTH])
 async def get_model(model_id: str, state: State) -> JSONResponse:
     state.check_request(model_id)
-    return SafeJSONResponse(proto.ModelCard(id=state.model_name, created=state.created).model_dump())
+    card = proto.ModelCard(id=state.model_name, created=state.created, kinds=_kinds(state))
+    return SafeJSONResponse(card.model_dump())
+
+
+def _kinds(state: ServerState) -> list[str]:
+    return sorted({s.final_output_type for s in state.config.stage_args if s.final_output and s.final_output_type})
 
 
 async def _job_store_status(state: ServerState) -> JobStoreStatus:

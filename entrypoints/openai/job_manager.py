@@ -173,6 +173,11 @@ class JobManager:
             store, self.gateway_id, otlp, on_recorded=lambda status: self.state.metrics.jobs.labels(status).inc()
         )
 
+    def active(self) -> dict[str, int]:
+        """The jobs this gateway runs now: ``queued`` (waiting for their first stage) and ``running``."""
+        running = sum(1 for job in self._local.values() if job.started)
+        return {"queued": len(self._local) - running, "running": running}
+
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:

@@ -9,7 +9,7 @@ and cost nothing between scrapes.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +24,8 @@ from ..async_omni import EngineHealth
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+#: How many of the latest latencies the status route's quantiles are taken over.
+RECENT = 1024
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 
 
@@ -130,6 +132,10 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        #: The latest engine end-to-end latencies and wave durations (seconds), per stage, for the
+        #: quantiles of ``GET /v1/status`` (a histogram's buckets are too coarse for a p99).
+        self.recent_e2e: deque[float] = deque(maxlen=RECENT)
+        self.recent_waves: dict[int, deque[float]] = {}
         #: (stage, replica, batch id) of waves already observed, so a wave of 8 counts once.
         self._waves: OrderedDict[tuple[Any, Any, Any], None] = OrderedDict()
         r.register(_EngineCollector(health))
@@ -141,6 +147,7 @@ class ServerMetrics:
         e2e = out.metrics.get("e2e_ms")
         if isinstance(e2e, int | float):
             self.e2e.observe(e2e / 1000.0)
+            self.recent_e2e.append(e2e / 1000.0)
         for sid, result in out.outputs_by_stage.items():
             wait, size = result.metrics.get("queue_wait_ms"), result.metrics.get("batch_size")
             if isinstance(wait, int | float):
@@ -162,6 +169,16 @@ class ServerMetrics:
             if len(self._waves) > 4096:
                 self._waves.popitem(last=False)
         self.wave_seconds.labels(str(sid)).observe(execution / 1000.0)
+        self.recent_waves.setdefault(sid, deque(maxlen=RECENT)).append(execution / 1000.0)
+
+    def job_counts(self) -> dict[str, int]:
+        """How many jobs of this gateway reached each status, from the ``omni_runtime_jobs`` counter."""
+        counts: dict[str, int] = {}
+        for family in self.jobs.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    counts[sample.labels["status"]] = int(sample.value)
+        return counts
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

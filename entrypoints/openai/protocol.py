@@ -531,6 +531,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "omni_runtime"
+    #: What the model makes (its final stages' output types: image, video, audio, text), so that a
+    #: client (the playground) offers the right parameters.
+    kinds: list[str] = []
 
 
 class ModelList(BaseModel):
