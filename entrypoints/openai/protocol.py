@@ -76,6 +76,22 @@ def _image_formats_schema(schema: dict[str, Any]) -> None:
 ImageFormat = Annotated[str, AfterValidator(_image_format), Field(json_schema_extra=_image_formats_schema)]
 
 
+def _job_format(value: str) -> str:
+    known = (*encoders.formats("image"), *encoders.formats("audio"))
+    if value not in known:
+        raise ValueError(f"Input should be one of {', '.join(map(repr, known))}")
+    return value
+
+
+def _job_formats_schema(schema: dict[str, Any]) -> None:
+    schema["enum"] = [*encoders.formats("image"), *encoders.formats("audio")]
+
+
+#: A job's file format: an image format (image tasks) or an audio one (audio tasks); which kind
+#: the task takes is checked with the task (entrypoints/openai/job_manager.py).
+JobFormat = Annotated[str, AfterValidator(_job_format), Field(json_schema_extra=_job_formats_schema)]
+
+
 class UnencodableValue(ValueError):
     """A request value no engine message can carry (a lone surrogate, an integer past 64 bits)."""
 
@@ -269,6 +285,12 @@ class GenerateInputs(_SizedRequest):
     #: The first frame of task ``image2video``: a ``data:image/...;base64,`` URL (remote URLs are
     #: refused, never fetched), decoded and bounded as the images routes' uploads are.
     image: str | None = None
+    #: Length of each clip, seconds (task ``text2audio``: the model's ``audio_end_in_s``).
+    seconds: Annotated[float, Field(**bounds("audio_end_in_s"))] | None = None
+    #: Where each clip starts, seconds (task ``text2audio``).
+    audio_start_in_s: Annotated[float, Field(**bounds("audio_start_in_s"))] | None = None
+    #: Clips to make (task ``text2audio``).
+    num_waveforms_per_prompt: Annotated[int, Field(**bounds("num_waveforms_per_prompt"))] | None = None
 
     @model_validator(mode="after")
     def _one_size(self) -> GenerateInputs:
@@ -287,7 +309,8 @@ class GenerateInputs(_SizedRequest):
 class GenerateConfig(_Request):
     """How to run and deliver it: ``config`` of ``POST /v1/generate``."""
 
-    output_format: ImageFormat = "png"
+    #: Unset: ``png`` for an image task, ``wav`` for an audio task (a video is always MP4).
+    output_format: JobFormat | None = None
     output_compression: int | None = Field(None, ge=0, le=100)
     #: The engine's deadline for the generation (seconds), as ``timeout`` on the other routes.
     timeout: Timeout | None = None
@@ -297,7 +320,7 @@ class GenerateRequest(_Request):
     """``POST /v1/generate``: a job. ``async_run`` (the default) answers at once with the queued job;
     ``async_run: false`` waits for the job to end and answers with the same shape."""
 
-    task: Literal["text2image", "text2video", "image2video"]
+    task: Literal["text2image", "text2video", "image2video", "text2audio"]
     model: str | None = None
     inputs: GenerateInputs
     config: GenerateConfig = Field(default_factory=GenerateConfig)
