@@ -36,6 +36,9 @@ MAX_FRAMES = 4097
 #: Longest clip any request may ask for, in seconds (a model's own limit applies on top).
 MAX_AUDIO_SECONDS = 3600.0
 
+#: Longest text a speech request may speak, in characters (OpenAI's limit for ``input``).
+MAX_SPEECH_CHARS = 4096
+
 #: The keyword names of a bound, as both msgspec.Meta and pydantic's Field take them.
 BOUND_NAMES = ("ge", "gt", "le", "lt", "min_length", "max_length", "pattern")
 
@@ -121,6 +124,11 @@ REQUEST_BOUNDS: dict[str, Bounds] = {
     "temperature": Bounds(ge=0, le=2),
     "top_p": Bounds(gt=0, le=1),
     "top_k": Bounds(ge=0),
+    # Speech.
+    #: A speaker's name (the model's own, or one of OpenAI's voice names).
+    "voice": Bounds(min_length=1, max_length=64),
+    #: OpenAI's range; the speech stage divides every duration by it.
+    "speed": Bounds(ge=0.25, le=4.0),
     # Echo.
     "delay_ms": Bounds(ge=0, le=600_000),
 }

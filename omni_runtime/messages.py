@@ -157,6 +157,9 @@ class StageConstraints(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     max_audio_s: float | None = None
     #: Why, in the model's terms, for the error.
     audio_reason: str | None = None
+    #: The voices a speech stage takes (its speakers' names and the aliases mapped onto them);
+    #: empty: any (the stage checks).
+    voices: tuple[str, ...] = ()
 
 
 class StageReady(msgspec.Struct, tag="ready", **_Msg):

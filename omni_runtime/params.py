@@ -130,6 +130,20 @@ class TextSamplingParams(SamplingParams):
     stop: list[str] | None = None
 
 
+class SpeechSamplingParams(SamplingParams):
+    """Parameters of a text-to-speech request (the ``speech`` stage)."""
+
+    stage_type: ClassVar[str] = "speech"
+
+    #: A speaker of the model by name, or one of OpenAI's voice names (mapped onto the model's
+    #: speakers, see docs/models.md); unset: the model's first speaker.
+    voice: Annotated[str, meta("voice")] | None = None
+    #: How fast to speak: every duration is divided by it (2.0 is about half as long); unset: 1.0.
+    speed: Annotated[float, meta("speed")] | None = None
+    #: Seed of the request's noise; a fresh one is drawn (and reported) when unset.
+    seed: Seed | None = None
+
+
 class EchoSamplingParams(SamplingParams):
     """Parameters of the ``echo`` stage: it returns its input after ``delay_ms``."""
 
@@ -334,6 +348,7 @@ def check_constraints(params: dict[str, Any], constraints: StageConstraints) -> 
     check_image_capability(params, constraints)
     check_frames(params, constraints)
     check_audio(params, constraints)
+    check_voice(params, constraints)
     check_step_range(params.get("num_inference_steps"), constraints)
     h = params.get("height")
     w = params.get("width")
@@ -414,6 +429,17 @@ def check_video_pixels(params: dict[str, Any], constraints: StageConstraints) ->
 
 #: The params only an audio model takes.
 AUDIO_PARAMS = ("audio_end_in_s", "audio_start_in_s", "num_waveforms_per_prompt")
+
+
+def check_voice(params: dict[str, Any], constraints: StageConstraints) -> None:
+    """Refuse a voice the speech stage's model does not have (``voices`` lists those it takes)."""
+    voice = params.get("voice")
+    if voice is not None and constraints.voices and voice not in constraints.voices:
+        shown = ", ".join(constraints.voices)
+        raise InvalidRequestError(
+            f"invalid sampling param `voice`: {voice[:64]!r} is not a voice of this model; expected one of {shown}",
+            param="voice",
+        )
 
 
 def check_audio(params: dict[str, Any], constraints: StageConstraints) -> None:

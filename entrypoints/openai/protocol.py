@@ -28,7 +28,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from starlette.exceptions import HTTPException
 
 from omni_runtime import encoders
-from omni_runtime.bounds import MAX_PROMPT_CHARS, MAX_SIDE, MIN_SIDE
+from omni_runtime.bounds import MAX_PROMPT_CHARS, MAX_SIDE, MAX_SPEECH_CHARS, MIN_SIDE
 from omni_runtime.bounds import pydantic as bounds
 from omni_runtime.exceptions import (
     EngineError,
@@ -328,6 +328,34 @@ class GenerateRequest(_Request):
     #: Higher is served first (docs/configuration.md, "Priority"); default 0.
     priority: Priority = 0
     response_format: Literal["url", "b64_json"] = "url"
+
+
+# --------------------------------------------------------------------------- speech
+
+
+class SpeechVoice(_Request):
+    """A voice given as an object, as the openai client sends a custom voice: ``{"id": name}``."""
+
+    id: str = Field(**bounds("voice"))
+
+
+class SpeechRequest(_Request):
+    """``POST /v1/audio/speech``: speak ``input`` with ``voice``."""
+
+    model: str | None = None
+    input: str = Field(max_length=MAX_SPEECH_CHARS)
+    #: A speaker of the model by name, or an OpenAI voice name (mapped onto the model's speakers).
+    voice: Annotated[str, Field(**bounds("voice"))] | SpeechVoice
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
+    speed: float | None = Field(None, **bounds("speed"))
+    stream_format: Literal["audio", "sse"] = "audio"
+    #: Accepted for the openai client's sake; a VITS model cannot follow instructions, and ignores them.
+    instructions: str | None = Field(None, max_length=MAX_SPEECH_CHARS)
+    #: Seed of the speech's noise (an extension); the same seed gives the same audio.
+    seed: Seed | None = None
+
+    def voice_name(self) -> str:
+        return self.voice if isinstance(self.voice, str) else self.voice.id
 
 
 # --------------------------------------------------------------------------- videos

@@ -35,7 +35,7 @@ from omni_runtime.config import DeployConfig
 from omni_runtime.exceptions import OmniError
 
 from ..async_omni import load_resolved
-from . import chat, control, file_routes, health, images, jobs, videos
+from . import chat, control, file_routes, health, images, jobs, speech, videos
 from .dependencies import guards_of, require_api_key
 from .job_manager import JobSettings
 from .protocol import DISCONNECTED, ApiError, ClientDisconnected
@@ -53,6 +53,7 @@ ROUTERS = (
     chat.router,
     jobs.router,
     videos.router,
+    speech.router,
     file_routes.router,
     control.router,
 )

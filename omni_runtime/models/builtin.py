@@ -23,6 +23,7 @@ from omni_runtime.exceptions import ConfigError
 #: into an empty directory. The families' own are in their specs (``omni_runtime.models.families``).
 OTHER_BUILDERS: dict[str, str] = {
     "tiny-lm": "omni_runtime.models.tiny_lm:build_tiny_lm",
+    "tiny-tts": "omni_runtime.models.tiny_tts:build_tiny_tts",
 }
 
 

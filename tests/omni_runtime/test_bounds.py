@@ -64,6 +64,7 @@ def _params_fields() -> list[tuple[str, str, dict[str, Any]]]:
         params.DiffusionSamplingParams,
         params.TextSamplingParams,
         params.EchoSamplingParams,
+        params.SpeechSamplingParams,
         params.GenericSamplingParams,
         params.LoraRequest,
     ]

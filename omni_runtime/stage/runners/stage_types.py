@@ -1,6 +1,6 @@
 """The builtin stage types: the one registry of ``stage_type`` names.
 
-Core types (``diffusion``, ``text``, ``echo``) are listed here; a model family brings its own in
+Core types (``diffusion``, ``text``, ``speech``, ``echo``) are listed here; a model family brings its own in
 its spec (:attr:`omni_runtime.models.families.FamilySpec.stage_types`: the SD family's split
 stages ``sd_text_encoder``, ``sd_denoise``, ``sd_vae_decode``), and :func:`stage_type` reads both.
 Read by config validation (which names are known), by ``resolve`` (params class, whether a model is
@@ -14,7 +14,12 @@ from dataclasses import dataclass
 
 import msgspec
 
-from omni_runtime.params import DiffusionSamplingParams, EchoSamplingParams, TextSamplingParams
+from omni_runtime.params import (
+    DiffusionSamplingParams,
+    EchoSamplingParams,
+    SpeechSamplingParams,
+    TextSamplingParams,
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,7 @@ BUILTIN_RUNNERS: dict[str, StageType] = {
         "omni_runtime.stage.runners.diffusion:DiffusionRunner", DiffusionSamplingParams, needs_model=True
     ),
     "text": StageType("omni_runtime.stage.runners.text:TextRunner", TextSamplingParams, needs_model=True),
+    "speech": StageType("omni_runtime.stage.runners.speech:SpeechRunner", SpeechSamplingParams, needs_model=True),
     "echo": StageType("omni_runtime.stage.runners.echo:EchoRunner", EchoSamplingParams, needs_model=False),
 }
 

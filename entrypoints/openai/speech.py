@@ -1,0 +1,116 @@
+"""The speech route (``POST /v1/audio/speech``): text in, audio bytes out, as OpenAI's API has it.
+
+Runs on the server's event loop. A VITS speech stage makes a whole clip in one forward, so every
+form of the answer starts once the clip exists: ``stream_format: audio`` with ``pcm`` sends the
+samples in chunks as each is encoded, with ``wav`` the encoded file in chunks (its header carries
+the clip's true length, which is known by then); other formats are encoded whole, then sent.
+``stream_format: sse`` sends the file's bytes as base64 ``speech.audio.delta`` events, then one
+``speech.audio.done`` event with the usage. Encoding runs off the event loop (``encode_all``).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from omni_runtime import encoders
+from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.media import AudioItem
+from omni_runtime.params import SpeechSamplingParams
+
+from ..async_omni import AsyncOmni
+from . import protocol as proto
+from .dependencies import AUTH, JSON_BODY, State
+from .fields import FieldMap
+from .protocol import ApiError
+from .state import ServerState
+
+#: Request field -> speech param (and back, in errors); the text is the engine's prompt.
+SPEECH_FIELDS = FieldMap(
+    {"voice": "voice", "speed": "speed", "seed": "seed"},
+    read={"voice": lambda body: body.voice_name()},
+    computed={"input": "prompt"},
+)
+#: Samples per streamed chunk of raw PCM (a quarter second at 16 kHz).
+PCM_CHUNK_SAMPLES = 4096
+#: Bytes per streamed chunk of an encoded file (and per SSE delta, before base64).
+FILE_CHUNK_BYTES = 8192
+
+
+def speech_stage(state: ServerState) -> int:
+    """The id of the model's final speech stage, or the 400 that names ``model``."""
+    for stage in state.resolved.stages:
+        if issubclass(stage.params_cls, SpeechSamplingParams) and stage.config.final_output:
+            return stage.stage_id
+    raise ApiError(400, f"the model `{state.model_name}` has no speech stage", param="model", code="no_speech")
+
+
+async def synthesise(state: ServerState, request: Request, body: proto.SpeechRequest) -> tuple[AudioItem, int, str]:
+    """Run the request: the clip, its input token count and the request id."""
+    omni: AsyncOmni = state.check_request(body.model)
+    stage_id = speech_stage(state)
+    try:
+        valid = omni.validate(body.input, omni.sampling_params(shared=SPEECH_FIELDS.params(body)))
+    except InvalidRequestError as e:
+        raise SPEECH_FIELDS.rename(e) from None
+    rid = f"speech-{uuid.uuid4().hex}"
+    try:
+        out = await state.until_disconnect(request, [rid], state.collect(omni, valid, rid))
+    except InvalidRequestError as e:  # the stage's own checks (no speakable character)
+        raise SPEECH_FIELDS.rename(e) from None
+    result = out.outputs_by_stage[stage_id]
+    clip = result.audios[0]
+    return clip, int(result.metrics.get("input_tokens") or 0), rid
+
+
+async def _pcm_chunks(clip: AudioItem) -> AsyncIterator[bytes]:
+    for start in range(0, max(clip.num_samples, 1), PCM_CHUNK_SAMPLES):
+        part = AudioItem(data=clip.samples[:, start : start + PCM_CHUNK_SAMPLES], sample_rate=clip.sample_rate)
+        yield (await encoders.encode_all([part], "pcm"))[0]
+
+
+async def _file_chunks(clip: AudioItem, fmt: str) -> AsyncIterator[bytes]:
+    blob = (await encoders.encode_all([clip], fmt))[0]
+    for start in range(0, len(blob), FILE_CHUNK_BYTES):
+        yield blob[start : start + FILE_CHUNK_BYTES]
+
+
+def _sse(event: dict[str, object]) -> str:
+    return f"data: {json.dumps(event)}\n\n"
+
+
+router = APIRouter(prefix="/v1/audio", dependencies=[AUTH])
+
+
+@router.post("/speech", dependencies=[JSON_BODY], response_model=None)
+async def create_speech(body: proto.SpeechRequest, request: Request, state: State) -> Response:
+    clip, input_tokens, rid = await synthesise(state, request, body)
+    fmt = body.response_format
+    headers = {"X-Request-Id": rid, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    chunks = _pcm_chunks(clip) if fmt == "pcm" else _file_chunks(clip, fmt)
+    if body.stream_format == "sse":
+        # Usage in OpenAI's shape; audio is counted in 20 ms frames.
+        output_tokens = math.ceil(clip.duration_s * 50)
+        usage = {
+            "input_tokens": input_tokens,
+            "output_tokens": output_tokens,
+            "total_tokens": input_tokens + output_tokens,
+        }
+
+        async def events() -> AsyncIterator[str]:
+            async for chunk in chunks:
+                yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode()})
+            yield _sse({"type": "speech.audio.done", "usage": usage})
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+    media_type = encoders.media_type("audio", fmt)
+    if fmt in ("pcm", "wav"):
+        return StreamingResponse(chunks, media_type=media_type, headers=headers)
+    blob = (await encoders.encode_all([clip], fmt))[0]
+    return Response(blob, media_type=media_type, headers=headers)
