@@ -33,9 +33,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omni_runtime import encoders
+from omni_runtime.bounds import MAX_SPEECH_CHARS
 from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, UnavailableError
 from omni_runtime.media import AudioItem, ImageItem, VideoItem, items_of
 from omni_runtime.outputs import RequestProgress
+from omni_runtime.params import SpeechSamplingParams
 
 from ..async_omni import AsyncOmni, ValidRequest
 from ..jobs.record import JobRecord
@@ -88,9 +90,17 @@ JOB_IMAGE_FIELDS = FieldMap(
 JOB_SHARED_FIELDS = FieldMap(
     {"config.timeout": "timeout", "priority": "priority"}, read={"priority": lambda body: body.priority or None}
 )
+#: Task ``text2speech``: its fields go to the speech stage (the prompt is the text to speak).
+JOB_SPEECH_FIELDS = FieldMap({"inputs.voice": "voice", "inputs.speed": "speed", "inputs.seed": "seed"})
 JOB_FIELDS = JOB_IMAGE_FIELDS | JOB_SHARED_FIELDS
 #: The media kind each task makes.
-TASK_KINDS = {"text2image": "image", "text2video": "video", "image2video": "video", "text2audio": "audio"}
+TASK_KINDS = {
+    "text2image": "image",
+    "text2video": "video",
+    "image2video": "video",
+    "text2audio": "audio",
+    "text2speech": "audio",
+}
 #: Tasks whose ``inputs.image`` is required (the others take none).
 IMAGE_TASKS = frozenset({"image2video"})
 #: The file format of a video result, and of its poster (the first frame).
@@ -276,6 +286,16 @@ class JobManager:
             known = list(encoders.formats(kind))
             message = f"task `{body.task}` makes {kind}; `config.output_format` is one of {known}"
             raise ApiError(400, message, param="config.output_format", code="invalid_value")
+        if body.task == "text2speech":
+            return self._validate_speech(omni, body)
+        if body.inputs.voice is not None or body.inputs.speed is not None:
+            field = "inputs.voice" if body.inputs.voice is not None else "inputs.speed"
+            message = f"task `{body.task}` takes no `{field}`; speech is task `text2speech`"
+            raise ApiError(400, message, param=field, code="invalid_value")
+        diffusion = {s.stage_id for s in omni.resolved.stages if s.takes_image_params}
+        if kind == "audio" and stages[kind] not in diffusion:
+            message = f"the model `{self.state.model_name}` makes speech, not text-to-audio clips (task `text2speech`)"
+            raise ApiError(400, message, param="task", code="no_audio")
         # ``priority`` reaches every stage whose params take it (and none where no params class does).
         try:
             image = await self._input_image(omni, body)
@@ -285,6 +305,26 @@ class JobManager:
             return omni.validate(body.inputs.prompt, params, modalities=[kind])
         except InvalidRequestError as e:
             JOB_FIELDS.rename(e)
+            raise
+
+    def _validate_speech(self, omni: AsyncOmni, body: GenerateRequest) -> ValidRequest:
+        """Task ``text2speech``: the prompt spoken by the model's speech stage, with ``voice``,
+        ``speed`` and ``seed``; the diffusion fields are refused, as the stage has none of them."""
+        if not any(issubclass(s.params_cls, SpeechSamplingParams) for s in omni.resolved.stages):
+            message = f"the model `{self.state.model_name}` has no speech stage (task `text2speech`)"
+            raise ApiError(400, message, param="model", code="no_speech")
+        given = [f for f in JOB_IMAGE_FIELDS.params(body) if f != "seed"] + ["image"] * (body.inputs.image is not None)
+        if given:
+            field = JOB_FIELDS.field(given[0])
+            raise ApiError(400, f"task `text2speech` takes no `{field}`", param=field, code="invalid_value")
+        if len(body.inputs.prompt) > MAX_SPEECH_CHARS:
+            message = f"the text to speak is {len(body.inputs.prompt)} characters; the limit is {MAX_SPEECH_CHARS}"
+            raise ApiError(400, message, param="inputs.prompt", code="invalid_value")
+        try:
+            params = omni.sampling_params(shared=JOB_SPEECH_FIELDS.params(body) | JOB_SHARED_FIELDS.params(body))
+            return omni.validate(body.inputs.prompt, params, modalities=["audio"])
+        except InvalidRequestError as e:
+            (JOB_SPEECH_FIELDS | JOB_SHARED_FIELDS).rename(e)
             raise
 
     async def _input_image(self, omni: AsyncOmni, body: GenerateRequest) -> dict[str, Any]:
