@@ -312,6 +312,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         where = Path(args.lora).expanduser()
         spec = {"path": str(where.resolve())} if where.exists() else {"name": args.lora}
         image["lora"] = {**spec, "scale": args.lora_scale}
+    # A speech stage takes no image params: its voice, speed and seed are its own.
+    speech_stage = any(s.stage_type == "speech" for s in config.stage_args)
+    if not speech_stage and (args.voice is not None or args.speed is not None):
+        raise CliError(f"--voice and --speed are for a speech model; {args.model!r} has no speech stage")
+
+    def speech(seed: int | None) -> dict[str, Any]:
+        return {"voice": args.voice, "speed": args.speed, "seed": seed} if speech_stage else {}
+
     # (prompt, seed) for every image: each is its own request, so they batch together
     jobs: list[tuple[str, int | None]] = []
     for prompt in args.prompts:
@@ -329,7 +337,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             # seed and size, the encoder the negative prompt); each request is validated once,
             # all before the first runs, and the report says what each really ran with.
             requests = [
-                omni.validate(p, omni.sampling_params(image={**image, "seed": seed}), modalities=[kind])
+                omni.validate(
+                    p, omni.sampling_params(image={**image, "seed": seed}, shared=speech(seed)), modalities=[kind]
+                )
                 for p, seed in jobs
             ]
             for i, request in enumerate(requests):
@@ -702,7 +712,8 @@ def build_parser() -> argparse.ArgumentParser:
         '  omni-runtime generate "a lighthouse at dusk"\n'
         '  omni-runtime generate "a fox" "a cat" -n 4 --seed 42 --steps 8 --size 64x64 --out out/\n'
         '  omni-runtime generate "a boat" --model ./my-sdxl --device cuda --dtype float16\n'
-        '  omni-runtime generate "rain on a tin roof" --model tiny-stable-audio --seconds 1.5',
+        '  omni-runtime generate "rain on a tin roof" --model tiny-stable-audio --seconds 1.5\n'
+        '  omni-runtime generate "hello there" --model tiny-tts --voice alloy --speed 1.2',
     )
     g.add_argument("prompts", nargs="+", metavar="PROMPT", help="one or more prompts")
     g.add_argument("-n", type=_positive_int, default=1, help="images per prompt (one request each)")
@@ -717,6 +728,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--seconds", type=_float(0, strict=True), help="length of each clip (an audio model; default: the model's)"
     )
     g.add_argument("--guidance-scale", type=_float(0), help="classifier-free guidance (default: the model's)")
+    g.add_argument("--voice", help="a speech model's speaker, or an OpenAI voice name (default: its first speaker)")
+    g.add_argument("--speed", type=_float(0, strict=True), help="how fast a speech model speaks (0.25-4, default 1)")
     g.add_argument("--lora", metavar="PATH_OR_NAME", help="a LoRA adapter: a local folder/file, or a registered name")
     g.add_argument("--lora-scale", type=float, default=1.0, help="how strongly the LoRA applies")
     g.add_argument("--max-num-seqs", type=_positive_int, help="most requests fused into one forward")

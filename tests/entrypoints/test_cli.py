@@ -60,6 +60,7 @@ def test_models_lists_bundled_configs_and_builtins():
     assert {"tiny-sd", "echo", "tiny-stable-audio"} <= {c["name"] for c in data["configs"]}
     assert {"tiny-sd", "tiny-stable-audio"} <= set(data["builtin_models"])
     assert "tiny-stable-audio  diffusion->audio" in out.stdout
+    assert "tiny-tts" in set(data["builtin_models"]) and "tiny-tts           speech->audio" in out.stdout
 
 
 def test_generate_writes_pngs_and_a_report(tmp_path):
@@ -129,6 +130,22 @@ def test_generate_writes_wav_files_of_the_asked_length(tmp_path):
         assert path.endswith(".wav") and (info.samplerate, info.channels, info.frames) == (16_000, 2, 8000)
     refused = run("generate", "a cat", "--seconds", "1", "--out", str(tmp_path / "no"))
     assert refused.returncode != 0 and "--seconds is for an audio model" in refused.stderr
+
+
+def test_generate_speaks_wav_files_with_a_voice_and_speed(tmp_path):
+    import soundfile
+
+    out = run("generate", "--model", "tiny-tts", "hello there", "--voice", "echo", "--speed", "1.5", "--seed", "2",
+              "--out", str(tmp_path))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    (result,) = report["results"]
+    assert report["audios"] == 1 and result["params"] == {"voice": "echo", "speed": 1.5, "seed": 2}
+    info = soundfile.info(result["files"][0])
+    assert result["files"][0].endswith(".wav") and (info.samplerate, info.channels) == (16_000, 1)
+    assert info.frames == result["metrics"]["audio_samples"]
+    refused = run("generate", "a cat", "--voice", "alloy", "--out", str(tmp_path / "no"))
+    assert refused.returncode != 0 and "--voice and --speed are for a speech model" in refused.stderr
 
 
 def test_generate_with_step_execution(tmp_path):
