@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -19,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from omni_runtime import encoders
 from omni_runtime.exceptions import InvalidRequestError, OmniError
-from omni_runtime.media import AudioItem, MediaItem, items_of
+from omni_runtime.media import ALIASES, AudioItem, MediaItem, items_of
 from omni_runtime.outputs import OmniRequestOutput, RequestProgress
 from omni_runtime.params import MAX_PROMPT_CHARS
 
@@ -77,6 +78,12 @@ async def chat_completion(
         raise InvalidRequestError(too_long, param=where)
     shared = CHAT_FIELDS.params(body)
     modalities = list(body.modalities) if body.modalities else None
+    # Audio asked for without text: a text stage still delivers its answer (the audio's
+    # transcript), which the message then leaves out.
+    kinds = {ALIASES.get(m, m) for m in modalities or ()}
+    hide_text = "audio" in kinds and "text" not in kinds and _has_text_output(state)
+    if hide_text and modalities is not None:
+        modalities.append("text")
     image = await chat_image(state, body)
     try:
         valid = omni.validate(prompt, omni.sampling_params(image=image, shared=shared), modalities=modalities)
@@ -87,19 +94,19 @@ async def chat_completion(
             CHAT_FIELDS.rename(e)
         raise
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    audio_format = body.audio.encoder_format() if body.audio else DEFAULT_AUDIO_FORMAT
+    spoken = Spoken(body.audio.encoder_format() if body.audio else DEFAULT_AUDIO_FORMAT, hide_text, prompt)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream_chat(state, omni, request, rid, valid, include_usage, audio_format)
+        return await _stream_chat(state, omni, request, rid, valid, include_usage, spoken)
     out = await state.until_disconnect(request, [rid], state.collect(omni, valid, rid))
     texts = [r.text for _, r in sorted(out.outputs_by_stage.items()) if r.text is not None]
     clips = [c for c in items_of(list(out.media), "audio") if isinstance(c, AudioItem)]
     audio = None
     if clips:
-        data = (await encoders.encode_all(clips[:1], audio_format))[0]
-        audio = _audio_piece(data, "\n".join(texts))
+        data = (await encoders.encode_all(clips[:1], spoken.format))[0]
+        audio = _audio_piece(data, spoken.transcript(out))
     message = proto.ResponseMessage(
-        content="\n".join(texts) if texts else None,
+        content="\n".join(texts) if texts and not hide_text else None,
         images=await _image_parts(out.media) or None,
         audio=audio,
     )
@@ -116,6 +123,26 @@ DEFAULT_AUDIO_FORMAT = "wav"
 AUDIO_EXPIRES_S = 3600
 
 
+@dataclass(frozen=True)
+class Spoken:
+    """How a chat answer's audio is delivered."""
+
+    #: The encoder registry's format (``pcm`` for ``pcm16``).
+    format: str
+    #: Audio was asked for without text: the text stages' answer is the transcript only.
+    hide_text: bool
+    #: The caller's prompt: what a pipeline without a text stage speaks, so its transcript.
+    prompt: str
+
+    def transcript(self, out: OmniRequestOutput) -> str:
+        texts = [r.text for _, r in sorted(out.outputs_by_stage.items()) if r.text is not None]
+        return "\n".join(texts) if texts else self.prompt
+
+
+def _has_text_output(state: ServerState) -> bool:
+    return any(s.config.final_output and s.config.final_output_type == "text" for s in state.resolved.stages)
+
+
 def _audio_piece(data: bytes, transcript: str | None, audio_id: str | None = None) -> dict[str, Any]:
     """``message.audio`` (or the first ``delta.audio``): the bytes as base64, with the transcript."""
     piece: dict[str, Any] = {"id": audio_id or f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(data).decode()}
@@ -124,7 +151,7 @@ def _audio_piece(data: bytes, transcript: str | None, audio_id: str | None = Non
     return piece
 
 
-async def _audio_deltas(out: OmniRequestOutput, fmt: str, audio_id: str) -> list[proto.DeltaMessage]:
+async def _audio_deltas(out: OmniRequestOutput, spoken: Spoken, audio_id: str) -> list[proto.DeltaMessage]:
     """The audio of a finished speech stage as ``delta.audio`` pieces: ``pcm`` in chunks of
     PCM_CHUNK_SAMPLES samples, another format as one whole file; the first carries the transcript
     (the text stages' answer)."""
@@ -132,7 +159,7 @@ async def _audio_deltas(out: OmniRequestOutput, fmt: str, audio_id: str) -> list
     clips = [c for c in items_of(result.media, "audio") if isinstance(c, AudioItem)] if result else []
     if not clips:
         return []
-    clip = clips[0]
+    clip, fmt = clips[0], spoken.format
     if fmt == "pcm":
         parts = [
             AudioItem(data=clip.samples[:, start : start + PCM_CHUNK_SAMPLES], sample_rate=clip.sample_rate)
@@ -140,10 +167,9 @@ async def _audio_deltas(out: OmniRequestOutput, fmt: str, audio_id: str) -> list
         ]
     else:
         parts = [clip]
-    texts = [r.text for _, r in sorted(out.outputs_by_stage.items()) if r.text is not None]
     blobs = await encoders.encode_all(parts, fmt)
     return [
-        proto.DeltaMessage(audio=_audio_piece(blob, "\n".join(texts) if i == 0 else None, audio_id))
+        proto.DeltaMessage(audio=_audio_piece(blob, spoken.transcript(out) if i == 0 else None, audio_id))
         for i, blob in enumerate(blobs)
     ]
 
@@ -163,7 +189,7 @@ async def _stream_chat(
     rid: str,
     valid: ValidRequest,
     include_usage: bool,
-    audio_format: str,
+    spoken: Spoken,
 ) -> StreamingResponse:
     agen = omni.generate(valid, request_id=rid)
     state.inflight.add(rid)
@@ -197,10 +223,11 @@ async def _stream_chat(
                     # the image is being drawn and keeps proxies from timing the stream out.
                     yield _progress_comment(out.progress)
                 for delta in await _deltas(out, sent, imaged):
-                    yield chunk(delta)
+                    if not (spoken.hide_text and delta.images is None):
+                        yield chunk(delta)
                 if out.progress is None and out.text_delta is None and out.stage_id not in voiced:
                     voiced.add(out.stage_id)
-                    for delta in await _audio_deltas(out, audio_format, audio_id):
+                    for delta in await _audio_deltas(out, spoken, audio_id):
                         yield chunk(delta)
                 if out.finished:
                     break

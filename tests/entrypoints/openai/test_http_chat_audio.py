@@ -139,6 +139,18 @@ def test_pcm16_streams_audio_chunks_after_the_text_equal_to_the_whole_answer(cli
         assert len(pieces) > 1
 
 
+def test_audio_without_text_keeps_the_transcript_and_leaves_the_text_out(client, http):
+    both = spoken(client, "wav").choices[0].message
+    body = {"messages": MESSAGES, "modalities": ["audio"], "audio": {"voice": "alloy", "format": "wav"}, "seed": 5}
+    message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert message.get("content") is None
+    assert message["audio"]["transcript"] == both.content and message["audio"]["data"] == both.audio.data
+    events = http.post("/v1/chat/completions", json=body | {"stream": True}).text.splitlines()
+    deltas = [json.loads(e[6:])["choices"][0]["delta"] for e in events if e.startswith("data: {")]
+    assert not any(d.get("content") for d in deltas)
+    assert [d["audio"]["transcript"] for d in deltas if "audio" in d] == [both.content]
+
+
 def test_text_only_requests_still_work(client):
     resp = client.chat.completions.create(model="tiny-omni-speech", messages=MESSAGES, modalities=["text"])
     message = resp.choices[0].message
