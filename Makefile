@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.batching
 	$(PY) -m benchmarks.step_batching
 	$(PY) -m benchmarks.video
+	$(PY) -m benchmarks.audio
 	$(PY) -m benchmarks.transfer
 	$(PY) -m benchmarks.http
 	$(PY) -m benchmarks.jobs

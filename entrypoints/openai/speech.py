@@ -81,6 +81,11 @@ async def _file_chunks(clip: AudioItem, fmt: str) -> AsyncIterator[bytes]:
         yield blob[start : start + FILE_CHUNK_BYTES]
 
 
+def _chunks(clip: AudioItem, fmt: str) -> AsyncIterator[bytes]:
+    """The clip as ``fmt`` bytes, in the pieces they are sent in."""
+    return _pcm_chunks(clip) if fmt == "pcm" else _file_chunks(clip, fmt)
+
+
 def _sse(event: dict[str, object]) -> str:
     return f"data: {json.dumps(event)}\n\n"
 
@@ -93,7 +98,6 @@ async def create_speech(body: proto.SpeechRequest, request: Request, state: Stat
     clip, input_tokens, rid = await synthesise(state, request, body)
     fmt = body.response_format
     headers = {"X-Request-Id": rid, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    chunks = _pcm_chunks(clip) if fmt == "pcm" else _file_chunks(clip, fmt)
     if body.stream_format == "sse":
         # Usage in OpenAI's shape; audio is counted in 20 ms frames.
         output_tokens = math.ceil(clip.duration_s * 50)
@@ -104,13 +108,13 @@ async def create_speech(body: proto.SpeechRequest, request: Request, state: Stat
         }
 
         async def events() -> AsyncIterator[str]:
-            async for chunk in chunks:
+            async for chunk in _chunks(clip, fmt):
                 yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode()})
             yield _sse({"type": "speech.audio.done", "usage": usage})
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
     media_type = encoders.media_type("audio", fmt)
     if fmt in ("pcm", "wav"):
-        return StreamingResponse(chunks, media_type=media_type, headers=headers)
+        return StreamingResponse(_chunks(clip, fmt), media_type=media_type, headers=headers)
     blob = (await encoders.encode_all([clip], fmt))[0]
     return Response(blob, media_type=media_type, headers=headers)

@@ -113,3 +113,9 @@ def test_disconnect_during_a_stream_aborts_too(server, http):
         r.read()
     assert wait_for(lambda: pending(http) == 0, timeout=5)
     assert wait_for(lambda: stage_stats(http)["running"] == 0, timeout=5)
+
+
+def test_speech_on_a_model_without_a_speech_stage_is_a_400_naming_model(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.speech.create(model="flaky-echo", voice="alloy", input="hello")
+    assert e.value.status_code == 400 and e.value.body["param"] == "model" and "speech" in e.value.body["message"]
