@@ -26,3 +26,15 @@ def prompt_with_expansion(prompt: Any, upstream: dict[int, dict[str, Any]]) -> d
         if text:
             parts.append(" ".join(text.split()))  # one line: newlines mean nothing to a text encoder
     return {"prompt": ", ".join(p for p in parts if p), "inputs": {"original_prompt": prompt}}
+
+
+def speak_text(prompt: Any, upstream: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """What the text stage(s) wrote, on one line, as the text a speech stage speaks.
+
+    For a text -> speech pipeline the answer is what is heard, not the question. An answer without
+    a letter or digit (empty, or punctuation alone) has nothing a speech model can say: the
+    caller's prompt is spoken instead, so the request still gets its audio.
+    """
+    texts = [" ".join((out.get("text") or "").split()) for _, out in sorted(upstream.items())]
+    answer = " ".join(t for t in texts if t)
+    return {"prompt": answer if any(c.isalnum() for c in answer) else str(prompt).strip()}

@@ -1,5 +1,8 @@
 """``POST /v1/chat/completions``: the last user message (and an input image) to the pipeline, the
-answer as one message or as Server-Sent Events (text deltas, image parts, progress comments)."""
+answer as one message or as Server-Sent Events (text deltas, image parts, audio chunks, progress
+comments). A pipeline with a speech stage answers with audio as OpenAI does: ``message.audio``
+(``id``, base64 ``data``, ``transcript``, ``expires_at``), or ``delta.audio`` pieces once the clip
+is made (``pcm16`` in chunks of :data:`~.speech.PCM_CHUNK_SAMPLES`, another format whole)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -16,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from omni_runtime import encoders
 from omni_runtime.exceptions import InvalidRequestError, OmniError
-from omni_runtime.media import MediaItem, items_of
+from omni_runtime.media import ALIASES, AudioItem, MediaItem, items_of
 from omni_runtime.outputs import OmniRequestOutput, RequestProgress
 from omni_runtime.params import MAX_PROMPT_CHARS
 
@@ -27,6 +31,7 @@ from .fields import FieldMap
 from .images import chat_image
 from .protocol import DISCONNECTED, error_body
 from .responses import json_with_id
+from .speech import PCM_CHUNK_SAMPLES
 from .state import ServerState
 
 router = APIRouter(prefix="/v1", dependencies=[AUTH])
@@ -42,8 +47,10 @@ CHAT_FIELDS = FieldMap(
         "timeout": "timeout",
         "lora": "lora",
         "priority": "priority",
+        "audio.voice": "voice",
     },
     read={
+        "audio.voice": lambda body: body.audio.voice_name() if body.audio else None,
         "max_tokens": lambda body: body.max_completion_tokens or body.max_tokens,
         "stop": lambda body: [body.stop] if isinstance(body.stop, str) else body.stop,
         "lora": lambda body: body.lora.params() if body.lora else None,
@@ -71,6 +78,12 @@ async def chat_completion(
         raise InvalidRequestError(too_long, param=where)
     shared = CHAT_FIELDS.params(body)
     modalities = list(body.modalities) if body.modalities else None
+    # Audio asked for without text: a text stage still delivers its answer (the audio's
+    # transcript), which the message then leaves out.
+    kinds = {ALIASES.get(m, m) for m in modalities or ()}
+    hide_text = "audio" in kinds and "text" not in kinds and _has_text_output(state)
+    if hide_text and modalities is not None:
+        modalities.append("text")
     image = await chat_image(state, body)
     try:
         valid = omni.validate(prompt, omni.sampling_params(image=image, shared=shared), modalities=modalities)
@@ -81,19 +94,84 @@ async def chat_completion(
             CHAT_FIELDS.rename(e)
         raise
     rid = f"chatcmpl-{uuid.uuid4().hex}"
+    spoken = Spoken(body.audio.encoder_format() if body.audio else DEFAULT_AUDIO_FORMAT, hide_text, prompt)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream_chat(state, omni, request, rid, valid, include_usage)
+        return await _stream_chat(state, omni, request, rid, valid, include_usage, spoken)
     out = await state.until_disconnect(request, [rid], state.collect(omni, valid, rid))
     texts = [r.text for _, r in sorted(out.outputs_by_stage.items()) if r.text is not None]
+    clips = [c for c in items_of(list(out.media), "audio") if isinstance(c, AudioItem)]
+    audio = None
+    if clips:
+        data = (await encoders.encode_all(clips[:1], spoken.format))[0]
+        audio = _audio_piece(data, spoken.transcript(out))
     message = proto.ResponseMessage(
-        content="\n".join(texts) if texts else None,
+        content="\n".join(texts) if texts and not hide_text else None,
         images=await _image_parts(out.media) or None,
+        audio=audio,
     )
     usage, finish = proto.usage_of(out, valid.params)
     choice = proto.ChatChoice(message=message, finish_reason=finish)
     resp = proto.ChatCompletionResponse(id=rid, model=state.model_name, choices=[choice], usage=usage)
     return resp.model_dump(exclude_none=True), rid
+
+
+#: The spoken answer's format when the request gives no ``audio``.
+DEFAULT_AUDIO_FORMAT = "wav"
+#: When an answer's audio ``expires_at`` (seconds after it was made): nothing is stored, so a
+#: later turn cannot refer to it by id; the field is there for OpenAI clients, which read it.
+AUDIO_EXPIRES_S = 3600
+
+
+@dataclass(frozen=True)
+class Spoken:
+    """How a chat answer's audio is delivered."""
+
+    #: The encoder registry's format (``pcm`` for ``pcm16``).
+    format: str
+    #: Audio was asked for without text: the text stages' answer is the transcript only.
+    hide_text: bool
+    #: The caller's prompt: what a pipeline without a text stage speaks, so its transcript.
+    prompt: str
+
+    def transcript(self, out: OmniRequestOutput) -> str:
+        texts = [r.text for _, r in sorted(out.outputs_by_stage.items()) if r.text is not None]
+        return "\n".join(texts) if texts else self.prompt
+
+
+def _has_text_output(state: ServerState) -> bool:
+    return any(s.config.final_output and s.config.final_output_type == "text" for s in state.resolved.stages)
+
+
+def _audio_piece(data: bytes, transcript: str | None, audio_id: str | None = None) -> dict[str, Any]:
+    """``message.audio`` (or the first ``delta.audio``): the bytes as base64, with the transcript."""
+    piece: dict[str, Any] = {"id": audio_id or f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(data).decode()}
+    if transcript is not None:
+        piece |= {"transcript": transcript, "expires_at": int(time.time()) + AUDIO_EXPIRES_S}
+    return piece
+
+
+async def _audio_deltas(out: OmniRequestOutput, spoken: Spoken, audio_id: str) -> list[proto.DeltaMessage]:
+    """The audio of a finished speech stage as ``delta.audio`` pieces: ``pcm`` in chunks of
+    PCM_CHUNK_SAMPLES samples, another format as one whole file; the first carries the transcript
+    (the text stages' answer)."""
+    result = out.outputs_by_stage.get(out.stage_id)
+    clips = [c for c in items_of(result.media, "audio") if isinstance(c, AudioItem)] if result else []
+    if not clips:
+        return []
+    clip, fmt = clips[0], spoken.format
+    if fmt == "pcm":
+        parts = [
+            AudioItem(data=clip.samples[:, start : start + PCM_CHUNK_SAMPLES], sample_rate=clip.sample_rate)
+            for start in range(0, clip.num_samples, PCM_CHUNK_SAMPLES)
+        ]
+    else:
+        parts = [clip]
+    blobs = await encoders.encode_all(parts, fmt)
+    return [
+        proto.DeltaMessage(audio=_audio_piece(blob, spoken.transcript(out) if i == 0 else None, audio_id))
+        for i, blob in enumerate(blobs)
+    ]
 
 
 async def _image_parts(media: Sequence[MediaItem]) -> list[dict[str, Any]]:
@@ -111,6 +189,7 @@ async def _stream_chat(
     rid: str,
     valid: ValidRequest,
     include_usage: bool,
+    spoken: Spoken,
 ) -> StreamingResponse:
     agen = omni.generate(valid, request_id=rid)
     state.inflight.add(rid)
@@ -132,6 +211,8 @@ async def _stream_chat(
     async def events() -> AsyncIterator[str]:
         sent: dict[int, int] = {}  # characters of each stage's text already streamed
         imaged: set[int] = set()
+        voiced: set[int] = set()  # stages whose audio was sent
+        audio_id = f"audio_{uuid.uuid4().hex}"
         finished = False
         try:
             yield chunk(proto.DeltaMessage(role="assistant", content=""))
@@ -142,7 +223,12 @@ async def _stream_chat(
                     # the image is being drawn and keeps proxies from timing the stream out.
                     yield _progress_comment(out.progress)
                 for delta in await _deltas(out, sent, imaged):
-                    yield chunk(delta)
+                    if not (spoken.hide_text and delta.images is None):
+                        yield chunk(delta)
+                if out.progress is None and out.text_delta is None and out.stage_id not in voiced:
+                    voiced.add(out.stage_id)
+                    for delta in await _audio_deltas(out, spoken, audio_id):
+                        yield chunk(delta)
                 if out.finished:
                     break
                 out = await agen.__anext__()

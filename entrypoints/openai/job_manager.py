@@ -33,9 +33,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omni_runtime import encoders
+from omni_runtime.bounds import MAX_SPEECH_CHARS
 from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, UnavailableError
-from omni_runtime.media import ImageItem, VideoItem, items_of
+from omni_runtime.media import AudioItem, ImageItem, VideoItem, items_of
 from omni_runtime.outputs import RequestProgress
+from omni_runtime.params import SpeechSamplingParams
 
 from ..async_omni import AsyncOmni, ValidRequest
 from ..jobs.record import JobRecord
@@ -78,6 +80,9 @@ JOB_IMAGE_FIELDS = FieldMap(
         "inputs.size": ("width", "height"),
         "inputs.num_frames": "num_frames",
         "inputs.fps": "fps",
+        "inputs.seconds": "audio_end_in_s",
+        "inputs.audio_start_in_s": "audio_start_in_s",
+        "inputs.num_waveforms_per_prompt": "num_waveforms_per_prompt",
     },
     read={"inputs.size": lambda body: body.inputs.dimensions()},
     computed={"inputs.prompt": "prompt", "inputs.image": "image"},
@@ -85,13 +90,23 @@ JOB_IMAGE_FIELDS = FieldMap(
 JOB_SHARED_FIELDS = FieldMap(
     {"config.timeout": "timeout", "priority": "priority"}, read={"priority": lambda body: body.priority or None}
 )
+#: Task ``text2speech``: its fields go to the speech stage (the prompt is the text to speak).
+JOB_SPEECH_FIELDS = FieldMap({"inputs.voice": "voice", "inputs.speed": "speed", "inputs.seed": "seed"})
 JOB_FIELDS = JOB_IMAGE_FIELDS | JOB_SHARED_FIELDS
 #: The media kind each task makes.
-TASK_KINDS = {"text2image": "image", "text2video": "video", "image2video": "video"}
+TASK_KINDS = {
+    "text2image": "image",
+    "text2video": "video",
+    "image2video": "video",
+    "text2audio": "audio",
+    "text2speech": "audio",
+}
 #: Tasks whose ``inputs.image`` is required (the others take none).
 IMAGE_TASKS = frozenset({"image2video"})
 #: The file format of a video result, and of its poster (the first frame).
 VIDEO_FORMAT, POSTER_FORMAT = "mp4", "png"
+#: The file format of a result when ``config.output_format`` is unset, by the kind the task makes.
+DEFAULT_FORMATS = {"image": "png", "audio": "wav"}
 
 
 @dataclass(frozen=True)
@@ -267,9 +282,25 @@ class JobManager:
 
     async def _validate(self, omni: AsyncOmni, body: GenerateRequest) -> ValidRequest:
         kind = TASK_KINDS[body.task]
-        if (self.state.video_stage if kind == "video" else self.state.image_stage) is None:
+        stages = {"image": self.state.image_stage, "video": self.state.video_stage, "audio": self.state.audio_stage}
+        if stages[kind] is None:
             message = f"the model `{self.state.model_name}` has no {kind} output (task `{body.task}`)"
             raise ApiError(400, message, param="model", code=f"no_{kind}")
+        fmt = body.config.output_format
+        if fmt is not None and kind != "video" and fmt not in encoders.formats(kind):
+            known = list(encoders.formats(kind))
+            message = f"task `{body.task}` makes {kind}; `config.output_format` is one of {known}"
+            raise ApiError(400, message, param="config.output_format", code="invalid_value")
+        if body.task == "text2speech":
+            return self._validate_speech(omni, body)
+        if body.inputs.voice is not None or body.inputs.speed is not None:
+            field = "inputs.voice" if body.inputs.voice is not None else "inputs.speed"
+            message = f"task `{body.task}` takes no `{field}`; speech is task `text2speech`"
+            raise ApiError(400, message, param=field, code="invalid_value")
+        diffusion = {s.stage_id for s in omni.resolved.stages if s.takes_image_params}
+        if kind == "audio" and stages[kind] not in diffusion:
+            message = f"the model `{self.state.model_name}` makes speech, not text-to-audio clips (task `text2speech`)"
+            raise ApiError(400, message, param="task", code="no_audio")
         # ``priority`` reaches every stage whose params take it (and none where no params class does).
         try:
             image = await self._input_image(omni, body)
@@ -279,6 +310,26 @@ class JobManager:
             return omni.validate(body.inputs.prompt, params, modalities=[kind])
         except InvalidRequestError as e:
             JOB_FIELDS.rename(e)
+            raise
+
+    def _validate_speech(self, omni: AsyncOmni, body: GenerateRequest) -> ValidRequest:
+        """Task ``text2speech``: the prompt spoken by the model's speech stage, with ``voice``,
+        ``speed`` and ``seed``; the diffusion fields are refused, as the stage has none of them."""
+        if not any(issubclass(s.params_cls, SpeechSamplingParams) for s in omni.resolved.stages):
+            message = f"the model `{self.state.model_name}` has no speech stage (task `text2speech`)"
+            raise ApiError(400, message, param="model", code="no_speech")
+        given = [f for f in JOB_IMAGE_FIELDS.params(body) if f != "seed"] + ["image"] * (body.inputs.image is not None)
+        if given:
+            field = JOB_FIELDS.field(given[0])
+            raise ApiError(400, f"task `text2speech` takes no `{field}`", param=field, code="invalid_value")
+        if len(body.inputs.prompt) > MAX_SPEECH_CHARS:
+            message = f"the text to speak is {len(body.inputs.prompt)} characters; the limit is {MAX_SPEECH_CHARS}"
+            raise ApiError(400, message, param="inputs.prompt", code="invalid_value")
+        try:
+            params = omni.sampling_params(shared=JOB_SPEECH_FIELDS.params(body) | JOB_SHARED_FIELDS.params(body))
+            return omni.validate(body.inputs.prompt, params, modalities=["audio"])
+        except InvalidRequestError as e:
+            (JOB_SPEECH_FIELDS | JOB_SHARED_FIELDS).rename(e)
             raise
 
     async def _input_image(self, omni: AsyncOmni, body: GenerateRequest) -> dict[str, Any]:
@@ -477,9 +528,12 @@ class JobManager:
 
     async def _result(self, record: JobRecord, out: Any) -> dict[str, Any]:
         request = GenerateRequest.model_validate(record.request | {"async_run": True})
-        if TASK_KINDS[request.task] == "video":
+        kind = TASK_KINDS[request.task]
+        if kind == "video":
             return await self._video_result(record, out)
-        fmt = request.config.output_format
+        fmt = request.config.output_format or DEFAULT_FORMATS[kind]
+        if kind == "audio":
+            return await self._audio_result(record, out, fmt, request.response_format)
         start = time.time()
         items = [item for item in items_of(out.media, "image") if isinstance(item, ImageItem)]
         blobs = await encoders.encode_all(items, fmt, quality=request.config.output_compression)
@@ -527,6 +581,30 @@ class JobManager:
         first = items[0] if items else None
         size = f"{first.width}x{first.height}" if first else None
         return {"videos": videos, "output_format": VIDEO_FORMAT, "size": size}
+
+    async def _audio_result(self, record: JobRecord, out: Any, fmt: str, response_format: str) -> dict[str, Any]:
+        """Each clip as a ``fmt`` file (the encoder registry's bytes and media type): in the file
+        store (``url``) or inline (``b64_json``), with its rate, channels and length."""
+        start = time.time()
+        items = [item for item in items_of(out.media, "audio") if isinstance(item, AudioItem)]
+        blobs = await encoders.encode_all(items, fmt)
+        base = self._files_base(record)
+        audios = []
+        for item, blob in zip(items, blobs, strict=True):
+            clip: dict[str, Any] = {
+                "seed": item.seed,
+                "sample_rate": item.sample_rate,
+                "channels": item.channels,
+                "duration_s": round(item.duration_s, 6),
+            }
+            if response_format == "url":
+                file_id = await self._put_file(record.job_id, blob, encoders.media_type("audio", fmt))
+                clip |= {"url": f"{base}/v1/files/{file_id}", "file_id": file_id}
+            else:
+                clip["b64_json"] = base64.b64encode(blob).decode()
+            audios.append(clip)
+        record.trace.append(span("encode", start, time.time(), audios=len(audios), format=fmt))
+        return {"audios": audios, "output_format": fmt, "media_type": encoders.media_type("audio", fmt)}
 
     async def _put_file(self, job_id: str, blob: bytes, media_type: str) -> str:
         """Store a result file, waiting out an unreachable file store (Redis) with backoff: the

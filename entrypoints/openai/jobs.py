@@ -16,15 +16,17 @@ WebSocket with an error message, never a cut body.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Query, Request, WebSocket, WebSocketDisconnect
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from omni_runtime import encoders
 from omni_runtime.exceptions import InvalidRequestError, UnavailableError
 
 from ..jobs.store import Event, JobStoreUnavailableError
@@ -109,6 +111,37 @@ async def get_trace(job_id: str, manager: Jobs) -> JSONResponse:
     record = await manager.get_record(job_id)
     body = {"job_id": job_id, "status": record.status, "trace_id": record.trace_id, "spans": record.trace or []}
     return SafeJSONResponse(body)
+
+
+#: A job result's lists of files, and the kind of media each holds.
+RESULT_KINDS = {"images": "image", "videos": "video", "audios": "audio"}
+
+
+@router.get("/jobs/{job_id}/content")
+async def job_content(job_id: str, state: State, manager: Jobs, index: int = Query(0, ge=0, le=1024)) -> Response:
+    """The bytes of the job's ``index``-th file (its first image, video or clip), with the media
+    type its encoder declares: from the file store (``url`` results) or the result itself
+    (``b64_json``). 409 while the job has no result, 404 past its files or once they expired."""
+    record = await manager.get_record(job_id)
+    result = record.result if record.status == "completed" else None
+    if not isinstance(result, dict):
+        raise ApiError(
+            409, f"job `{job_id}` is {record.status}, not completed: it has no content",
+            param="job_id", code="job_not_completed",
+        )  # fmt: skip
+    kind, files = next(((RESULT_KINDS[k], v) for k, v in result.items() if k in RESULT_KINDS), ("", []))
+    if index >= len(files):
+        raise ApiError(404, f"job `{job_id}` has {len(files)} files; no index {index}", param="index", code="not_found")
+    item = files[index]
+    if "b64_json" in item:
+        fmt = str(result.get("output_format"))
+        return Response(base64.b64decode(item["b64_json"]), media_type=encoders.media_type(kind, fmt))
+    file_id = item.get("file_id") or str(item.get("url", "")).rsplit("/", 1)[-1]
+    found = await state.files.get(file_id)
+    if found is None:
+        raise ApiError(404, f"the content of job `{job_id}` has expired", param="job_id", code="not_found")
+    media_type, data, left = found
+    return Response(data, media_type=media_type, headers={"Cache-Control": f"private, max-age={int(left)}"})
 
 
 @router.get("/jobs/{job_id}/events")

@@ -76,6 +76,22 @@ def _image_formats_schema(schema: dict[str, Any]) -> None:
 ImageFormat = Annotated[str, AfterValidator(_image_format), Field(json_schema_extra=_image_formats_schema)]
 
 
+def _job_format(value: str) -> str:
+    known = (*encoders.formats("image"), *encoders.formats("audio"))
+    if value not in known:
+        raise ValueError(f"Input should be one of {', '.join(map(repr, known))}")
+    return value
+
+
+def _job_formats_schema(schema: dict[str, Any]) -> None:
+    schema["enum"] = [*encoders.formats("image"), *encoders.formats("audio")]
+
+
+#: A job's file format: an image format (image tasks) or an audio one (audio tasks); which kind
+#: the task takes is checked with the task (entrypoints/openai/job_manager.py).
+JobFormat = Annotated[str, AfterValidator(_job_format), Field(json_schema_extra=_job_formats_schema)]
+
+
 class UnencodableValue(ValueError):
     """A request value no engine message can carry (a lone surrogate, an integer past 64 bits)."""
 
@@ -269,6 +285,16 @@ class GenerateInputs(_SizedRequest):
     #: The first frame of task ``image2video``: a ``data:image/...;base64,`` URL (remote URLs are
     #: refused, never fetched), decoded and bounded as the images routes' uploads are.
     image: str | None = None
+    #: Length of each clip, seconds (task ``text2audio``: the model's ``audio_end_in_s``).
+    seconds: Annotated[float, Field(**bounds("audio_end_in_s"))] | None = None
+    #: Where each clip starts, seconds (task ``text2audio``).
+    audio_start_in_s: Annotated[float, Field(**bounds("audio_start_in_s"))] | None = None
+    #: Clips to make (task ``text2audio``).
+    num_waveforms_per_prompt: Annotated[int, Field(**bounds("num_waveforms_per_prompt"))] | None = None
+    #: The speaker (task ``text2speech``): the model's own name or an OpenAI voice name.
+    voice: Annotated[str, Field(**bounds("voice"))] | None = None
+    #: How fast to speak (task ``text2speech``).
+    speed: Annotated[float, Field(**bounds("speed"))] | None = None
 
     @model_validator(mode="after")
     def _one_size(self) -> GenerateInputs:
@@ -287,7 +313,8 @@ class GenerateInputs(_SizedRequest):
 class GenerateConfig(_Request):
     """How to run and deliver it: ``config`` of ``POST /v1/generate``."""
 
-    output_format: ImageFormat = "png"
+    #: Unset: ``png`` for an image task, ``wav`` for an audio task (a video is always MP4).
+    output_format: JobFormat | None = None
     output_compression: int | None = Field(None, ge=0, le=100)
     #: The engine's deadline for the generation (seconds), as ``timeout`` on the other routes.
     timeout: Timeout | None = None
@@ -297,7 +324,7 @@ class GenerateRequest(_Request):
     """``POST /v1/generate``: a job. ``async_run`` (the default) answers at once with the queued job;
     ``async_run: false`` waits for the job to end and answers with the same shape."""
 
-    task: Literal["text2image", "text2video", "image2video"]
+    task: Literal["text2image", "text2video", "image2video", "text2audio", "text2speech"]
     model: str | None = None
     inputs: GenerateInputs
     config: GenerateConfig = Field(default_factory=GenerateConfig)
@@ -436,6 +463,22 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class ChatAudio(_Request):
+    """``audio`` of a chat request: the voice and file format of the spoken answer."""
+
+    #: A speaker of the model by name, or an OpenAI voice name (as on ``/v1/audio/speech``).
+    voice: Annotated[str, Field(**bounds("voice"))] | SpeechVoice
+    #: ``pcm16``: raw 16-bit little-endian samples (the one format OpenAI streams).
+    format: Literal["wav", "mp3", "flac", "opus", "pcm16"] = "wav"
+
+    def voice_name(self) -> str:
+        return self.voice if isinstance(self.voice, str) else self.voice.id
+
+    def encoder_format(self) -> str:
+        """The encoder registry's name of :attr:`format`."""
+        return "pcm" if self.format == "pcm16" else self.format
+
+
 class ChatCompletionRequest(_Request):
     """``POST /v1/chat/completions``."""
 
@@ -457,6 +500,8 @@ class ChatCompletionRequest(_Request):
     #: A registered LoRA adapter for the image stages, and its scale (an extension).
     lora: LoraSpec | None = None
     priority: Priority | None = None
+    #: The spoken answer's voice and format (a model with a speech stage; default: wav).
+    audio: ChatAudio | None = None
     # Sent by OpenAI callers; no meaning for this runtime.
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = None
@@ -512,6 +557,8 @@ class ResponseMessage(BaseModel):
     #: An extension: the answer's images, ``{"type": "image_url", "image_url": {"url": "data:..."}}``
     #: each (OpenAI clients keep unknown fields as they are).
     images: list[dict[str, Any]] | None = None
+    #: The spoken answer, as OpenAI has it: ``{"id", "data" (base64), "transcript", "expires_at"}``.
+    audio: dict[str, Any] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -534,6 +581,9 @@ class DeltaMessage(BaseModel):
     content: str | None = None
     #: An extension, as on ResponseMessage: images, once each is drawn.
     images: list[dict[str, Any]] | None = None
+    #: A piece of the spoken answer: ``{"id", "data"}`` (base64), the first one with the
+    #: ``transcript`` and ``expires_at``.
+    audio: dict[str, Any] | None = None
 
 
 class ChunkChoice(BaseModel):

@@ -94,6 +94,7 @@ class ServerState:
         finals = [s for s in config.stage_args if s.final_output]
         self.image_stage = next((s.stage_id for s in finals if s.final_output_type == "image"), None)
         self.video_stage = next((s.stage_id for s in finals if s.final_output_type == "video"), None)
+        self.audio_stage = next((s.stage_id for s in finals if s.final_output_type == "audio"), None)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -41,8 +41,8 @@ DEFAULT_FIXED_KWARGS: Mapping[str, Any] = MappingProxyType({"clean_caption": Fal
 
 #: How a family's pipelines call back after each denoising step (the runner's abort check and
 #: progress): ``on_step_end`` — ``callback_on_step_end(pipe, step, timestep, kwargs)``, with
-#: progress; ``legacy`` — ``callback(step, timestep, latents)`` with ``callback_steps=1``, abort
-#: only; ``none`` — no per-step hook (a wave runs to its end once started).
+#: progress; ``legacy`` — ``callback(step, timestep, latents)`` with ``callback_steps=1``, with
+#: progress too; ``none`` — no per-step hook (a wave runs to its end once started).
 CallbackStyle = Literal["on_step_end", "legacy", "none"]
 
 

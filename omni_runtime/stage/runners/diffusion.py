@@ -483,7 +483,14 @@ class DiffusionRunner(StageRunner):
 
             kwargs["callback_on_step_end"] = on_step_end
         elif style == "legacy":
-            kwargs["callback"] = lambda step, timestep, latents: check_abort()
+            legacy_steps = _total_steps(kwargs) if form.kind == TEXT else None
+
+            def legacy_callback(step: int, timestep: Any, latents: Any) -> None:
+                check_abort()
+                # A text call runs the steps it was asked for; else the step alone is known.
+                ctx.step_progress(ids, step + 1, legacy_steps or step + 1)
+
+            kwargs["callback"] = legacy_callback
             kwargs["callback_steps"] = 1
 
         # 5) The forward, timed alone; a pipeline error propagates for the worker to isolate.

@@ -2,7 +2,7 @@
 of diffusers' SD pipeline defined here, so diffusers cannot find it by name), a builtin model, and
 spec facts that differ from what the runner would derive, so a test sees that they are read: a
 fixed call argument the runner pins, a size floor of 16 (the tiny SD's own step is 8) and the
-legacy ``callback`` / ``callback_steps`` style (abort checks, no progress). A config names this
+legacy ``callback`` / ``callback_steps`` style (abort checks and progress). A config names this
 module in ``runner_args.families``.
 """
 

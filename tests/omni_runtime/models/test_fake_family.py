@@ -4,7 +4,7 @@ stage's ``runner_args.families``: the caller imports it to check the builtin nam
 process before it loads the model. Its spec is what is read: its pipeline class (outside
 diffusers) loads the model, its fixed call argument (no guidance) is applied, its size floor (16,
 where the tiny SD's own step is 8) is the constraint the caller checks, and its callback style
-(legacy: abort checks without progress) is how the runner calls it."""
+(legacy: abort checks and progress, through ``callback``) is how the runner calls it."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_served_by_omni(model_cache: Path, tmp_path: Path) -> None:
 
 def test_the_runner_reads_its_spec(model_cache: Path) -> None:
     """In the stage process' runner: the spec's size floor, and its legacy callback (the abort
-    check runs at each step, no progress is reported: ``callback_on_step_end`` would report it)."""
+    check runs at each step, and each step it did not abort is reported as progress)."""
     stage = msgspec.convert(
         {"stage_id": 0, "stage_type": "diffusion", "model": "builtin:fake-family", "runner_args": {"families": [FAKE]}},
         StageConfig,
@@ -94,9 +94,10 @@ def test_the_runner_reads_its_spec(model_cache: Path) -> None:
     request = RunnerRequest("a", "a fox", {"num_inference_steps": 6, "height": 64, "width": 64, "seed": 1})
     (out,) = runner.execute([request], ctx)
     assert isinstance(out.error, RequestAbortedError)
-    assert progress == []
-    done = runner.execute([request], ExecuteContext(lambda rid: False, progress=lambda *a: progress.append(1)))
-    assert done[0].error is None and progress == []
+    assert progress == [1]  # the first step; the second one aborted
+    steps: list[tuple[int, int]] = []
+    done = runner.execute([request], ExecuteContext(lambda rid: False, progress=lambda ids, *s: steps.append(s)))
+    assert done[0].error is None and steps == [(step, 6) for step in range(1, 7)]
 
 
 def test_served_over_http(model_cache: Path, tmp_path: Path) -> None:
