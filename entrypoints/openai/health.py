@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from omni_runtime.engine.status import ReplicaState, StageStatus
+from omni_runtime.params import SpeechSamplingParams
 
 from . import protocol as proto
 from .dependencies import AUTH, State
@@ -154,19 +155,33 @@ async def metrics(state: State) -> Response:
 
 @router.get("/v1/models", dependencies=[AUTH])
 async def list_models(state: State) -> JSONResponse:
-    card = proto.ModelCard(id=state.model_name, created=state.created, kinds=_kinds(state))
+    card = proto.ModelCard(id=state.model_name, created=state.created, kinds=_kinds(state), tasks=_tasks(state))
     return SafeJSONResponse(proto.ModelList(data=[card]).model_dump())
 
 
 @router.get("/v1/models/{model_id:path}", dependencies=[AUTH])
 async def get_model(model_id: str, state: State) -> JSONResponse:
     state.check_request(model_id)
-    card = proto.ModelCard(id=state.model_name, created=state.created, kinds=_kinds(state))
+    card = proto.ModelCard(id=state.model_name, created=state.created, kinds=_kinds(state), tasks=_tasks(state))
     return SafeJSONResponse(card.model_dump())
 
 
 def _kinds(state: ServerState) -> list[str]:
     return sorted({s.final_output_type for s in state.config.stage_args if s.final_output and s.final_output_type})
+
+
+def _tasks(state: ServerState) -> list[str]:
+    """The ``/v1/generate`` tasks the model serves, by its final stages' outputs (image to video
+    where the video stage's model has that form: a 400 naming it otherwise)."""
+    tasks = []
+    if state.image_stage is not None:
+        tasks.append("text2image")
+    if state.video_stage is not None:
+        tasks += ["text2video", "image2video"]
+    if state.audio_stage is not None:
+        stage = state.resolved.stage(state.audio_stage)
+        tasks.append("text2speech" if issubclass(stage.params_cls, SpeechSamplingParams) else "text2audio")
+    return tasks
 
 
 async def _job_store_status(state: ServerState) -> JobStoreStatus:

@@ -612,6 +612,9 @@ class ModelCard(BaseModel):
     #: What the model makes (its final stages' output types: image, video, audio, text), so that a
     #: client (the playground) offers the right parameters.
     kinds: list[str] = []
+    #: The ``/v1/generate`` tasks it serves (``text2image``, ``text2video``, ``image2video``,
+    #: ``text2audio``, ``text2speech``).
+    tasks: list[str] = []
 
 
 class ModelList(BaseModel):

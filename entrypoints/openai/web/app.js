@@ -7,15 +7,18 @@
   const HISTORY_ITEM = "omni-history";
   const HISTORY_MAX = 50;
   const FINAL = new Set(["completed", "failed", "cancelled"]);
-  const TASKS = { image: "text2image", video: "text2video", audio: "text2audio" };
+  // What the page offers per kind; a model whose audio is speech (task text2speech) is "speech".
+  const TASKS = { image: "text2image", video: "text2video", audio: "text2audio", speech: "text2speech" };
   const models = new Map(); // id -> its kind
   let current = null; // { id, abort: AbortController }
   let results = []; // object URLs of the shown result, revoked when replaced
 
   // ------------------------------------------------------------------ models and params
 
-  function kindOf(kinds) {
-    for (const k of ["video", "image", "audio"]) if (kinds.includes(k)) return k;
+  function kindOf(kinds, tasks) {
+    for (const k of ["video", "image", "audio"]) {
+      if (kinds.includes(k)) return k === "audio" && tasks.includes("text2speech") ? "speech" : k;
+    }
     return kinds[0] || "image";
   }
 
@@ -27,7 +30,7 @@
     select.replaceChildren();
     models.clear();
     for (const card of body.data || []) {
-      const kind = kindOf(Array.isArray(card.kinds) ? card.kinds : []);
+      const kind = kindOf(Array.isArray(card.kinds) ? card.kinds : [], Array.isArray(card.tasks) ? card.tasks : []);
       models.set(card.id, kind);
       const option = el("option", card.id + " (" + kind + ")");
       option.value = card.id;
@@ -55,10 +58,12 @@
     const kind = models.get(model) || "image";
     const inputs = { prompt: byId("prompt").value };
     const negative = byId("negative").value;
-    if (negative) inputs.negative_prompt = negative;
+    if (negative && !byId("negative").closest("label").hidden) inputs.negative_prompt = negative;
+    const voice = byId("voice").value.trim();
+    if (voice && !byId("voice").closest("label").hidden) inputs.voice = voice;
     const fields = {
       width: "width", height: "height", num_inference_steps: "steps", guidance_scale: "guidance",
-      seed: "seed", num_frames: "frames", fps: "fps",
+      seed: "seed", num_frames: "frames", fps: "fps", speed: "speed", seconds: "seconds",
     };
     for (const [field, id] of Object.entries(fields)) {
       const value = numberOf(id);

@@ -201,3 +201,8 @@ def test_the_engine_still_serves_after_the_hostile_input(http, server, stage_pid
     samples, rate = decode(content.content)
     assert rate == RATE and samples.shape[1] == CHANNELS
     assert [p.pid for p in server.stage_processes()] == [stage_pid]
+
+
+def test_the_model_card_names_its_task(http: httpx.Client) -> None:
+    (card,) = http.get("/v1/models").json()["data"]
+    assert card["kinds"] == ["audio"] and card["tasks"] == ["text2audio"]

@@ -190,3 +190,9 @@ def test_the_server_serves_after_the_hostile_values(client: openai.OpenAI, pcm: 
         model="tiny-tts", voice="alloy", input=TEXT, response_format="pcm", extra_body={"seed": 5}
     ).content
     assert np.array_equal(np.frombuffer(data, dtype="<i2"), pcm)
+
+
+def test_the_model_card_says_it_speaks(http: httpx.Client) -> None:
+    # The playground picks its fields and its /v1/generate task from these.
+    (card,) = http.get("/v1/models").json()["data"]
+    assert card["kinds"] == ["audio"] and card["tasks"] == ["text2speech"]
