@@ -29,6 +29,7 @@ import msgspec
 import numpy as np
 import torch
 
+from omni_runtime.acceleration import cache_key
 from omni_runtime.config import EngineArgs, StageConfig, TorchCompile
 from omni_runtime.exceptions import RequestAbortedError, RequestError, StageAsleepError
 from omni_runtime.media import image_items, video_items
@@ -36,6 +37,13 @@ from omni_runtime.messages import StageConstraints
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.models.families import DEFAULT_FIXED_KWARGS, CallbackStyle, for_pipeline, import_family_modules
 from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
+from omni_runtime.stage.runners.acceleration import (
+    StepCacheControl,
+    apply_memory_options,
+    check_components,
+    quantization_kwargs,
+    weight_bytes,
+)
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner, StepResult
 from omni_runtime.stage.runners.diffusion_steps import StepFamily, StepState, step_family
 from omni_runtime.stage.runners.image_inputs import TEXT, PipelineForm, PipelineForms, image_call_kwargs, size_kwargs
@@ -143,6 +151,9 @@ class DiffusionRunner(StageRunner):
         self._states: dict[str, StepState] = {}
         #: The text / image / inpaint forms of the loaded model (image_inputs.py).
         self._forms: PipelineForms | None = None
+        #: The denoiser's cache hooks and block counts; resident weight bytes per component.
+        self.cache: StepCacheControl | None = None
+        self._weight_bytes: dict[str, int] = {}
         self.loras = LoraAdapters(
             stage.engine_args.loras, stage.engine_args.max_loras, stage.engine_args.max_lora_file_mb * 2**20
         )
@@ -206,12 +217,14 @@ class DiffusionRunner(StageRunner):
         spec = for_pipeline(_index_class_name(self._model_dir))
         if spec is not None and spec.pipeline_class:
             pipeline_cls = spec.load_pipeline_class()
+        args = self.stage.engine_args
         pipe = pipeline_cls.from_pretrained(
-            self._model_dir, dtype=getattr(torch, self.stage.engine_args.dtype), local_files_only=True
+            self._model_dir, dtype=getattr(torch, args.dtype), local_files_only=True, **quantization_kwargs(args)
         )
-        pipe = pipe.to(self.device)
+        check_components(pipe, args)
+        pipe, applied = apply_memory_options(pipe, args, self.device)
         pipe.set_progress_bar_config(disable=True)
-        applied = apply_engine_options(pipe, self.stage.engine_args)
+        applied += apply_engine_options(pipe, args)
         if applied:
             logger.info("stage %d: %s", self.stage.stage_id, ", ".join(applied))
         # The text, img2img and inpainting forms of this model (ConfigError for a pipeline whose
@@ -221,6 +234,8 @@ class DiffusionRunner(StageRunner):
         text = self._forms.text
         self.pipe = pipe = text.pipe if text is not None else pipe
         self.loras.bind(pipe)
+        self.cache = StepCacheControl(pipe, args.cache, spec.name if spec is not None else type(pipe).__name__)
+        self._weight_bytes = weight_bytes(pipe)
         self._step_family, self._step_reason = step_family(pipe, self.device)
         if self._step_family is not None and "image" in self._forms.forms:
             self._step_family.image_pipe = self._forms.forms["image"].pipe
@@ -231,6 +246,8 @@ class DiffusionRunner(StageRunner):
             for form in self._forms.forms.values():
                 form.pipe = None
         self.loras.bind(None)  # the adapters went with the pipeline; the registry stays
+        self.cache = None
+        self._weight_bytes = {}
         self._step_family = None
         self._states.clear()  # the worker fails those requests at the next step boundary
         return release_memory()
@@ -323,7 +340,24 @@ class DiffusionRunner(StageRunner):
             LoraAdapters.key(p.get("lora")),
             # A video's frame count shapes the latents; fps does not (it is the item's).
             (p.get("num_frames") or self._default("num_frames")) if self._video else None,
+            # The cache hooks are the denoiser's: one setting per wave (checked here, so a bad one
+            # is this request's 400 before it queues).
+            self._cache_key(p.get("cache")),
         )
+
+    def _cache_key(self, value: Any) -> str:
+        if value is not None and self.cache is not None:
+            self.cache.resolve(value)
+        return cache_key(value)
+
+    def stats(self) -> dict[str, Any]:
+        """Step-cache block counts (``cache``) and resident weight bytes (``weight_bytes``, total and
+        ``weight_bytes_by_component``) of the loaded model."""
+        return {
+            "cache": self.cache.stats() if self.cache is not None else None,
+            "weight_bytes": sum(self._weight_bytes.values()),
+            "weight_bytes_by_component": dict(self._weight_bytes),
+        }
 
     # ------------------------------------------------------------------ execution
 
@@ -352,10 +386,14 @@ class DiffusionRunner(StageRunner):
 
         if all(ctx.is_aborted(rid) for rid in ids):  # everyone left before the wave started
             return aborted_outputs(0.0)
-        try:  # one adapter (or none) for the whole wave: it is part of the batch key
+        try:  # one adapter (or none) and one cache setting for the whole wave: both are in the key
             self.loras.activate(first.get("lora"))
+            if self.cache is not None:
+                steps = first.get("num_inference_steps") or self._default("num_inference_steps") or 1
+                self.cache.use(self.cache.resolve(first.get("cache")), int(steps))
         except RequestError as e:
             return [RunnerOutput(error=e, metrics=m) for m in metrics]
+        blocks = (self.cache.blocks_called, self.cache.blocks_run) if self.cache is not None else (0, 0)
 
         # 2) One generator per output image, in the pipeline's prompt-major order (req0's k images,
         #    then req1's...); image j of a request uses seed + j, whatever its batch-mates.
@@ -454,6 +492,10 @@ class DiffusionRunner(StageRunner):
                 out.metrics["first_step_ms"] = (first_step[0] - called) * 1e3
             if decode_ms is not None:
                 out.metrics["decode_ms"] = decode_ms
+            if self.cache is not None:  # the wave's denoiser blocks (each wave's outputs carry the same)
+                out.metrics["cache_blocks_called"] = self.cache.blocks_called - blocks[0]
+                out.metrics["cache_blocks_run"] = self.cache.blocks_run - blocks[1]
+            out.metrics["weight_bytes"] = sum(self._weight_bytes.values())
             if output_type == "latent":
                 # float() first: numpy has no bfloat16.
                 latents = part.detach().float().cpu() if torch.is_tensor(part) else part
@@ -514,6 +556,8 @@ class DiffusionRunner(StageRunner):
         steps = p.get("num_inference_steps") or self._default("num_inference_steps")
         if not steps:
             raise ValueError("num_inference_steps is not set and the pipeline has no default")
+        if p.get("cache") not in (None, "off"):
+            raise ValueError("a request's `cache` does not run in step execution yet; send it without `cache`")
         if p.get("mask_image") is not None or (p.get("image") is not None and not self._family.takes_images):
             # Refused before the queue (constraints); a direct call still gets a clear error.
             raise ValueError("this input image request does not run step by step (see the stage's image_inputs)")
