@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -130,6 +130,19 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.cache_blocks = Counter(
+            "omni_stage_cache_blocks",
+            "Denoiser transformer blocks called per stage, by outcome: run, or skipped by a step cache "
+            "(output metrics cache_blocks_called / cache_blocks_run, once per wave).",
+            ["stage", "outcome"],
+            registry=r,
+        )
+        self.weight_bytes = Gauge(
+            "omni_stage_weight_bytes",
+            "Bytes of model weights resident in a stage replica (after quantization or casting).",
+            ["stage"],
+            registry=r,
+        )
         #: (stage, replica, batch id) of waves already observed, so a wave of 8 counts once.
         self._waves: OrderedDict[tuple[Any, Any, Any], None] = OrderedDict()
         r.register(_EngineCollector(health))
@@ -162,6 +175,12 @@ class ServerMetrics:
             if len(self._waves) > 4096:
                 self._waves.popitem(last=False)
         self.wave_seconds.labels(str(sid)).observe(execution / 1000.0)
+        called, ran, weights = (metrics.get(k) for k in ("cache_blocks_called", "cache_blocks_run", "weight_bytes"))
+        if isinstance(called, int) and isinstance(ran, int) and called >= ran >= 0:
+            self.cache_blocks.labels(str(sid), "run").inc(ran)
+            self.cache_blocks.labels(str(sid), "skipped").inc(called - ran)
+        if isinstance(weights, int | float):
+            self.weight_bytes.labels(str(sid)).set(weights)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
