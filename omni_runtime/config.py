@@ -166,6 +166,14 @@ class TorchCompile(msgspec.Struct, **_Struct):
     fullgraph: bool = False
     #: None: let torch decide (it recompiles with dynamic shapes after a second size).
     dynamic: bool | None = None
+    #: Compile only the denoiser's repeated blocks (diffusers' ``compile_repeated_blocks``; the flux
+    #: and wan transformers, the sd and sdxl UNets): one compilation serves every block of a kind, so
+    #: it takes a fraction of the time.
+    regional: bool = False
+    #: Run one image at the native size and default step count at load, so the compilation is paid
+    #: at start-up (the time is logged and in ``get_stats`` as ``compile_warmup_s``), not by the
+    #: first request; other sizes still compile on first use.
+    warmup: bool = False
 
 
 class EngineArgs(msgspec.Struct, **_Struct):

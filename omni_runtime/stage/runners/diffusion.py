@@ -31,7 +31,7 @@ import torch
 
 from omni_runtime.acceleration import cache_key
 from omni_runtime.config import EngineArgs, StageConfig, TorchCompile
-from omni_runtime.exceptions import RequestAbortedError, RequestError, StageAsleepError
+from omni_runtime.exceptions import ConfigError, RequestAbortedError, RequestError, StageAsleepError
 from omni_runtime.media import image_items, video_items
 from omni_runtime.messages import StageConstraints
 from omni_runtime.models.builtin import resolve_model
@@ -103,10 +103,26 @@ def apply_engine_options(pipe: Any, args: EngineArgs) -> list[str]:
     if args.torch_compile:
         options = args.torch_compile if isinstance(args.torch_compile, TorchCompile) else TorchCompile()
         module = denoiser(pipe)
+        compile_kwargs = {
+            "backend": options.backend,
+            "mode": options.mode,
+            "fullgraph": options.fullgraph,
+            "dynamic": options.dynamic,
+        }
         # In place (the module stays the pipeline's, so its config and hooks are as they were);
         # compilation itself happens at the first forward of each shape.
-        module.compile(backend=options.backend, mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic)
-        applied.append(f"torch.compile of the {type(module).__name__} ({options.backend})")
+        if options.regional:
+            if not getattr(module, "_repeated_blocks", None):
+                raise ConfigError(
+                    f"{type(module).__name__} names no repeated blocks for diffusers' regional compilation "
+                    "(the flux and wan transformers and the UNets do); drop regional",
+                    path="engine_args.torch_compile.regional",
+                )
+            module.compile_repeated_blocks(**compile_kwargs)
+        else:
+            module.compile(**compile_kwargs)
+        where = "repeated blocks" if options.regional else type(module).__name__
+        applied.append(f"torch.compile of the {where} ({options.backend})")
     return applied
 
 
@@ -154,6 +170,8 @@ class DiffusionRunner(StageRunner):
         #: The denoiser's cache hooks and block counts; resident weight bytes per component.
         self.cache: StepCacheControl | None = None
         self._weight_bytes: dict[str, int] = {}
+        #: Seconds the compile warm-up took at load (None: none ran).
+        self._warmup_s: float | None = None
         self.loras = LoraAdapters(
             stage.engine_args.loras, stage.engine_args.max_loras, stage.engine_args.max_lora_file_mb * 2**20
         )
@@ -201,6 +219,21 @@ class DiffusionRunner(StageRunner):
         self._step_limits = step_constraints(pipe.scheduler) if hasattr(pipe, "scheduler") else StageConstraints()
         self._fixed_kwargs = dict(spec.fixed_kwargs if spec is not None else DEFAULT_FIXED_KWARGS)
         self._callback = spec.callback if spec is not None else None
+        compile_options = self.stage.engine_args.torch_compile
+        if isinstance(compile_options, TorchCompile) and compile_options.warmup:
+            self._compile_warmup()
+
+    def _compile_warmup(self) -> None:
+        """One image at the native size and the stage's default params, so the denoiser's first
+        compilation is paid at start-up."""
+        start = time.perf_counter()
+        params = {**self.stage.default_sampling_params, "seed": 0, "output_type": "latent", "cache": "off"}
+        request = RunnerRequest(request_id="compile-warmup", prompt="warm-up", params=params)
+        (out,) = self.execute([request], ExecuteContext(lambda rid: False))
+        if out.error is not None:
+            raise out.error
+        self._warmup_s = time.perf_counter() - start
+        logger.info("stage %d: compiled in a %.1f s warm-up", self.stage.stage_id, self._warmup_s)
 
     def _load_pipeline(self) -> None:
         from diffusers import DiffusionPipeline
@@ -357,6 +390,7 @@ class DiffusionRunner(StageRunner):
             "cache": self.cache.stats() if self.cache is not None else None,
             "weight_bytes": sum(self._weight_bytes.values()),
             "weight_bytes_by_component": dict(self._weight_bytes),
+            "compile_warmup_s": self._warmup_s,
         }
 
     # ------------------------------------------------------------------ execution

@@ -4,7 +4,6 @@ layerwise casting shrink the stored weights within a tolerance; refusals at load
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -30,28 +29,30 @@ TOLERANCE = 0.05
 SKIPPING = {"type": "first_block", "threshold": 1.0}
 
 
-def load(model: str, tmp: pytest.TempPathFactory, **engine_args: Any) -> DiffusionRunner:
+def load(model: str, defaults: dict | None = None, **engine_args: Any) -> DiffusionRunner:
     stage = msgspec.convert(
-        {"stage_id": 0, "stage_type": "diffusion", "model": model, "engine_args": engine_args}, StageConfig
+        {
+            "stage_id": 0,
+            "stage_type": "diffusion",
+            "model": model,
+            "engine_args": engine_args,
+            "default_sampling_params": defaults or {},
+        },
+        StageConfig,
     )
     r = DiffusionRunner(stage)
     r.load()
     return r
 
 
-@pytest.fixture(scope="module")
-def threads(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMNI_RUNTIME_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
-    torch.set_num_threads(saved)
+@pytest.fixture(scope="module", autouse=True)
+def _cache(model_cache: object) -> None:
+    """A private model cache and one torch thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
-def flux(threads: None, tmp_path_factory: pytest.TempPathFactory) -> DiffusionRunner:
-    return load("builtin:tiny-flux", tmp_path_factory)
+def flux() -> DiffusionRunner:
+    return load("builtin:tiny-flux")
 
 
 @pytest.fixture(scope="module")
@@ -120,14 +121,10 @@ def test_weight_bytes_reported(flux: DiffusionRunner) -> None:
     assert by["transformer"] == sum(p.numel() * 4 for p in flux.pipe.transformer.parameters())
 
 
-def test_int8_weights_and_layerwise_casting(
-    flux: DiffusionRunner, plain: np.ndarray, tmp_path_factory: pytest.TempPathFactory
-) -> None:
+def test_int8_weights_and_layerwise_casting(flux: DiffusionRunner, plain: np.ndarray) -> None:
     pytest.importorskip("torchao", reason="quantization needs the accel extra (make installs it)")
     full = flux.stats()["weight_bytes_by_component"]["transformer"]
-    quantized = load(
-        "builtin:tiny-flux", tmp_path_factory, quantization={"quant_type": "int8wo", "components": ["transformer"]}
-    )
+    quantized = load("builtin:tiny-flux", quantization={"quant_type": "int8wo", "components": ["transformer"]})
     q_bytes = quantized.stats()["weight_bytes_by_component"]["transformer"]
     # Linear weights at 1 byte instead of 4, with a float32 scale per row; norms and biases stay float32.
     assert q_bytes <= full / 2
@@ -135,7 +132,6 @@ def test_int8_weights_and_layerwise_casting(
     del quantized
     cast = load(
         "builtin:tiny-flux",
-        tmp_path_factory,
         layerwise_casting={"storage_dtype": "float8_e4m3fn", "compute_dtype": "float32"},
     )
     # diffusers keeps embeddings, norms (their modulation layers too) and the output projection in
@@ -147,6 +143,6 @@ def test_int8_weights_and_layerwise_casting(
     assert float(np.abs(image(cast, cache="off") - plain).max()) < TOLERANCE
 
 
-def test_cache_refused_for_unet_family(threads: None, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_cache_refused_for_unet_family() -> None:
     with pytest.raises(ConfigError, match=r"engine_args\.cache\.type.*sd family's UNet2DConditionModel"):
-        load("builtin:tiny-sd", tmp_path_factory, cache={"type": "first_block"})
+        load("builtin:tiny-sd", cache={"type": "first_block"})
