@@ -163,8 +163,13 @@ class StepCacheControl:
         self._applied: tuple[StepCache, int] | None = None
         self.blocks_called = 0
         self.blocks_run = 0
-        blocks = [b for name in BLOCK_LISTS for b in getattr(self.module, name, None) or ()]
-        for block in blocks:
+        self._counting = False
+
+    def _count_blocks(self) -> None:
+        """Counting hooks on the denoiser's blocks, from the first wave that caches on (a stage that
+        never caches keeps its blocks free of hooks, for torch.compile's sake)."""
+        self._counting = True
+        for block in [b for name in BLOCK_LISTS for b in getattr(self.module, name, None) or ()]:
             block.register_forward_pre_hook(self._called)
             _probe(block).register_forward_pre_hook(self._ran)
 
@@ -196,6 +201,8 @@ class StepCacheControl:
     def use(self, cache: StepCache | None, steps: int) -> None:
         """Hooks set for a wave of ``steps`` steps with ``cache`` (None: no caching), their state reset."""
         wanted = (cache, steps) if cache is not None else None
+        if cache is not None and not self._counting:
+            self._count_blocks()
         if wanted != self._applied:
             if self._applied is not None:
                 self.module.disable_cache()
@@ -242,7 +249,8 @@ class StepCacheControl:
         raise InvalidRequestError(f"cache type {cache_type(cache)!r} is not served", param="cache")
 
     def stats(self) -> dict[str, Any]:
-        """Blocks called and run since the stage loaded; ``hit_rate``: the share skipped."""
+        """Blocks called and run since the first wave that cached (counted from then on, cached or
+        not); ``hit_rate``: the share skipped."""
         skipped = self.blocks_called - self.blocks_run
         return {
             "enabled": self.unsupported is None,
