@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[test,bench,ray,otel]"
+	$(PIP) install -q -c constraints.txt -e ".[test,bench,ray,otel,accel]"
 	touch $@
 
 serve: $(STAMP)
@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.transfer
 	$(PY) -m benchmarks.http
 	$(PY) -m benchmarks.jobs
+	$(PY) -m benchmarks.acceleration
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

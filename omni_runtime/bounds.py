@@ -118,6 +118,15 @@ REQUEST_BOUNDS: dict[str, Bounds] = {
     "lora.name": Bounds(pattern=LORA_NAME_PATTERN),
     "lora.scale": Bounds(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE),
     "lora.path": Bounds(min_length=1, max_length=MAX_LORA_PATH_CHARS),
+    # Step caching (``cache`` and ``engine_args.cache``; omni_runtime/acceleration.py).
+    "cache.threshold": Bounds(ge=0, le=10),
+    "cache.cache_interval": Bounds(ge=1, le=100),
+    "cache.disable_cache_before_step": Bounds(ge=0, le=1000),
+    "cache.disable_cache_after_step": Bounds(ge=0, le=1000),
+    "cache.max_order": Bounds(ge=0, le=4),
+    "cache.max_skip_steps": Bounds(ge=1, le=1000),
+    "cache.retention_ratio": Bounds(ge=0, le=1),
+    "cache.spatial_attention_block_skip_range": Bounds(ge=2, le=100),
     # Text.
     "max_tokens": Bounds(ge=1, le=8192),
     #: OpenAI's range; past 2 sampling is noise.

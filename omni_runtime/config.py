@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 import yaml
 
+from omni_runtime.acceleration import LayerwiseCasting, Offload, Quantization, StepCache, check_acceleration
 from omni_runtime.bounds import FIELD_BOUNDS, LORA_NAME_PATTERN
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
 from omni_runtime.media import OUTPUT_TYPES, OutputType
@@ -165,6 +166,14 @@ class TorchCompile(msgspec.Struct, **_Struct):
     fullgraph: bool = False
     #: None: let torch decide (it recompiles with dynamic shapes after a second size).
     dynamic: bool | None = None
+    #: Compile only the denoiser's repeated blocks (diffusers' ``compile_repeated_blocks``; the flux
+    #: and wan transformers, the sd and sdxl UNets): one compilation serves every block of a kind, so
+    #: it takes a fraction of the time.
+    regional: bool = False
+    #: Run one image at the native size and default step count at load, so the compilation is paid
+    #: at start-up (the time is logged and in ``get_stats`` as ``compile_warmup_s``), not by the
+    #: first request; other sizes still compile on first use.
+    warmup: bool = False
 
 
 class EngineArgs(msgspec.Struct, **_Struct):
@@ -232,6 +241,16 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: Largest LoRA adapter file a stage opens, in MiB: a bigger one is refused from its size
     #: alone, before a byte is read (adapters are megabytes; a file of gigabytes is a mistake).
     max_lora_file_mb: Annotated[int, msgspec.Meta(ge=1, le=64 * 1024)] = 2048
+    #: Step caching of the denoiser (diffusers' cache hooks): ``{type: first_block | taylorseer |
+    #: mag | pab, ...}`` (omni_runtime/acceleration.py); requests may override it with ``cache``.
+    cache: StepCache | None = None
+    #: Weights quantized at load (torchao through diffusers): ``{quant_type: int8wo, components: [transformer]}``.
+    quantization: Quantization | None = None
+    #: The denoiser's weights stored in a small dtype and cast per layer as it runs.
+    layerwise_casting: LayerwiseCasting | None = None
+    #: Weights kept in CPU memory and moved to the accelerator per model, per layer or per group of
+    #: blocks (``model | sequential | group``); needs a non-CPU ``runtime.devices``.
+    offload: Offload | None = None
 
     def __post_init__(self) -> None:
         for name, path in self.loras.items():
@@ -366,6 +385,8 @@ def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
     if found is not None:
         raise ConfigError(found[1], path=found[0], source=source)
     validate_graph(config, source)
+    for i, s in enumerate(config.stage_args):
+        check_acceleration(s.engine_args, s.runtime.devices, f"stage_args[{i}]", source, s.engine_args.step_execution)
     return config
 
 

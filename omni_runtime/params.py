@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 import numpy as np
 
+from omni_runtime.acceleration import StepCache
 from omni_runtime.bounds import LORA_NAME_PATTERN as LORA_NAME_PATTERN
 from omni_runtime.bounds import MAX_LORA_SCALE as MAX_LORA_SCALE
 from omni_runtime.bounds import MAX_PROMPT_CHARS as MAX_PROMPT_CHARS
@@ -115,6 +116,9 @@ class DiffusionSamplingParams(SamplingParams):
     audio_start_in_s: Annotated[float, meta("audio_start_in_s")] | None = None
     #: Clips per prompt (an audio model only; the audio pipelines' name for ``num_images_per_prompt``).
     num_waveforms_per_prompt: Annotated[int, meta("num_waveforms_per_prompt")] | None = None
+    #: Step caching for this request: ``{"type": "first_block", "threshold": 0.1}`` (the fields of
+    #: ``engine_args.cache``), or ``"off"``; unset: the stage's ``engine_args.cache``.
+    cache: StepCache | Literal["off"] | None = None
 
 
 class TextSamplingParams(SamplingParams):
@@ -319,9 +323,14 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
     # extra ones) can travel; the error names the path of what cannot.
     check_encodable(merged, "")
     assert typed is not None  # only an unencodable key fails the conversion without a ValidationError
-    # ``lora`` travels as a plain dict of its set fields, like the rest of the params.
+    # ``lora`` travels as a plain dict of its set fields, ``cache`` as its dict with ``type``, like
+    # the rest of the params.
     fields = {
-        k: {f: x for f, x in msgspec.structs.asdict(v).items() if x is not None} if isinstance(v, LoraRequest) else v
+        k: {f: x for f, x in msgspec.structs.asdict(v).items() if x is not None}
+        if isinstance(v, LoraRequest)
+        else msgspec.to_builtins(v)
+        if k == "cache"
+        else v
         for k, v in msgspec.structs.asdict(typed).items()
         if v is not None
     }

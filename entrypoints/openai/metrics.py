@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -136,6 +136,19 @@ class ServerMetrics:
         #: quantiles of ``GET /v1/status`` (a histogram's buckets are too coarse for a p99).
         self.recent_e2e: deque[float] = deque(maxlen=RECENT)
         self.recent_waves: dict[int, deque[float]] = {}
+        self.cache_blocks = Counter(
+            "omni_stage_cache_blocks",
+            "Denoiser transformer blocks called per stage, by outcome: run, or skipped by a step cache "
+            "(output metrics cache_blocks_called / cache_blocks_run, once per wave).",
+            ["stage", "outcome"],
+            registry=r,
+        )
+        self.weight_bytes = Gauge(
+            "omni_stage_weight_bytes",
+            "Bytes of model weights resident in a stage replica (after quantization or casting).",
+            ["stage"],
+            registry=r,
+        )
         #: (stage, replica, batch id) of waves already observed, so a wave of 8 counts once.
         self._waves: OrderedDict[tuple[Any, Any, Any], None] = OrderedDict()
         r.register(_EngineCollector(health))
@@ -170,6 +183,12 @@ class ServerMetrics:
                 self._waves.popitem(last=False)
         self.wave_seconds.labels(str(sid)).observe(execution / 1000.0)
         self.recent_waves.setdefault(sid, deque(maxlen=RECENT)).append(execution / 1000.0)
+        called, ran, weights = (metrics.get(k) for k in ("cache_blocks_called", "cache_blocks_run", "weight_bytes"))
+        if isinstance(called, int) and isinstance(ran, int) and called >= ran >= 0:
+            self.cache_blocks.labels(str(sid), "run").inc(ran)
+            self.cache_blocks.labels(str(sid), "skipped").inc(called - ran)
+        if isinstance(weights, int | float):
+            self.weight_bytes.labels(str(sid)).set(weights)
 
     def job_counts(self) -> dict[str, int]:
         """How many jobs of this gateway reached each status, from the ``omni_runtime_jobs`` counter."""

@@ -339,4 +339,5 @@ class StageWorker:
             # What torch really runs with (OMP_NUM_THREADS set by the stage process); None if unused.
             "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
             **self.executor.stats(),
+            **self.runner.stats(),
         }

@@ -176,3 +176,12 @@ def test_per_prompt_params_of_a_multi_stage_pipeline_are_lists_of_stage_entries(
         # ...and a list of per-stage lists is per prompt.
         outs = omni.generate(["x", "y"], [[None, {"delay_ms": 1}], [None, {"delay_ms": 30}]], use_tqdm=False)
         assert outs[1].metrics["execution_ms"] >= 30 > outs[0].metrics["execution_ms"]
+
+
+def test_stage_stats_report_weights_and_cache_and_a_unet_refuses_a_cache(sd):
+    stats = sd.collective_rpc("get_stats")[0].result
+    assert stats["weight_bytes"] == sum(stats["weight_bytes_by_component"].values()) > 0
+    assert stats["cache"]["enabled"] is False  # a UNet has no diffusers cache hooks
+    [out] = sd.generate("x", {"cache": {"type": "first_block"}}, use_tqdm=False)  # the stage's 400
+    assert isinstance(out.error, InvalidRequestError) and "CacheMixin" in str(out.error)
+    assert out.error.param == "cache"

@@ -33,7 +33,8 @@ _SCHEMA_BOUNDS = {
 #: Where a field's name in a model differs from its name in the table.
 _ALIASES = {"max_completion_tokens": "max_tokens"}
 #: Nested models whose fields the table names with a prefix.
-_PREFIXES = {"LoraSpec": "lora.", "LoraRequest": "lora."}
+_CACHE_MODELS = ("FirstBlockCache", "TaylorSeerCache", "MagCache", "PyramidAttentionBroadcast", "FasterCache")
+_PREFIXES = {"LoraSpec": "lora.", "LoraRequest": "lora."} | dict.fromkeys(_CACHE_MODELS, "cache.")
 
 
 def _bounds_of(schema: dict[str, Any]) -> dict[str, Any] | None:

@@ -169,6 +169,10 @@ class StageRunner(ABC):
         """Restore what ``sleep`` released."""
         return {}
 
+    def stats(self) -> dict[str, Any]:
+        """The runner's part of the worker's ``get_stats`` (called from the worker's event loop)."""
+        return {}
+
 
 def runner_class(stage_type: str) -> type[StageRunner]:
     """The runner class for a ``stage_type``: a builtin name or ``module:Class``. Raises

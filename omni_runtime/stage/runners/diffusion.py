@@ -29,13 +29,21 @@ import msgspec
 import numpy as np
 import torch
 
+from omni_runtime.acceleration import cache_key
 from omni_runtime.config import EngineArgs, StageConfig, TorchCompile
-from omni_runtime.exceptions import RequestAbortedError, RequestError, StageAsleepError
+from omni_runtime.exceptions import ConfigError, RequestAbortedError, RequestError, StageAsleepError
 from omni_runtime.media import audio_items, image_items, video_items
 from omni_runtime.messages import StageConstraints
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.models.families import DEFAULT_FIXED_KWARGS, CallbackStyle, for_pipeline, import_family_modules
 from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
+from omni_runtime.stage.runners.acceleration import (
+    StepCacheControl,
+    apply_memory_options,
+    check_components,
+    quantization_kwargs,
+    weight_bytes,
+)
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner, StepResult
 from omni_runtime.stage.runners.diffusion_steps import StepFamily, StepState, step_family
 from omni_runtime.stage.runners.image_inputs import TEXT, PipelineForm, PipelineForms, image_call_kwargs, size_kwargs
@@ -104,10 +112,26 @@ def apply_engine_options(pipe: Any, args: EngineArgs) -> list[str]:
     if args.torch_compile:
         options = args.torch_compile if isinstance(args.torch_compile, TorchCompile) else TorchCompile()
         module = denoiser(pipe)
+        compile_kwargs = {
+            "backend": options.backend,
+            "mode": options.mode,
+            "fullgraph": options.fullgraph,
+            "dynamic": options.dynamic,
+        }
         # In place (the module stays the pipeline's, so its config and hooks are as they were);
         # compilation itself happens at the first forward of each shape.
-        module.compile(backend=options.backend, mode=options.mode, fullgraph=options.fullgraph, dynamic=options.dynamic)
-        applied.append(f"torch.compile of the {type(module).__name__} ({options.backend})")
+        if options.regional:
+            if not getattr(module, "_repeated_blocks", None):
+                raise ConfigError(
+                    f"{type(module).__name__} names no repeated blocks for diffusers' regional compilation "
+                    "(the flux and wan transformers and the UNets do); drop regional",
+                    path="engine_args.torch_compile.regional",
+                )
+            module.compile_repeated_blocks(**compile_kwargs)
+        else:
+            module.compile(**compile_kwargs)
+        where = "repeated blocks" if options.regional else type(module).__name__
+        applied.append(f"torch.compile of the {where} ({options.backend})")
     return applied
 
 
@@ -157,6 +181,11 @@ class DiffusionRunner(StageRunner):
         self._states: dict[str, StepState] = {}
         #: The text / image / inpaint forms of the loaded model (image_inputs.py).
         self._forms: PipelineForms | None = None
+        #: The denoiser's cache hooks and block counts; resident weight bytes per component.
+        self.cache: StepCacheControl | None = None
+        self._weight_bytes: dict[str, int] = {}
+        #: Seconds the compile warm-up took at load (None: none ran).
+        self._warmup_s: float | None = None
         self.loras = LoraAdapters(
             stage.engine_args.loras, stage.engine_args.max_loras, stage.engine_args.max_lora_file_mb * 2**20
         )
@@ -208,6 +237,21 @@ class DiffusionRunner(StageRunner):
         self._step_limits = step_constraints(pipe.scheduler) if hasattr(pipe, "scheduler") else StageConstraints()
         self._fixed_kwargs = dict(spec.fixed_kwargs if spec is not None else DEFAULT_FIXED_KWARGS)
         self._callback = spec.callback if spec is not None else None
+        compile_options = self.stage.engine_args.torch_compile
+        if isinstance(compile_options, TorchCompile) and compile_options.warmup:
+            self._compile_warmup()
+
+    def _compile_warmup(self) -> None:
+        """One image at the native size and the stage's default params, so the denoiser's first
+        compilation is paid at start-up."""
+        start = time.perf_counter()
+        params = {**self.stage.default_sampling_params, "seed": 0, "output_type": "latent", "cache": "off"}
+        request = RunnerRequest(request_id="compile-warmup", prompt="warm-up", params=params)
+        (out,) = self.execute([request], ExecuteContext(lambda rid: False))
+        if out.error is not None:
+            raise out.error
+        self._warmup_s = time.perf_counter() - start
+        logger.info("stage %d: compiled in a %.1f s warm-up", self.stage.stage_id, self._warmup_s)
 
     def _load_pipeline(self) -> None:
         from diffusers import DiffusionPipeline
@@ -224,12 +268,14 @@ class DiffusionRunner(StageRunner):
         spec = for_pipeline(_index_class_name(self._model_dir))
         if spec is not None and spec.pipeline_class:
             pipeline_cls = spec.load_pipeline_class()
+        args = self.stage.engine_args
         pipe = pipeline_cls.from_pretrained(
-            self._model_dir, dtype=getattr(torch, self.stage.engine_args.dtype), local_files_only=True
+            self._model_dir, dtype=getattr(torch, args.dtype), local_files_only=True, **quantization_kwargs(args)
         )
-        pipe = pipe.to(self.device)
+        check_components(pipe, args)
+        pipe, applied = apply_memory_options(pipe, args, self.device)
         pipe.set_progress_bar_config(disable=True)
-        applied = apply_engine_options(pipe, self.stage.engine_args)
+        applied += apply_engine_options(pipe, args)
         if applied:
             logger.info("stage %d: %s", self.stage.stage_id, ", ".join(applied))
         # The text, img2img and inpainting forms of this model (ConfigError for a pipeline whose
@@ -239,6 +285,8 @@ class DiffusionRunner(StageRunner):
         text = self._forms.text
         self.pipe = pipe = text.pipe if text is not None else pipe
         self.loras.bind(pipe)
+        self.cache = StepCacheControl(pipe, args.cache, spec.name if spec is not None else type(pipe).__name__)
+        self._weight_bytes = weight_bytes(pipe)
         self._step_family, self._step_reason = step_family(pipe, self.device)
         if self._step_family is not None and "image" in self._forms.forms:
             self._step_family.image_pipe = self._forms.forms["image"].pipe
@@ -249,6 +297,8 @@ class DiffusionRunner(StageRunner):
             for form in self._forms.forms.values():
                 form.pipe = None
         self.loras.bind(None)  # the adapters went with the pipeline; the registry stays
+        self.cache = None
+        self._weight_bytes = {}
         self._step_family = None
         self._states.clear()  # the worker fails those requests at the next step boundary
         return release_memory()
@@ -348,6 +398,9 @@ class DiffusionRunner(StageRunner):
             (p.get("fps") or self._fps) if self._video and "frame_rate" in self._call_params else None,
             # A clip's start and end: the pipeline cuts one span from the whole wave's waveforms.
             self._clip_span(p) if self._sample_rate is not None else None,
+            # The cache hooks are the denoiser's: one setting per wave (checked here, so a bad one
+            # is this request's 400 before it queues).
+            self._cache_key(p.get("cache")),
         )
 
     def video_batch_cap(self, params: dict[str, Any]) -> int | None:
@@ -367,6 +420,21 @@ class DiffusionRunner(StageRunner):
         """An audio request's ``(audio_start_in_s, audio_end_in_s)``, defaults resolved (the end's
         is the model's longest clip)."""
         return float(p.get("audio_start_in_s") or 0.0), float(p.get("audio_end_in_s") or self._max_audio_s or 0.0)
+
+    def _cache_key(self, value: Any) -> str:
+        if value is not None and self.cache is not None:
+            self.cache.resolve(value)
+        return cache_key(value)
+
+    def stats(self) -> dict[str, Any]:
+        """Step-cache block counts (``cache``) and resident weight bytes (``weight_bytes``, total and
+        ``weight_bytes_by_component``) of the loaded model."""
+        return {
+            "cache": self.cache.stats() if self.cache is not None else None,
+            "weight_bytes": sum(self._weight_bytes.values()),
+            "weight_bytes_by_component": dict(self._weight_bytes),
+            "compile_warmup_s": self._warmup_s,
+        }
 
     # ------------------------------------------------------------------ execution
 
@@ -404,10 +472,14 @@ class DiffusionRunner(StageRunner):
 
         if all(ctx.is_aborted(rid) for rid in ids):  # everyone left before the wave started
             return aborted_outputs(0.0)
-        try:  # one adapter (or none) for the whole wave: it is part of the batch key
+        try:  # one adapter (or none) and one cache setting for the whole wave: both are in the key
             self.loras.activate(first.get("lora"))
+            if self.cache is not None:
+                steps = first.get("num_inference_steps") or self._default("num_inference_steps") or 1
+                self.cache.use(self.cache.resolve(first.get("cache")), int(steps))
         except RequestError as e:
             return [RunnerOutput(error=e, metrics=m) for m in metrics]
+        blocks = (self.cache.blocks_called, self.cache.blocks_run) if self.cache is not None else (0, 0)
 
         # 2) One generator per output image, in the pipeline's prompt-major order (req0's k images,
         #    then req1's...); image j of a request uses seed + j, whatever its batch-mates.
@@ -520,6 +592,10 @@ class DiffusionRunner(StageRunner):
                 out.metrics["first_step_ms"] = (first_step[0] - called) * 1e3
             if decode_ms is not None:
                 out.metrics["decode_ms"] = decode_ms
+            if self.cache is not None:  # the wave's denoiser blocks (each wave's outputs carry the same)
+                out.metrics["cache_blocks_called"] = self.cache.blocks_called - blocks[0]
+                out.metrics["cache_blocks_run"] = self.cache.blocks_run - blocks[1]
+            out.metrics["weight_bytes"] = sum(self._weight_bytes.values())
             if output_type == "latent":
                 # float() first: numpy has no bfloat16.
                 latents = part.detach().float().cpu() if torch.is_tensor(part) else part
@@ -594,6 +670,8 @@ class DiffusionRunner(StageRunner):
         steps = p.get("num_inference_steps") or self._default("num_inference_steps")
         if not steps:
             raise ValueError("num_inference_steps is not set and the pipeline has no default")
+        if p.get("cache") not in (None, "off"):
+            raise ValueError("a request's `cache` does not run in step execution yet; send it without `cache`")
         if p.get("mask_image") is not None or (p.get("image") is not None and not self._family.takes_images):
             # Refused before the queue (constraints); a direct call still gets a clear error.
             raise ValueError("this input image request does not run step by step (see the stage's image_inputs)")

@@ -47,3 +47,20 @@ def test_replicas_are_counted_per_node_and_the_dead_engine_shows():
         )
     )
     assert dead[("omni_engine_dead", ())] == 1 and dead[("omni_engine_running", ())] == 0
+
+
+def test_cache_blocks_and_weight_bytes_per_stage_once_per_wave():
+    metrics = ServerMetrics(lambda: None)
+    wave = {"execution_ms": 5.0, "batch_id": 1, "replica_id": 0, "weight_bytes": 1234}
+    for _ in range(2):  # a wave of two requests: both outputs carry the wave's counts
+        metrics.observe_stage(0, {**wave, "cache_blocks_called": 36, "cache_blocks_run": 14})
+    metrics.observe_stage(0, {**wave, "batch_id": 2, "cache_blocks_called": 36, "cache_blocks_run": 36})
+    text = metrics.render().decode()
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert got[("omni_stage_cache_blocks_total", (("outcome", "run"), ("stage", "0")))] == 50
+    assert got[("omni_stage_cache_blocks_total", (("outcome", "skipped"), ("stage", "0")))] == 22
+    assert got[("omni_stage_weight_bytes", (("stage", "0"),))] == 1234

@@ -1,6 +1,6 @@
 """The model-running options of engine_args (channels-last, attention slicing, VAE tiling,
-torch.compile) on real tiny pipelines: applied where the pipeline has a use for them, and the
-image stays the plain pipeline's within float tolerance."""
+torch.compile, regional and warmed up at load) on real tiny pipelines: applied where the pipeline
+has a use for them, and the image stays the plain pipeline's within float tolerance."""
 
 from __future__ import annotations
 
@@ -34,8 +34,10 @@ def _cache(model_cache: object) -> None:
     """A private model cache and one torch thread (tests/conftest.py)."""
 
 
-def loaded(model: str, **engine_args: Any) -> DiffusionRunner:
+def loaded(model: str, defaults: dict | None = None, **engine_args: Any) -> DiffusionRunner:
     data = {"stage_id": 0, "stage_type": "diffusion", "model": model, "engine_args": engine_args}
+    if defaults:
+        data["default_sampling_params"] = defaults
     runner = DiffusionRunner(msgspec.convert(data, StageConfig))
     runner.load()
     return runner
@@ -58,6 +60,24 @@ def test_options_apply_and_leave_the_image_unchanged(model: str) -> None:
         weight = next(p for p in denoiser.parameters() if p.dim() == 4)
         assert weight.is_contiguous(memory_format=torch.channels_last)
     np.testing.assert_allclose(image(tuned), plain, rtol=0, atol=1e-4)
+
+
+def test_regional_compile_is_paid_at_load() -> None:
+    plain = image(loaded("builtin:tiny-sd"))
+    defaults = {k: v for k, v in PARAMS.items() if k not in ("seed", "output_type")}
+    compiled = loaded("builtin:tiny-sd", defaults, torch_compile={"backend": "eager", "regional": True, "warmup": True})
+    unet = compiled.pipe.unet
+    blocks = [m for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock"]
+    assert blocks and all(b._compiled_call_impl is not None for b in blocks)  # each block, not the UNet
+    assert unet._compiled_call_impl is None
+    assert compiled.stats()["compile_warmup_s"] > 0
+    # The warm-up's shapes: served by what it compiled (another size may recompile).
+    np.testing.assert_allclose(image(compiled), plain, rtol=0, atol=1e-4)
+
+
+def test_regional_compile_refused_without_repeated_blocks() -> None:
+    with pytest.raises(ConfigError, match=r"engine_args\.torch_compile\.regional.*SD3Transformer2DModel"):
+        loaded("builtin:tiny-sd3", torch_compile={"backend": "eager", "regional": True})
 
 
 def test_step_execution_stays_supported_with_a_compiled_denoiser() -> None:

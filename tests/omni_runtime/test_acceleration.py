@@ -1,0 +1,114 @@
+"""The acceleration options' declarations and the combinations refused before any model loads."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omni_runtime.acceleration import FirstBlockCache, MagCache, cache_key, parse_cache
+from omni_runtime.config import parse_config
+from omni_runtime.exceptions import ConfigError, InvalidRequestError
+from omni_runtime.params import DiffusionSamplingParams, resolve_params
+
+pytestmark = pytest.mark.unit
+
+BASE: dict[str, Any] = {
+    "stage_args": [
+        {"stage_id": 0, "stage_type": "diffusion", "model": "m", "final_output": True, "final_output_type": "image"}
+    ]
+}
+
+
+def config(engine_args: dict[str, Any], devices: str = "cpu") -> Any:
+    data = copy.deepcopy(BASE)
+    data["stage_args"][0]["engine_args"] = engine_args
+    data["stage_args"][0]["runtime"] = {"devices": devices}
+    return parse_config(data, "accel.yaml")
+
+
+def test_options_decode() -> None:
+    args = (
+        config(
+            {
+                "cache": {"type": "mag", "threshold": 0.1, "max_skip_steps": 2},
+                "quantization": {"quant_type": "int8wo", "components": ["text_encoder"]},
+                "layerwise_casting": {"storage_dtype": "bfloat16"},
+            }
+        )
+        .stage_args[0]
+        .engine_args
+    )
+    assert args.cache == MagCache(threshold=0.1, max_skip_steps=2)
+    assert args.quantization.components == ["text_encoder"]
+    assert args.layerwise_casting.compute_dtype == "float32"
+    assert config({"offload": "group"}, devices="cuda:0").stage_args[0].engine_args.offload == "group"
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "devices", "path", "words"),
+    [
+        ({"cache": {"type": "teacache"}}, "cpu", "engine_args.cache.type", "Invalid value"),
+        ({"cache": {"type": "faster"}}, "cpu", "engine_args.cache.type", "FasterCache"),
+        ({"cache": {"type": "first_block", "threshold": -1}}, "cpu", "engine_args.cache.threshold", ">= 0"),
+        ({"cache": {"type": "pab", "radius": 3}}, "cpu", "engine_args.cache.radius", "unknown key"),
+        ({"cache": {"type": "first_block"}, "step_execution": True}, "cpu", "engine_args.cache", "step execution"),
+        ({"quantization": {"backend": "bnb"}}, "cpu", "engine_args.quantization.backend", "Invalid enum"),
+        ({"quantization": {"quant_type": "float8wo"}}, "cpu", "engine_args.quantization.quant_type", "GPU"),
+        ({"quantization": {}, "layerwise_casting": {}}, "cpu", "engine_args.layerwise_casting", "choose one"),
+        ({"layerwise_casting": {"storage_dtype": "int4"}}, "cpu", "engine_args.layerwise_casting.storage_dtype", ""),
+        ({"offload": "model"}, "cpu", "engine_args.offload", "accelerator"),
+        ({"offload": "sequential"}, "cpu:0", "engine_args.offload", "accelerator"),
+        ({"offload": "disk"}, "cuda", "engine_args.offload", "Invalid enum"),
+        ({"offload": "model", "torch_compile": True}, "cuda", "engine_args.offload", "torch.compile"),
+    ],
+)
+def test_refused_combinations_name_the_yaml_path(
+    engine_args: dict[str, Any], devices: str, path: str, words: str
+) -> None:
+    with pytest.raises(ConfigError, match=words) as e:
+        config(engine_args, devices)
+    assert e.value.path == f"stage_args[0].{path}"
+    assert str(e.value).startswith(f"accel.yaml: stage_args[0].{path}: ")
+
+
+def test_quantizing_another_component_leaves_the_denoiser_to_casting() -> None:
+    args = config({"quantization": {"components": ["text_encoder"]}, "layerwise_casting": {}}).stage_args[0]
+    assert args.engine_args.layerwise_casting is not None
+
+
+def test_request_cache_param_and_key() -> None:
+    given_ = resolve_params(DiffusionSamplingParams, {}, {"cache": {"type": "first_block", "threshold": 0.2}})
+    assert given_["cache"] == {"type": "first_block", "threshold": 0.2}
+    assert parse_cache(given_["cache"]) == FirstBlockCache(threshold=0.2)
+    assert resolve_params(DiffusionSamplingParams, {}, {"cache": "off"})["cache"] == "off"
+    # Equal settings batch together however they were spelt; different ones apart.
+    assert cache_key({"type": "first_block", "threshold": 0.05}) == cache_key({"type": "first_block"})
+    keys = {cache_key(v) for v in (None, "off", {"type": "first_block"}, {"type": "mag"}, {"type": "pab"})}
+    assert len(keys) == 5
+    with pytest.raises(InvalidRequestError, match=r"`cache\.threshold`"):
+        resolve_params(DiffusionSamplingParams, {}, {"cache": {"type": "first_block", "threshold": 11}})
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.none()
+    | st.text(max_size=8)
+    | st.integers()
+    | st.dictionaries(
+        st.sampled_from(["type", "threshold", "cache_interval", "mag_ratios", "x"]),
+        st.none() | st.text(max_size=8) | st.floats(allow_nan=True) | st.integers() | st.lists(st.floats(), max_size=3),
+        max_size=4,
+    )
+)
+def test_hostile_cache_params_are_400s_or_valid(value: Any) -> None:
+    try:
+        resolved = resolve_params(DiffusionSamplingParams, {}, {"cache": value})
+    except InvalidRequestError as e:
+        assert e.param is not None and e.param.startswith("cache")
+        return
+    cache = resolved.get("cache")
+    assert cache is None or cache == "off" or isinstance(cache_key(cache), str)
