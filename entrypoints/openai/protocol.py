@@ -534,6 +534,8 @@ class ModelCard(BaseModel):
     #: What the model makes (its final stages' output types: image, video, audio, text), so that a
     #: client (the playground) offers the right parameters.
     kinds: list[str] = []
+    #: Where the model is: loading, loaded, failed (its requests fail with a 503 naming it), dead.
+    state: str = "loaded"
 
 
 class ModelList(BaseModel):
