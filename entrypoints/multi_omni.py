@@ -11,6 +11,7 @@ others serve. The HTTP server holds one of these; tests drive it without HTTP.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +152,7 @@ class MultiOmni:
         if not self.models:
             raise ConfigError("no model to serve")
         self._closed = False
+        self._lock = threading.Lock()
         #: Called on the loop that ran :meth:`start` when a loaded model dies for good.
         self.on_dead: list[Callable[[ServedModel, EngineDeadError], None]] = []
 
@@ -175,11 +177,14 @@ class MultiOmni:
         except Exception as e:
             model.state, model.error = "failed", e
             return
-        if self._closed:  # closed while loading
+        with self._lock:  # close() in another thread either sees this engine or left it to us
+            closed = self._closed
+            if not closed:
+                model.engine, model.state = engine, "loaded"
+        if closed:  # closed while loading
             await loop.run_in_executor(None, engine.close)
             model.state = "closed"
             return
-        model.engine, model.state = engine, "loaded"
         engine.on_dead(lambda error: self._died(model, error))
 
     def _died(self, model: ServedModel, error: EngineDeadError) -> None:
@@ -189,11 +194,13 @@ class MultiOmni:
 
     def close(self) -> None:
         """Close every loaded engine (idempotent); a model still loading is closed once loaded."""
-        self._closed = True
-        for model in self.models.values():
-            if model.engine is not None and model.state != "closed":
-                model.engine.close()
-                model.state = "closed"
+        with self._lock:
+            self._closed = True
+            engines = [m for m in self.models.values() if m.engine is not None and m.state != "closed"]
+        for model in engines:
+            assert model.engine is not None
+            model.engine.close()
+            model.state = "closed"
 
     async def __aenter__(self) -> MultiOmni:
         await self.start()

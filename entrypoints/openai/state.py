@@ -253,10 +253,10 @@ class ServerState:
         self._closed = True
         if self.jobs is not None:
             await self.jobs.close()
-        if self._starting is not None and not self._starting.done():
-            self.multi.close()  # marks it closed: a model that finishes loading now is closed at once
-            await asyncio.gather(self._starting, return_exceptions=True)
+        # Loaded engines close now; one still loading closes as soon as it has started.
         await asyncio.get_running_loop().run_in_executor(None, self.multi.close)
+        if self._starting is not None and not self._starting.done():
+            await asyncio.gather(self._starting, return_exceptions=True)
         await self.files.close()
 
     def abort(self, request_id: str | Sequence[str], reason: BaseException | None = None) -> None:

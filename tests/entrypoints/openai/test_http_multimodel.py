@@ -13,6 +13,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -148,3 +150,18 @@ def test_one_models_overload_is_429_while_the_other_answers(server: ServerProces
     asyncio.run(run())
     assert wait_for(lambda: echo_pending() == 0, timeout=10)
     assert http.post("/v1/chat/completions", json=chat("free again")).json()["choices"][0]["message"]["content"]
+
+
+@settings(max_examples=25, deadline=None, database=None, derandomize=True)
+@given(model=st.one_of(st.text(max_size=300), st.integers(), st.none(), st.lists(st.text(max_size=5), max_size=2)))
+def test_any_model_value_is_routed_or_refused_by_name(http: httpx.Client, model: object) -> None:
+    """Any ``model``: a served name is answered, anything else a 4xx that names the field."""
+    response = http.post("/v1/chat/completions", json={**chat("x", model=None), "model": model})
+    if model in ("echo", "tiny-sd"):  # served: answered by that model
+        assert response.status_code in (200, 400), response.text
+        return
+    assert response.status_code in (400, 404), response.text
+    error = response.json()["error"]
+    assert error["param"] == "model"
+    if response.status_code == 404:
+        assert "`tiny-sd`" in error["message"] and "`echo`" in error["message"]
