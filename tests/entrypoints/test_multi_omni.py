@@ -6,15 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 from omni_runtime.entrypoints.multi_omni import ModelSpec, load_models_file, parse_model_arg
 
 from omni_runtime import MultiOmni
-from omni_runtime.exceptions import ConfigError, InvalidRequestError, ModelUnavailableError, UnknownModelError
+from omni_runtime.exceptions import (
+    ConfigError,
+    EngineDeadError,
+    InvalidRequestError,
+    ModelUnavailableError,
+    UnknownModelError,
+)
+from tests.conftest import echo_stage, eventually, make_config
 
 SMALL = {"num_inference_steps": 2, "height": 32, "width": 32}
+#: An echo model whose one replica is not restarted: killing it kills the model's engine.
+ECHO = make_config([echo_stage(runtime={"max_restarts": 0})], model="echo")
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +40,13 @@ def broken_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 async def multi(broken_dir: Path):
     models = MultiOmni(
-        ["echo", ModelSpec(source="tiny-sd", name="sd", max_pending=8), ModelSpec(source=broken_dir, name="broken")],
+        [ECHO, ModelSpec(source="tiny-sd", name="sd", max_pending=8), ModelSpec(source=broken_dir, name="broken")],
         max_pending=32,
     )
     assert models.states() == {"echo": "loading", "sd": "loading", "broken": "loading"}
     async with models:
         yield models
-    assert set(models.states().values()) <= {"closed", "failed"}
+    assert set(models.states().values()) <= {"closed", "failed", "dead"}
 
 
 async def last(multi: MultiOmni, prompt: str, params: object = None, **kw: object):
@@ -96,6 +107,18 @@ async def test_validate_then_generate_and_abort_on_one_model(multi):
     results = await multi.collective_rpc("ping", model="echo", timeout=10)
     assert [r.ok for r in results] == [True]
     multi.abort(["no-such-request"])  # unknown ids are ignored by every model
+
+
+async def test_one_models_death_leaves_the_others_serving(multi):
+    """Last in the module: the echo model's engine dies for good; tiny-sd serves on."""
+    [ping] = await multi.collective_rpc("ping", model="echo", timeout=10)
+    os.kill(ping.result["pid"], signal.SIGKILL)
+    await eventually(lambda: multi.models["echo"].state == "dead", timeout=30, what="the echo model's death")
+    assert isinstance(multi.models["echo"].error, EngineDeadError)
+    with pytest.raises(ModelUnavailableError, match="`echo` is dead"):
+        await last(multi, "anyone?", model="echo")
+    assert (await last(multi, "a fox", SMALL, model="sd")).images
+    assert multi.states() == {"echo": "dead", "sd": "loaded", "broken": "failed"}
 
 
 def test_model_args_and_models_file(tmp_path: Path):
