@@ -146,7 +146,9 @@ class MultiOmni:
             resolved = load_resolved(spec.source, dict(engine_args), ray_address)
             name = spec.name or resolved.config.model or "omni"
             if name in self.models:
-                raise ConfigError(f"the model `{name}` is given twice; name one `OTHER={spec.source}`")
+                raise ConfigError(
+                    f"the model `{name}` is given twice; serve the other under a name of its own (NAME=CONFIG)"
+                )
             limit = spec.max_pending if spec.max_pending is not None else max_pending
             self.models[name] = ServedModel(name, resolved, limit)
         if not self.models:
