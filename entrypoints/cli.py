@@ -177,7 +177,9 @@ def _make_server(config: Any, state: Any, shutdown_timeout: float) -> Any:
             await super().startup(sockets)
             if self.started:
                 host, port = sockets[0].getsockname()[:2] if sockets else (config.host, config.port)
-                logging.getLogger("uvicorn.error").info("Serving %s on http://%s:%d", state.model_name, host, port)
+                logging.getLogger("uvicorn.error").info(
+                    "Serving %s on http://%s:%d", ", ".join(state.multi.names), host, port
+                )
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             state.draining = True  # new requests on open connections get a 503
@@ -199,13 +201,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from omni_runtime.logs import bound_log_messages
 
+    from .multi_omni import load_models_file, parse_model_arg
     from .openai.job_manager import JobSettings
     from .openai.server import create_app
     from .openai.timeouts import timed_protocol
 
     bound_log_messages()  # a prompt quoted by a library is not logged whole
+    models = [parse_model_arg(m) for m in args.model] + (load_models_file(args.models_file) if args.models_file else [])
     app = create_app(
-        args.model,
+        models or "tiny-sd",
         api_key=args.api_key,
         max_pending=args.max_pending,
         default_timeout=args.default_timeout,
@@ -262,8 +266,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise CliError("the server failed to start (see the log above)") from None
     finally:
         sock.close()
-        if state.omni is not None:
-            state.omni.close()
+        state.multi.close()
     if state.dead is not None:
         # Non-zero, so that a supervisor (systemd, Kubernetes) starts a fresh server.
         raise CliError(f"the engine died, so the server stopped: {state.dead}")
@@ -671,12 +674,23 @@ def build_parser() -> argparse.ArgumentParser:
         "  omni-runtime serve small-sd --port 9000 --max-num-seqs 8\n"
         "  omni-runtime serve ./my-sdxl --device cuda --dtype float16 --replicas 2 --host 0.0.0.0\n"
         '  omni-runtime serve pipeline.yaml --api-key "$KEY" --ray-address head:6379\n'
-        "  omni-runtime serve tiny-sd --redis-url redis://127.0.0.1:6379/0   # jobs shared by gateways",
+        "  omni-runtime serve tiny-sd --redis-url redis://127.0.0.1:6379/0   # jobs shared by gateways\n"
+        "  omni-runtime serve tiny-sd echo chat=./my-llm.yaml                # three models, routed by `model`",
         "Run the OpenAI-style HTTP server (docs/http_api.md), async jobs included (docs/jobs.md).\n"
         "It answers at once: /health is 503 `loading` until the models are loaded, then 200. SIGTERM\n"
         "drains, then exits 0; a dead engine makes it exit 1.",
     )
-    s.add_argument("model", nargs="?", default="tiny-sd", help="bundled config name, deploy YAML or model dir")
+    s.add_argument(
+        "model",
+        nargs="*",
+        help="bundled config name, deploy YAML or model dir (default: tiny-sd); several are served side by side, "
+        "each under its config's name or as NAME=CONFIG",
+    )
+    s.add_argument(
+        "--models-file",
+        metavar="YAML",
+        help="more models to serve: NAME: CONFIG, or NAME: {config: CONFIG, max_pending: N}, one per line",
+    )
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=_int(1, 65535), default=8000, help="port to listen on")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route")

@@ -21,6 +21,7 @@ from omni_runtime.exceptions import *  # noqa: E402, F403 - light, and what call
 _LAZY = {
     "AsyncOmni": "omni_runtime.entrypoints.async_omni",
     "Omni": "omni_runtime.entrypoints.omni",
+    "MultiOmni": "omni_runtime.entrypoints.multi_omni",
     "DeployConfig": "omni_runtime.config",
     "load_config": "omni_runtime.config",
     "OmniRequestOutput": "omni_runtime.outputs",
@@ -35,6 +36,7 @@ __all__ = [
     "DeployConfig",
     "DiffusionSamplingParams",
     "EchoSamplingParams",
+    "MultiOmni",
     "Omni",
     "OmniRequestOutput",
     "StageResult",
@@ -61,6 +63,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from omni_runtime.config import DeployConfig, load_config
     from omni_runtime.entrypoints.async_omni import AsyncOmni
+    from omni_runtime.entrypoints.multi_omni import MultiOmni
     from omni_runtime.entrypoints.omni import Omni
     from omni_runtime.outputs import OmniRequestOutput, StageResult
     from omni_runtime.params import DiffusionSamplingParams, EchoSamplingParams, TextSamplingParams

@@ -154,6 +154,27 @@ class UnavailableError(OmniError):
         self.retry_after_s = retry_after_s
 
 
+class UnknownModelError(InvalidRequestError):
+    """A request names a model that is not served (HTTP 404); ``known`` lists those that are."""
+
+    def __init__(self, model: str, known: tuple[str, ...]) -> None:
+        names = ", ".join(f"`{k}`" for k in known)
+        super().__init__(f"the model `{model}` does not exist; this server serves {names}", param="model")
+        self.model = model
+        self.known = known
+
+
+class ModelUnavailableError(EngineError):
+    """One model of several cannot serve (still loading, failed to load, or dead): its requests
+    fail with this error naming the model and why, while the other models serve."""
+
+    def __init__(self, model: str, state: str, reason: str | None = None) -> None:
+        why = {"loading": "is loading; retry shortly", "failed": "failed to load", "dead": "is dead"}.get(state, state)
+        super().__init__(f"the model `{model}` {why}" + (f": {reason}" if reason else ""))
+        self.model = model
+        self.state = state
+
+
 class RpcError(OmniError):
     """A control call failed on one replica (raised, unknown method, or timed out)."""
 

@@ -11,12 +11,15 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from omni_runtime.engine.status import ReplicaState, StageStatus
+from omni_runtime.engine.status import EngineHealth, ReplicaState, StageStatus
+from omni_runtime.exceptions import UnknownModelError
 from omni_runtime.params import SpeechSamplingParams
 
+from ..multi_omni import ServedModel
 from . import protocol as proto
 from .dependencies import AUTH, State
 from .metrics import CONTENT_TYPE
+from .protocol import ApiError
 from .responses import SafeJSONResponse
 from .state import ServerState
 
@@ -29,11 +32,14 @@ _Body = {"kw_only": True, "frozen": True}
 
 class HealthReport(msgspec.Struct, **_Body):
     """The body of ``/health``: ``status``, and ``reason`` (failed, dead) or ``dead_stages``
-    (unhealthy) where it has them; an unset field is left out of the JSON."""
+    (unhealthy) where it has them; an unset field is left out of the JSON. With several models,
+    ``models`` holds each one's report, and ``status`` is ``degraded`` while some serve and
+    others do not."""
 
-    status: Literal["loading", "failed", "ok", "dead", "unhealthy"]
+    status: Literal["loading", "failed", "ok", "dead", "unhealthy", "degraded"]
     reason: str | msgspec.UnsetType | None = msgspec.UNSET
     dead_stages: list[int] | msgspec.UnsetType = msgspec.UNSET
+    models: dict[str, HealthReport] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ReadyVerdict(msgspec.Struct, **_Body):
@@ -85,6 +91,29 @@ class JobStoreStatus(msgspec.Struct, **_Body):
     gateway: str | msgspec.UnsetType | None = msgspec.UNSET
 
 
+class ModelReadiness(msgspec.Struct, **_Body):
+    """One model in ``/readyz`` when several are served: its state (loading, loaded, failed,
+    dead), why it failed or died, and, once loaded, its admission and stages."""
+
+    ready: bool
+    state: str
+    error: str | None
+    pending: int
+    max_pending: int
+    stages: list[ReadyStage]
+
+
+class MultiReadyReport(msgspec.Struct, **_Body):
+    """The body of ``/readyz`` with the key when several models are served: ready once no model
+    is loading and at least one serves (a model that failed fails only its own requests)."""
+
+    ready: bool
+    draining: bool
+    models: dict[str, ModelReadiness]
+    remote_replicas: int
+    job_store: JobStoreStatus
+
+
 class ReadyReport(msgspec.Struct, **_Body):
     """The body of ``/readyz`` with the key."""
 
@@ -105,8 +134,75 @@ def _json(body: msgspec.Struct, status_code: int = 200, headers: dict[str, str] 
     return SafeJSONResponse(msgspec.to_builtins(body), status_code=status_code, headers=headers)
 
 
+def _model_health(model: ServedModel) -> HealthReport:
+    h = model.health()
+    if h is None:
+        if model.state == "failed":
+            return HealthReport(status="failed", reason=str(model.error))
+        return HealthReport(status="loading")
+    if h.ok:
+        return HealthReport(status="ok")
+    if h.status == "dead":
+        return HealthReport(status="dead", reason=h.reason)
+    return HealthReport(status="unhealthy", dead_stages=h.dead_stages)
+
+
+def _several_health(state: ServerState) -> JSONResponse:
+    """200 while any model serves (``ok`` when all do, else ``degraded``); 503 when none does:
+    ``loading`` while one still loads, else ``failed`` or ``dead``."""
+    models = {name: _model_health(m) for name, m in state.multi.models.items()}
+    statuses = {r.status for r in models.values()}
+    if statuses == {"ok"}:
+        return _json(HealthReport(status="ok", models=models))
+    if "ok" in statuses:
+        return _json(HealthReport(status="degraded", models=models))
+    status = "loading" if "loading" in statuses else "dead" if "dead" in statuses else "failed"
+    headers = {"Retry-After": "1"} if status == "loading" else None
+    return _json(HealthReport(status=status, models=models), 503, headers=headers)  # type: ignore[arg-type]
+
+
+def _several_ready(state: ServerState, job_store: JobStoreStatus) -> JSONResponse:
+    models: dict[str, ModelReadiness] = {}
+    remote = 0
+    for name, m in state.multi.models.items():
+        h = m.health()
+        models[name] = ModelReadiness(
+            ready=h is not None and h.ok and m.state == "loaded",
+            state=m.state,
+            error=str(m.error) if m.error is not None else None,
+            pending=h.pending if h is not None else 0,
+            max_pending=h.max_pending if h is not None else 0,
+            stages=[ReadyStage.of(s) for s in h.stages] if h is not None else [],
+        )
+        remote += _remote_replicas(h) if h is not None else 0
+    serving = any(r.ready for r in models.values()) and not any(r.state == "loading" for r in models.values())
+    ready = serving and not state.draining and job_store.ok
+    body = MultiReadyReport(
+        ready=ready, draining=state.draining, models=models, remote_replicas=remote, job_store=job_store
+    )
+    return _json(body, 200 if ready else 503)
+
+
+def _several_verdict(state: ServerState) -> bool:
+    models = list(state.multi.models.values())
+    loading = any(m.state == "loading" for m in models)
+    serving = any(m.state == "loaded" and (h := m.health()) is not None and h.ok for m in models)
+    return serving and not loading and not state.draining
+
+
+def _remote_replicas(h: EngineHealth) -> int:
+    return sum(
+        1
+        for s in h.stages
+        for node, st in zip(s.replica_nodes, s.replica_states, strict=False)
+        if node is not None and node != _HOSTNAME and st == "live"
+    )
+
+
 @router.get("/health")
 async def health(state: State) -> JSONResponse:
+    if state.several:
+        return _several_health(state)
     if state.omni is None:
         if state.failed is not None:
             return _json(HealthReport(status="failed", reason=str(state.failed)), 503)
@@ -121,6 +217,11 @@ async def health(state: State) -> JSONResponse:
 
 @router.get("/readyz")
 async def readyz(request: Request, state: State) -> JSONResponse:
+    if state.several:
+        if not state.authorized(request.scope):
+            verdict = _several_verdict(state)
+            return _json(ReadyVerdict(ready=verdict, draining=state.draining), 200 if verdict else 503)
+        return _several_ready(state, await _job_store_status(state))
     h = state.started.health()
     if not state.authorized(request.scope):
         # Open to orchestrators without the key, but only the verdict: the stages, hosts,
@@ -137,12 +238,7 @@ async def readyz(request: Request, state: State) -> JSONResponse:
         pending=h.pending,
         max_pending=h.max_pending,
         stages=[ReadyStage.of(s) for s in h.stages],
-        remote_replicas=sum(
-            1
-            for s in h.stages
-            for node, st in zip(s.replica_nodes, s.replica_states, strict=False)
-            if node is not None and node != _HOSTNAME and st == "live"
-        ),
+        remote_replicas=_remote_replicas(h),
         job_store=job_store,
     )
     return _json(body, 200 if ready else 503)
@@ -155,31 +251,39 @@ async def metrics(state: State) -> Response:
 
 @router.get("/v1/models", dependencies=[AUTH])
 async def list_models(state: State) -> JSONResponse:
-    card = proto.ModelCard(id=state.model_name, created=state.created, kinds=_kinds(state), tasks=_tasks(state))
-    return SafeJSONResponse(proto.ModelList(data=[card]).model_dump())
+    cards = [_card(state, m) for m in state.multi.models.values()]
+    return SafeJSONResponse(proto.ModelList(data=cards).model_dump())
 
 
 @router.get("/v1/models/{model_id:path}", dependencies=[AUTH])
 async def get_model(model_id: str, state: State) -> JSONResponse:
-    state.check_request(model_id)
-    card = proto.ModelCard(id=state.model_name, created=state.created, kinds=_kinds(state), tasks=_tasks(state))
-    return SafeJSONResponse(card.model_dump())
+    if state.several:  # any state: a failed model's card says so
+        try:
+            model = state.multi.model(model_id)
+        except UnknownModelError as e:
+            raise ApiError(404, str(e), param="model", code="model_not_found") from None
+    else:
+        state.check_request(model_id)
+        model = state.current
+    return SafeJSONResponse(_card(state, model).model_dump())
 
 
-def _kinds(state: ServerState) -> list[str]:
-    return sorted({s.final_output_type for s in state.config.stage_args if s.final_output and s.final_output_type})
+def _card(state: ServerState, model: ServedModel) -> proto.ModelCard:
+    return proto.ModelCard(
+        id=model.name, created=state.created, kinds=model.kinds, tasks=_tasks(model), state=model.state
+    )
 
 
-def _tasks(state: ServerState) -> list[str]:
+def _tasks(model: ServedModel) -> list[str]:
     """The ``/v1/generate`` tasks the model serves, by its final stages' outputs (image to video
     where the video stage's model has that form: a 400 naming it otherwise)."""
     tasks = []
-    if state.image_stage is not None:
+    if model.image_stage is not None:
         tasks.append("text2image")
-    if state.video_stage is not None:
+    if model.video_stage is not None:
         tasks += ["text2video", "image2video"]
-    if state.audio_stage is not None:
-        stage = state.resolved.stage(state.audio_stage)
+    if model.audio_stage is not None:
+        stage = model.resolved.stage(model.audio_stage)
         tasks.append("text2speech" if issubclass(stage.params_cls, SpeechSamplingParams) else "text2audio")
     return tasks
 

@@ -225,7 +225,7 @@ class JobManager:
                     if keep_alive is not None:
                         await keep_alive(list(self._local))
                     # Recovered jobs need a running engine.
-                    if self.state.omni is not None and now - reachable_since >= self.lease_s:
+                    if self.state.serving and now - reachable_since >= self.lease_s:
                         for job_id in await self.store.claim_orphans():
                             await self._recover(job_id)
             except asyncio.CancelledError:
@@ -248,8 +248,7 @@ class JobManager:
         if not job.dropped:
             job.dropped = True
             logger.warning("job %s is owned elsewhere now; dropping this gateway's run", job.job_id)
-            if self.state.omni is not None:
-                self.state.omni.abort(job.request_id, RequestAbortedError(f"job {job.job_id} was claimed elsewhere"))
+            self.state.abort(job.request_id, RequestAbortedError(f"job {job.job_id} was claimed elsewhere"))
 
     def stream_slot(self) -> _StreamSlot:
         """A place for one more client waiting on events, or StreamBudgetError (503)."""
@@ -443,8 +442,8 @@ class JobManager:
             self._drop(job)
         except asyncio.CancelledError:
             # The gateway is stopping. In memory nobody could finish the job later.
-            if self.store.backend == "memory" and self.state.omni is not None:
-                self.state.omni.abort(job.request_id)
+            if self.store.backend == "memory" and self.state.serving:
+                self.state.abort(job.request_id)
                 with contextlib.suppress(Exception):
                     error = {"message": "the server shut down before the job finished", "code": "shutdown"}
                     await asyncio.shield(self.ends.end(job, record, "failed", error=error))
@@ -622,10 +621,10 @@ class JobManager:
     # ------------------------------------------------------------------ cancel
 
     def _cancel_local(self, job: _LocalJob) -> None:
-        if not job.cancelled and self.state.omni is not None:
+        if not job.cancelled and self.state.serving:
             job.cancelled = True
             self.state.metrics.aborted.labels("job_cancel").inc()
-            self.state.omni.abort(job.request_id, RequestAbortedError(f"job {job.job_id} was cancelled"))
+            self.state.abort(job.request_id, RequestAbortedError(f"job {job.job_id} was cancelled"))
 
     def _remote_cancel(self, job_id: str) -> None:
         job = self._local.get(job_id)
@@ -715,7 +714,7 @@ class JobManager:
         )
         self.state.metrics.jobs.labels("requeued").inc()
         try:
-            omni = self.state.started
+            omni = self.state.job_engine(record.model)
             body = GenerateRequest.model_validate(record.request | {"async_run": True})
             valid = await self._validate(omni, body)
             await self._launch(record, omni, valid, new=False)

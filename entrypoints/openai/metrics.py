@@ -10,7 +10,7 @@ and cost nothing between scrapes.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -30,59 +30,78 @@ _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1
 
 
 class _EngineCollector(Collector):
-    """Engine gauges read at scrape time; nothing is exported before the engine has started."""
+    """Engine gauges read at scrape time; nothing is exported before the engine has started.
+    ``health`` gives one engine's health, or each model's by name: the series then carry a
+    ``model`` label (a model without an engine yet exports nothing)."""
 
-    def __init__(self, health: Callable[[], EngineHealth | None]) -> None:
+    def __init__(self, health: Callable[[], EngineHealth | Mapping[str, EngineHealth | None] | None]) -> None:
         self._health = health
 
     def collect(self) -> Iterator[Metric]:
-        h = self._health()
-        if h is None:
+        got = self._health()
+        if got is None:
             return
-        pending = GaugeMetricFamily("omni_engine_pending_requests", "Requests admitted and not yet finished.")
-        pending.add_metric([], h.pending)
-        limit = GaugeMetricFamily("omni_engine_max_pending", "Admission limit; past it requests get 429.")
-        limit.add_metric([], h.max_pending)
-        running = GaugeMetricFamily("omni_engine_running", "1 while the engine serves, 0 once it stopped.")
-        running.add_metric([], 1 if h.status in ("ok", "unhealthy") else 0)
-        dead = GaugeMetricFamily("omni_engine_dead", "1 once the engine can no longer serve (the server then exits).")
-        dead.add_metric([], 1 if h.status == "dead" else 0)
-        depth = GaugeMetricFamily(
-            "omni_stage_queue_depth", "Requests inside a stage (waiting or running).", labels=["stage"]
+        by_model = got if isinstance(got, Mapping) else None
+        m = ["model"] if by_model is not None else []
+        pending = GaugeMetricFamily("omni_engine_pending_requests", "Requests admitted and not yet finished.", labels=m)
+        limit = GaugeMetricFamily("omni_engine_max_pending", "Admission limit; past it requests get 429.", labels=m)
+        running = GaugeMetricFamily("omni_engine_running", "1 while the engine serves, 0 once it stopped.", labels=m)
+        dead = GaugeMetricFamily(
+            "omni_engine_dead", "1 once the engine can no longer serve (the server then exits).", labels=m
         )
-        live = GaugeMetricFamily("omni_stage_live_replicas", "Live replicas of a stage.", labels=["stage"])
-        replicas = GaugeMetricFamily("omni_stage_replicas", "Configured replicas of a stage.", labels=["stage"])
-        restarts = CounterMetricFamily("omni_stage_restarts", "Replica restarts of a stage.", labels=["stage"])
+        depth = GaugeMetricFamily(
+            "omni_stage_queue_depth", "Requests inside a stage (waiting or running).", labels=[*m, "stage"]
+        )
+        live = GaugeMetricFamily("omni_stage_live_replicas", "Live replicas of a stage.", labels=[*m, "stage"])
+        replicas = GaugeMetricFamily("omni_stage_replicas", "Configured replicas of a stage.", labels=[*m, "stage"])
+        restarts = CounterMetricFamily("omni_stage_restarts", "Replica restarts of a stage.", labels=[*m, "stage"])
         by_node = GaugeMetricFamily(
-            "omni_stage_replicas_by_node", "Live replicas of a stage on each node.", labels=["stage", "node"]
+            "omni_stage_replicas_by_node", "Live replicas of a stage on each node.", labels=[*m, "stage", "node"]
         )
         kills = CounterMetricFamily(
             "omni_stage_unresponsive_kills",
             "Replicas killed for missing heartbeats or a stalled forward.",
-            labels=["stage"],
+            labels=[*m, "stage"],
         )
-        for status in h.stages:
-            label = [str(status.stage_id)]
-            depth.add_metric(label, status.inflight)
-            live.add_metric(label, status.live_replicas)
-            replicas.add_metric(label, status.replicas)
-            restarts.add_metric(label, status.restarts)
-            kills.add_metric(label, status.unresponsive_kills)
-            nodes = status.replica_nodes
-            for node in sorted({n for n in nodes if n is not None}):
-                alive = sum(
-                    1 for n, st in zip(nodes, status.replica_states, strict=False) if n == node and st == "live"
-                )
-                by_node.add_metric([label[0], node], alive)
+        engines = by_model.items() if by_model is not None else [(None, got)]
+        for name, h in engines:
+            if h is None or isinstance(h, Mapping):
+                continue
+            key = [name] if name is not None else []
+            pending.add_metric(key, h.pending)
+            limit.add_metric(key, h.max_pending)
+            running.add_metric(key, 1 if h.status in ("ok", "unhealthy") else 0)
+            dead.add_metric(key, 1 if h.status == "dead" else 0)
+            for status in h.stages:
+                label = [*key, str(status.stage_id)]
+                depth.add_metric(label, status.inflight)
+                live.add_metric(label, status.live_replicas)
+                replicas.add_metric(label, status.replicas)
+                restarts.add_metric(label, status.restarts)
+                kills.add_metric(label, status.unresponsive_kills)
+                nodes = status.replica_nodes
+                for node in sorted({n for n in nodes if n is not None}):
+                    alive = sum(
+                        1 for n, st in zip(nodes, status.replica_states, strict=False) if n == node and st == "live"
+                    )
+                    by_node.add_metric([*label, node], alive)
         yield from (pending, limit, running, dead, depth, live, replicas, by_node, restarts, kills)
 
 
 class ServerMetrics:
-    """Every metric the server exports. ``health`` returns the running engine's health, or None."""
+    """Every metric the server exports. ``health`` returns the running engine's health, or None
+    (or each model's, by name). With ``model`` (the name of the model a request runs on, read
+    where it is observed), the per-model series carry a ``model`` label."""
 
-    def __init__(self, health: Callable[[], EngineHealth | None]) -> None:
+    def __init__(
+        self,
+        health: Callable[[], EngineHealth | Mapping[str, EngineHealth | None] | None],
+        model: Callable[[], str] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self._model = model
+        m = ["model"] if model is not None else []
         self.http_requests = Counter(
             "omni_http_requests", "HTTP requests by route and status code.", ["route", "method", "status"], registry=r
         )
@@ -96,20 +115,21 @@ class ServerMetrics:
         self.e2e = Histogram(
             "omni_request_e2e_seconds",
             "Engine end-to-end latency of a finished request (output metrics e2e_ms).",
+            m,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.queue_wait = Histogram(
             "omni_request_queue_wait_seconds",
             "Time a request waited in a stage's queue before its wave ran (output metrics queue_wait_ms).",
-            ["stage"],
+            [*m, "stage"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.batch_size = Histogram(
             "omni_stage_batch_size",
             "Size of the fused wave each request ran in (output metrics batch_size).",
-            ["stage"],
+            [*m, "stage"],
             buckets=_BATCH_BUCKETS,
             registry=r,
         )
@@ -128,7 +148,7 @@ class ServerMetrics:
             "omni_runtime_stage_wave_seconds",
             "Duration of each stage wave (fused forward, or a request's stay in a step batch), once per "
             "wave (output metrics execution_ms, by batch_id).",
-            ["stage"],
+            [*m, "stage"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -159,14 +179,14 @@ class ServerMetrics:
             return
         e2e = out.metrics.get("e2e_ms")
         if isinstance(e2e, int | float):
-            self.e2e.observe(e2e / 1000.0)
+            self._series(self.e2e).observe(e2e / 1000.0)
             self.recent_e2e.append(e2e / 1000.0)
         for sid, result in out.outputs_by_stage.items():
             wait, size = result.metrics.get("queue_wait_ms"), result.metrics.get("batch_size")
             if isinstance(wait, int | float):
-                self.queue_wait.labels(str(sid)).observe(wait / 1000.0)
+                self._series(self.queue_wait, str(sid)).observe(wait / 1000.0)
             if isinstance(size, int | float):
-                self.batch_size.labels(str(sid)).observe(size)
+                self._series(self.batch_size, str(sid)).observe(size)
             self.observe_stage(sid, result.metrics)
 
     def observe_stage(self, sid: int, metrics: dict[str, Any]) -> None:
@@ -181,7 +201,7 @@ class ServerMetrics:
             self._waves[key] = None
             if len(self._waves) > 4096:
                 self._waves.popitem(last=False)
-        self.wave_seconds.labels(str(sid)).observe(execution / 1000.0)
+        self._series(self.wave_seconds, str(sid)).observe(execution / 1000.0)
         self.recent_waves.setdefault(sid, deque(maxlen=RECENT)).append(execution / 1000.0)
         called, ran, weights = (metrics.get(k) for k in ("cache_blocks_called", "cache_blocks_run", "weight_bytes"))
         if isinstance(called, int) and isinstance(ran, int) and called >= ran >= 0:
@@ -189,6 +209,11 @@ class ServerMetrics:
             self.cache_blocks.labels(str(sid), "skipped").inc(called - ran)
         if isinstance(weights, int | float):
             self.weight_bytes.labels(str(sid)).set(weights)
+
+    def _series(self, metric: Histogram, *labels: str) -> Histogram:
+        """``metric``'s series for ``labels``, with the current model first when labelled by model."""
+        values = (self._model(), *labels) if self._model is not None else labels
+        return metric.labels(*values) if values else metric
 
     def job_counts(self) -> dict[str, int]:
         """How many jobs of this gateway reached each status, from the ``omni_runtime_jobs`` counter."""

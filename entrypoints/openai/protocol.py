@@ -615,6 +615,8 @@ class ModelCard(BaseModel):
     #: The ``/v1/generate`` tasks it serves (``text2image``, ``text2video``, ``image2video``,
     #: ``text2audio``, ``text2speech``).
     tasks: list[str] = []
+    #: Where the model is: loading, loaded, failed (its requests fail with a 503 naming it), dead.
+    state: str = "loaded"
 
 
 class ModelList(BaseModel):

@@ -33,8 +33,10 @@ from starlette.websockets import WebSocket, WebSocketState
 
 from omni_runtime.config import DeployConfig
 from omni_runtime.exceptions import OmniError
+from omni_runtime.resolve import ResolvedConfig
 
 from ..async_omni import load_resolved
+from ..multi_omni import ModelSpec
 from . import chat, control, file_routes, health, images, jobs, pages, speech, status, videos
 from .dependencies import guards_of, require_api_key
 from .job_manager import JobSettings
@@ -170,7 +172,7 @@ class _HttpMiddleware:
 
 
 def create_app(
-    model: str | Path | DeployConfig = "tiny-sd",
+    model: str | Path | DeployConfig | Sequence[ModelSpec] = "tiny-sd",
     *,
     api_key: str | None = None,
     max_pending: int | None = None,
@@ -184,16 +186,30 @@ def create_app(
     public_url: str | None = None,
     local_url: str | None = None,
 ) -> FastAPI:
-    """The FastAPI app for ``model`` (a config name, YAML path, model dir or DeployConfig).
+    """The FastAPI app for ``model`` (a config name, YAML path, model dir or DeployConfig), or
+    for several models (:class:`ModelSpec` each), routed by the requests' ``model``.
 
-    The config is validated here (ConfigError at once); the engine starts with the app's lifespan.
-    ``app.state.omni`` is the :class:`ServerState`. ``public_url``: the base of result URLs
-    (else each request's Host); ``local_url``: this server's own address (see ServerState).
-    With ``api_key``, the interactive docs and the OpenAPI schema are not served.
+        The config is validated here (ConfigError at once); the engine starts with the app's lifespan.
+        ``app.state.omni`` is the :class:`ServerState`. ``public_url``: the base of result URLs
+        (else each request's Host); ``local_url``: this server's own address (see ServerState).
+        With ``api_key``, the interactive docs and the OpenAPI schema are not served.
     """
-    resolved = load_resolved(model, dict(engine_args or {}), ray_address)
+    served: ResolvedConfig | list[ModelSpec]
+    if isinstance(model, str | Path | DeployConfig):
+        served = load_resolved(model, dict(engine_args or {}), ray_address)
+    else:
+        served = [
+            ModelSpec(
+                source=load_resolved(m.source, dict(engine_args or {}), ray_address),
+                name=m.name,
+                max_pending=m.max_pending,
+            )
+            for m in model
+        ]
+        if len(served) == 1 and served[0].name is None and served[0].max_pending is None:
+            served = served[0].source  # type: ignore[assignment]
     state = ServerState(
-        resolved,
+        served,
         api_key=api_key,
         max_pending=max_pending,
         default_timeout=default_timeout,

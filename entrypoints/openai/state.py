@@ -1,4 +1,4 @@
-"""What the routes share (:class:`ServerState`: the engine, metrics, files, jobs, in-flight
+"""What the routes share (:class:`ServerState`: the models, metrics, files, jobs, in-flight
 request ids, drain state) and how a route gets it: :func:`get_state` reads ``app.state.omni``.
 Runs on the server's event loop."""
 
@@ -9,17 +9,26 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from typing import TypeVar
 
 from starlette.requests import HTTPConnection, Request
 from starlette.types import Receive, Scope
 
-from omni_runtime.exceptions import ConfigError, EngineDeadError, EngineError, RequestAbortedError
+from omni_runtime.config import DeployConfig
+from omni_runtime.exceptions import (
+    ConfigError,
+    EngineDeadError,
+    EngineError,
+    RequestAbortedError,
+    UnknownModelError,
+)
 from omni_runtime.outputs import OmniRequestOutput
 from omni_runtime.resolve import ResolvedConfig
 
 from ..async_omni import AsyncOmni, ValidRequest
 from ..jobs.store import JobStore, MemoryJobStore
+from ..multi_omni import ModelSpec, MultiOmni, ServedModel
 from .files import MAX_REDIS_FILE_BYTES, FileStore, RedisFileStore
 from .job_manager import JobManager, JobSettings
 from .metrics import ServerMetrics
@@ -40,11 +49,17 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 class ServerState:
-    """What the routes share: the engine, metrics, files, in-flight request ids, drain state."""
+    """What the routes share: the models (a :class:`MultiOmni`), metrics, files, in-flight
+    request ids, drain state.
+
+    :meth:`check_request` binds the request's model to the request's context (a context
+    variable, so each request's task and the tasks it starts see their own): what a route reads
+    afterwards (``model_name``, ``image_stage``, ``video_stage``, ``resolved``, ``started``,
+    ``omni``) is that model's. Outside a request these are the first model's."""
 
     def __init__(
         self,
-        resolved: ResolvedConfig,
+        resolved: ResolvedConfig | Sequence[ModelSpec],
         *,
         api_key: str | None,
         max_pending: int | None,
@@ -55,7 +70,13 @@ class ServerState:
         public_url: str | None = None,
         local_url: str | None = None,
     ) -> None:
-        self.resolved = resolved
+        specs = [ModelSpec(source=resolved)] if isinstance(resolved, ResolvedConfig) else list(resolved)
+        #: Every served model, each with its own engine, queues and admission limit.
+        self.multi = MultiOmni(specs, max_pending=max_pending, default_timeout=default_timeout)
+        self.multi.on_dead.append(self._model_died)
+        #: Whether several models are served: the bodies then say which, and metrics gain a label.
+        self.several = len(self.multi.models) > 1
+        self._bound: ContextVar[str | None] = ContextVar(f"omni_model_{id(self)}", default=None)
         #: The base of result URLs when configured (``--public-url``); else the request's Host.
         self.public_url = public_url.rstrip("/") if public_url else None
         #: This gateway's own address (its listening socket), for the results of jobs it took
@@ -64,20 +85,19 @@ class ServerState:
         self.job_settings = jobs or JobSettings()
         #: The job manager (/v1/generate, /v1/jobs), once the app has started.
         self.jobs: JobManager | None = None
-        self.config = config = resolved.config
         self.api_key = api_key.encode() if api_key else None
-        self._max_pending, self._default_timeout = max_pending, default_timeout
-        self.omni: AsyncOmni | None = None
         self._closed = False
-        #: Set when the engine died for good; the server then stops (non-zero exit) to be restarted.
+        #: Set when no model can serve any more (one model: its engine died); the server then
+        #: stops (non-zero exit) to be restarted.
         self.dead: EngineDeadError | None = None
-        #: Called (on the server's loop) when the engine dies or fails to start: the CLI's server
-        #: stops itself.
+        #: Called (on the server's loop) when the engine dies or fails to start (with several
+        #: models: when none is left serving): the CLI's server stops itself.
         self.on_dead: list[Callable[[EngineError], None]] = []
-        #: Why the engine could not start (the server then stops, non-zero), or None.
-        self.failed: BaseException | None = None
         self._starting: asyncio.Task | None = None
-        self.metrics = ServerMetrics(lambda: self.omni.health() if self.omni is not None else None)
+        self.metrics = ServerMetrics(
+            (lambda: self.multi.health()) if self.several else (lambda: self.current.health()),
+            (lambda: self.current.name) if self.several else None,
+        )
         self.files: FileStore | RedisFileStore
         if self.job_settings.redis_url:
             # Every gateway on the same Redis serves every file (a job's result outlives its gateway).
@@ -90,17 +110,87 @@ class ServerState:
         self.inflight: set[str] = set()
         self.draining = False
         self.created = int(time.time())
-        self.model_name = config.model or "omni"
-        finals = [s for s in config.stage_args if s.final_output]
-        self.image_stage = next((s.stage_id for s in finals if s.final_output_type == "image"), None)
-        self.video_stage = next((s.stage_id for s in finals if s.final_output_type == "video"), None)
-        self.audio_stage = next((s.stage_id for s in finals if s.final_output_type == "audio"), None)
+
+    # ------------------------------------------------------------------ the request's model
+
+    @property
+    def current(self) -> ServedModel:
+        """The model bound by :meth:`check_request` in this context, else the first one."""
+        name = self._bound.get()
+        model = self.multi.models.get(name) if name is not None else None
+        return model if model is not None else next(iter(self.multi.models.values()))
+
+    @property
+    def model_name(self) -> str:
+        return self.current.name
+
+    @model_name.setter
+    def model_name(self, name: str) -> None:
+        model = self.current
+        models = self.multi.models
+        self.multi.models = {(name if k == model.name else k): v for k, v in models.items()}
+        model.name = name
+
+    @property
+    def resolved(self) -> ResolvedConfig:
+        return self.current.resolved
+
+    @property
+    def config(self) -> DeployConfig:
+        return self.current.config
+
+    @property
+    def image_stage(self) -> int | None:
+        return self.current.image_stage
+
+    @property
+    def video_stage(self) -> int | None:
+        return self.current.video_stage
+
+    @property
+    def audio_stage(self) -> int | None:
+        return self.current.audio_stage
+
+    @property
+    def omni(self) -> AsyncOmni | None:
+        """The current model's engine once loaded (also after it died), else None."""
+        return self.current.engine
+
+    @omni.setter
+    def omni(self, engine: AsyncOmni | None) -> None:
+        model = self.current
+        model.engine, model.state = engine, ("loaded" if engine is not None else "loading")
+
+    @property
+    def failed(self) -> BaseException | None:
+        """Why the models could not start when none did (the server then stops, non-zero), or None.
+        One model: its load error."""
+        failed = [m for m in self.multi.models.values() if m.state == "failed"]
+        if not failed or len(failed) < len(self.multi.models):
+            return None
+        if len(failed) == 1:
+            return failed[0].error
+        return EngineError("; ".join(f"`{m.name}`: {m.error}" for m in failed))
+
+    @failed.setter
+    def failed(self, error: BaseException | None) -> None:
+        model = self.current
+        model.error = error
+        if error is not None:
+            model.state = "failed"
+        elif model.state == "failed":
+            model.state = "loading"
+
+    @property
+    def serving(self) -> bool:
+        """Whether any model has an engine (loaded, or dead since)."""
+        return any(m.engine is not None for m in self.multi.models.values())
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Start the engine in the background: the server answers at once (503 ``loading`` until
-        the models are loaded, so a probe sees the difference between loading and gone)."""
+        """Start the engines in the background: the server answers at once (503 ``loading`` until
+        a model is loaded, so a probe sees the difference between loading and gone)."""
         self._starting = asyncio.ensure_future(self._start())
 
     async def start_jobs(self) -> None:
@@ -136,77 +226,91 @@ class ServerState:
         self.jobs = manager
 
     async def _start(self) -> None:
-        stages = ", ".join(f"{s.stage_type} ({s.model or 'no model'})" for s in self.config.stage_args)
-        logger.info("loading %s: %s", self.model_name, stages)
         started = time.monotonic()
-        try:
-            # Stage processes load their models here: off the loop, which keeps serving.
-            omni = await asyncio.get_running_loop().run_in_executor(
-                None,
-                lambda: AsyncOmni(self.resolved, max_pending=self._max_pending, default_timeout=self._default_timeout),
-            )
-        except Exception as e:
-            self.failed = e
-            logger.critical("the engine failed to start: %s", e)
+        for model in self.multi.models.values():
+            stages = ", ".join(f"{s.stage_type} ({s.model or 'no model'})" for s in model.config.stage_args)
+            logger.info("loading %s: %s", model.name, stages)
+        # Stage processes load their models off the loop (all models at once), which keeps serving.
+        await self.multi.start()
+        for model in self.multi.models.values():
+            if model.state == "failed":
+                logger.critical("%s failed to start: %s", model.name, model.error)
+            elif model.state == "loaded":
+                logger.info("%s is ready (%.1f s)", model.name, time.monotonic() - started)
+        failed = self.failed
+        if failed is not None:
             for callback in self.on_dead:
-                callback(EngineError(f"the engine failed to start: {e}"))
-            return
-        if self._closed:  # shut down while loading
-            await asyncio.get_running_loop().run_in_executor(None, omni.close)
-            return
-        self.omni = omni
-        self.model_name = omni.model_name
-        omni.on_dead(self._engine_died)
-        logger.info("%s is ready (%.1f s)", self.model_name, time.monotonic() - started)
+                callback(EngineError(f"the engine failed to start: {failed}"))
 
-    def _engine_died(self, error: EngineDeadError) -> None:
-        self.dead = error
-        logger.critical("the engine is dead and will not recover: %s", error)
-        for callback in self.on_dead:
-            callback(error)
+    def _model_died(self, model: ServedModel, error: EngineDeadError) -> None:
+        logger.critical("the engine of %s is dead and will not recover: %s", model.name, error)
+        if all(m.state in ("dead", "failed") for m in self.multi.models.values()):
+            self.dead = error
+            for callback in self.on_dead:
+                callback(error)
 
     async def close(self) -> None:
-        """Close the engine (idempotent): stage processes exit, pending requests end with 503.
+        """Close the engines (idempotent): stage processes exit, pending requests end with 503.
         An engine still loading is closed as soon as it has started."""
         if self._closed:
             return
         self._closed = True
         if self.jobs is not None:
             await self.jobs.close()
+        # Loaded engines close now; one still loading closes as soon as it has started.
+        await asyncio.get_running_loop().run_in_executor(None, self.multi.close)
         if self._starting is not None and not self._starting.done():
             await asyncio.gather(self._starting, return_exceptions=True)
-        if self.omni is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.omni.close)
         await self.files.close()
+
+    def abort(self, request_id: str | Sequence[str], reason: BaseException | None = None) -> None:
+        """Abort requests of any model (each engine ignores the ids it does not hold)."""
+        self.multi.abort(request_id, reason)
 
     def abort_all(self, reason: str) -> None:
         """Abort every in-flight engine request; their handlers answer 503 with ``reason``.
         Runs on the server's loop (from a timer or a signal)."""
         ids = list(self.inflight)
-        if ids and self.omni is not None:
+        if ids and self.serving:
             self.metrics.aborted.labels("shutdown").inc(len(ids))
-            self.omni.abort(ids, RequestAbortedError(reason))
+            self.abort(ids, RequestAbortedError(reason))
 
     @property
     def started(self) -> AsyncOmni:
-        """The engine, or a 503 saying why there is none (still loading, or failed)."""
-        if self.omni is None:
-            if self.failed is not None:
-                raise EngineError(f"the engine failed to start: {self.failed}")
-            raise ApiError(
-                503, f"{self.model_name} is loading; retry shortly", type="service_unavailable", code="loading"
-            )
-        return self.omni
+        """The current model's engine, or a 503 saying why there is none (still loading, or
+        failed)."""
+        model = self.current
+        if model.engine is None:
+            if model.state == "failed" and not self.several:
+                raise EngineError(f"the engine failed to start: {model.error}")
+            if model.state == "loading":
+                raise ApiError(
+                    503, f"{model.name} is loading; retry shortly", type="service_unavailable", code="loading"
+                )
+            raise model.unavailable()
+        return model.engine
+
+    def bind(self, model: str | None) -> AsyncOmni:
+        """Make ``model`` the current one in this context and return its engine (see
+        :attr:`started`): 404 naming the served models for an unknown one; 400 when several are
+        served and none is named."""
+        try:
+            served = self.multi.model(model)
+        except UnknownModelError as e:
+            raise ApiError(404, str(e), param="model", code="model_not_found") from None
+        self._bound.set(served.name)
+        return self.started
 
     def check_request(self, model: str | None) -> AsyncOmni:
+        """The engine a request for ``model`` runs on (see :meth:`bind`); 503 while draining."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
-        if model is not None and model != self.model_name:
-            raise ApiError(
-                404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
-                param="model", code="model_not_found",
-            )  # fmt: skip
-        return self.started
+        return self.bind(model)
+
+    def job_engine(self, model: str | None) -> AsyncOmni:
+        """The engine a job recorded for ``model`` runs on when taken over: with one model served,
+        that one (a job store shared by gateways of one model under other names)."""
+        return self.bind(model if self.several else None)
 
     def authorized(self, scope: Scope) -> bool:
         """Whether the request carries the API key (always, when none is set)."""
@@ -252,8 +356,7 @@ class ServerState:
             request.scope[DISCONNECTED] = True
             live = [rid for rid in ids if rid in self.inflight]
             self.metrics.aborted.labels("client_disconnect").inc(len(live))
-            if self.omni is not None:  # None only before the engine started, when nothing runs
-                self.omni.abort(live)
+            self.abort(live)  # no engine holds them before the engines started
             raise ClientDisconnected()
         finally:
             watcher.cancel()
