@@ -193,6 +193,13 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: between steps (continuous batching). A runner or pipeline that cannot falls back to
     #: request-level batching and logs why.
     step_execution: bool = False
+    #: How waves are formed. ``learned``: a per-key model of a forward's (or step's) time against
+    #: its batch size, learned from every wave, caps the batch where throughput stops rising and
+    #: holds a wave open only while one more request saves more than its expected wait
+    #: (``request_batch_max_wait_ms`` stays the upper bound); until it has evidence for a key, the
+    #: window applies. ``window``: hold up to ``request_batch_max_wait_ms``, ended early by the
+    #: quiet window, and batch up to ``max_num_seqs``.
+    batch_policy: Literal["learned", "window"] = "learned"
     #: ``torch.compile`` the denoiser (``true`` for the defaults, or ``{backend, mode, fullgraph,
     #: dynamic}``). Off by default: worth it on a GPU for a long-running server.
     torch_compile: bool | TorchCompile = False

@@ -36,6 +36,16 @@ what a lone request pays small. Concurrent HTTP clients arrive with jitter (conn
 a busy machine): one late arrival of a burst that the floor missed teaches the window the gap, and the
 following bursts are held long enough. Sporadic traffic pushes the short gaps out of the history, and
 the window returns to the floor.
+
+Learned admission (a :class:`~omni_runtime.stage.cost_model.CostModel` injected as ``cost_model``,
+``engine_args.batch_policy: learned``). Once the model has a fit for the head's key, it replaces the
+stable window: a wave is capped at the model's best batch (where throughput stops rising, never
+above ``max_num_seqs``), and it is held only while the machine time one more request would save
+(:meth:`~omni_runtime.stage.cost_model.CostFit.gain_of_one_more`) exceeds the expected wait for one
+(the mean of the recent gaps between arrivals, all of them: a longer gap only makes holding look
+worse, so it cannot feed on itself). A hold ends once it has lasted as long as that saving, or at
+``max_wait_ms``, which stays the upper bound. When per-item cost is flat or rising the saving is
+zero, and a lone request goes at once. Until the model has a fit for a key, the window above holds.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from omni_runtime.exceptions import ConfigError, DuplicateRequestError, QueueFullError
+from omni_runtime.stage.cost_model import CostFit, CostModel
 
 Policy = Literal["oldest_key", "fifo"]
 
@@ -137,6 +148,7 @@ class RequestScheduler(BatchSize):
         max_queue_len: int | None = None,
         policy: Policy = "oldest_key",
         priority_aging_s: float = 10.0,
+        cost_model: CostModel | None = None,
     ) -> None:
         if not isinstance(priority_aging_s, int | float) or not 0 < priority_aging_s < math.inf:
             raise ConfigError(f"expected a finite number of seconds > 0, got {priority_aging_s!r}", path="aging")
@@ -164,6 +176,10 @@ class RequestScheduler(BatchSize):
         self._last_arrival = -math.inf
         #: Recent gaps between consecutive arrivals (s), for the adaptive stable window.
         self._gaps: deque[float] = deque(maxlen=_GAP_HISTORY)
+        #: The same gaps, none left out: the arrival rate the learned admission expects.
+        self._raw_gaps: deque[float] = deque(maxlen=_GAP_HISTORY)
+        #: None: the window policy; otherwise waves are capped and held by what this model learned.
+        self._cost_model = cost_model
         #: A wave finished since the latest arrival: the next gap spans our own hold and forward.
         self._finished_since_arrival = False
         self._next_batch_id = 1
@@ -186,6 +202,7 @@ class RequestScheduler(BatchSize):
             # A gap across a finished wave still takes its place in the history (so sporadic
             # traffic ages the burst gaps out), as a pause that never counts as inside a burst.
             self._gaps.append(math.inf if self._finished_since_arrival else now - self._last_arrival)
+            self._raw_gaps.append(now - self._last_arrival)
         self._last_arrival = now
         self._finished_since_arrival = False
 
@@ -213,22 +230,43 @@ class RequestScheduler(BatchSize):
         # 2) The oldest waiting request (by aged priority) picks the key, so no key starves behind a
         #    busier one.
         head = self._head()
-        members, closed = self._select(head)
+        fit = None if self._cost_model is None else self._cost_model.fit(head.key)
+        limit = self._max_num_seqs if fit is None else fit.best_batch(self._max_num_seqs, self._margin())
+        members, closed = self._select(head, limit)
         now = self._clock()
         # 3) Go at once when holding cannot grow the wave (full, or a fifo run already cut off by an
         #    incompatible request), when no added latency is wanted, or when the head queued behind a
         #    running wave and so has already waited its turn.
-        if len(members) >= self._max_num_seqs or closed or self._max_wait_ms == 0 or head.arrival < self._idle_since:
+        if len(members) >= limit or closed or self._max_wait_ms == 0 or head.arrival < self._idle_since:
             return self._dispatch(head.key, members, now)
-        # 4) Otherwise hold for compatible arrivals, bounded by the deadline, and ended early by a quiet
-        #    stable window after the most recent arrival (the burst is over).
+        # 4) Otherwise hold for compatible arrivals, bounded by the deadline, and ended early: by a
+        #    quiet stable window after the most recent arrival (the burst is over), or, once the cost
+        #    model knows this key, as soon as one more request no longer pays for its wait.
         deadline = max(head.arrival, self._idle_since) + self._max_wait_ms / 1000.0
-        stable_end = self._last_arrival + self._stable_window() / 1000.0
-        wake_at = min(deadline, stable_end)
+        if fit is None:
+            wake_at = min(deadline, self._last_arrival + self._stable_window() / 1000.0)
+        else:
+            hold_s = self._learned_hold_s(fit, len(members))
+            if hold_s <= 0:
+                return self._dispatch(head.key, members, now)
+            start = max(head.arrival, self._idle_since, self._last_arrival)
+            wake_at = min(deadline, start + hold_s)
         if now >= wake_at - _DUE_SLACK_S:
             return self._dispatch(head.key, members, now)
         # 5) Not yet: tell the worker when to ask again.
         return wake_at
+
+    def _margin(self) -> float:
+        return 0.05 if self._cost_model is None else self._cost_model.margin
+
+    def _learned_hold_s(self, fit: CostFit, n: int) -> float:
+        """How long one more request is worth waiting for (s), after the latest arrival: the machine
+        time it would save, if that beats the expected wait for it; else 0 (go now)."""
+        gain_ms = fit.gain_of_one_more(n)
+        if gain_ms <= 0 or not self._raw_gaps:
+            return 0.0
+        expected_gap_ms = sum(self._raw_gaps) / len(self._raw_gaps) * 1000.0
+        return gain_ms / 1000.0 if gain_ms > expected_gap_ms else 0.0
 
     def finish(self, batch_id: int) -> list[str]:
         """End the running wave; returns its request ids. The scheduler is idle again."""
@@ -305,9 +343,9 @@ class RequestScheduler(BatchSize):
     def _in_order(self, pendings: dict[str, _Pending]) -> Any:
         return pendings.values() if len(self._priorities) == 1 else sorted(pendings.values(), key=self._rank)
 
-    def _select(self, head: _Pending) -> tuple[list[_Pending], bool]:
-        """The wave ``head`` would lead, and whether it is closed to later arrivals (fifo only)."""
-        limit = self._max_num_seqs
+    def _select(self, head: _Pending, limit: int) -> tuple[list[_Pending], bool]:
+        """The wave ``head`` would lead (at most ``limit``), and whether it is closed to later
+        arrivals (fifo only)."""
         members: list[_Pending] = []
         if self._policy == "oldest_key":
             for pending in self._in_order(self._by_key[head.key]):
