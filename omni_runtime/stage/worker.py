@@ -94,6 +94,8 @@ class StageWorker:
                 stable_window_ms=args.batch_quiet_window_ms,
                 priority_aging_s=args.priority_aging_s,
                 cost_model=policy_model,
+                slo_ms=args.slo_ms,
+                slo_shed=args.slo_shed,
             ),
         )
         # What the executors share, through the worker:

@@ -813,7 +813,11 @@ def test_nothing_of_a_request_stays_after_it_ends(ops: list) -> None:
 
 
 def learned(
-    clock: FakeClock, curve: Callable[[int], float], max_num_seqs: int = 4, max_wait_ms: float = 20.0
+    clock: FakeClock,
+    curve: Callable[[int], float],
+    max_num_seqs: int = 4,
+    max_wait_ms: float = 20.0,
+    **kw: object,
 ) -> RequestScheduler:
     """A scheduler whose injected cost model has seen waves of 1..4 of key ``k`` cost ``curve(n)`` ms."""
     from omni_runtime.stage.cost_model import CostModel
@@ -822,7 +826,7 @@ def learned(
     for n in (1, 2, 3, 4):
         for _ in range(2):
             model.observe("k", n, curve(n))
-    return make(clock, max_num_seqs=max_num_seqs, max_wait_ms=max_wait_ms, cost_model=model)
+    return make(clock, max_num_seqs=max_num_seqs, max_wait_ms=max_wait_ms, cost_model=model, **kw)
 
 
 def test_learned_flat_per_item_cost_never_holds_a_lone_request(clock: FakeClock) -> None:
@@ -890,3 +894,35 @@ def test_learned_unknown_key_keeps_the_window(clock: FakeClock) -> None:
     s.add("a", "other")
     due = s.schedule()
     assert isinstance(due, float)  # no evidence for this key: held as the window policy holds
+
+
+def test_slo_ends_a_hold_the_head_could_not_afford(clock: FakeClock) -> None:
+    # One more request saves 100 ms, but a wave of 3 takes 103 ms and the head's target is 110 ms.
+    s = learned(clock, lambda n: 100.0 + 1.0 * n, max_wait_ms=50.0, slo_ms=110.0)
+    s.add("a", "k")
+    clock.advance(2)
+    s.add("b", "k")
+    due = s.schedule()
+    assert isinstance(due, float) and due * 1000.0 == pytest.approx(110.0 - 103.0)
+    clock.advance(5)
+    assert run(s) == ["a", "b"]
+
+
+def test_slo_shed_refuses_what_would_finish_late_with_a_retry_after(clock: FakeClock) -> None:
+    from omni_runtime.stage.cost_model import CostModel
+
+    model = CostModel()
+    for n in (1, 2, 3, 4):
+        model.observe("k", n, 100.0 * n)  # flat: 100 ms a request, one at a time
+    s = make(clock, max_num_seqs=4, cost_model=model, slo_ms=250.0, slo_shed=True)
+    s.add("a", "k")
+    s.add("b", "k")  # 100 ahead + 100 own = 200 <= 250
+    with pytest.raises(QueueFullError) as e:
+        s.add("c", "k")  # 200 ahead + 100 own = 300 > 250
+    assert e.value.retry_after_s == pytest.approx(0.3)
+    s.add("new", "unknown key")  # no evidence: never refused
+    assert s.stats()["slo_shed"] == 1
+    wave = s.schedule()
+    assert isinstance(wave, Wave) and wave.request_ids == ["a"]
+    clock.advance(60)  # the running wave has 40 ms left: 40 + 100 (b) + 100 own = 240
+    s.add("d", "k")
