@@ -34,6 +34,7 @@ from omni_runtime.params import GenericSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
 
 THREADS = 2
+#: Denoising steps of tiny-sd (``--steps``).
 STEPS = 20
 SIZES = (64, 48)
 #: The synthetic runner's curve at size 64 (a size-48 request costs (48/64)^2 of it).
@@ -316,6 +317,8 @@ async def main_async(args: argparse.Namespace) -> None:
     for runner in runners:
         cap = capacity(runner)
         total = {"synthetic": 24 if args.quick else 64, "tiny-sd": 8 if args.quick else 24}[runner]
+        if runner == "tiny-sd" and args.tiny_total:
+            total = args.tiny_total
         print(f"{runner}: one at a time {cap:.2f} req/s", flush=True)
         rows += await bench_runner(runner, make_loads(cap, total, seed=args.seed))
     print()
@@ -327,12 +330,16 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    global STEPS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer requests per load (a smoke run)")
     ap.add_argument("--only", choices=["synthetic", "tiny-sd"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=STEPS, help="tiny-sd denoising steps")
+    ap.add_argument("--tiny-total", type=int, help="tiny-sd requests per load (default 24, --quick 8)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    STEPS = args.steps
     asyncio.run(main_async(args))
 
 
