@@ -199,7 +199,7 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: (``request_batch_max_wait_ms`` stays the upper bound); until it has evidence for a key, the
     #: window applies. ``window``: hold up to ``request_batch_max_wait_ms``, ended early by the
     #: quiet window, and batch up to ``max_num_seqs``.
-    batch_policy: Literal["learned", "window"] = "learned"
+    batch_policy: Literal["learned", "window"] = "window"
     #: A latency target (ms) for this stage, acted on with ``batch_policy: learned`` once the model
     #: knows a key: no admission hold lasts past the point where the wave's head would miss it.
     slo_ms: Annotated[float, msgspec.Meta(gt=0, le=3_600_000)] | None = None

@@ -143,7 +143,7 @@ async def test_get_stats_reports_the_learned_cost_of_a_batch(echo: AsyncOmni) ->
             )
         [stats] = await echo.collective_rpc("get_stats")
         cost = stats.result["cost_model"]
-        assert cost["policy"] == "learned" and cost["num_keys"] >= 1
+        assert cost["policy"] == "window" and cost["num_keys"] >= 1  # learned and reported under any policy
         [key] = cost["keys"]
         assert key["samples"] >= 3 and key["fixed_ms"] >= 0 and key["per_item_ms"] >= 0
         assert 1 <= key["best_batch"] <= 4

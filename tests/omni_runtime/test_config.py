@@ -126,10 +126,10 @@ def test_step_execution_and_the_quiet_window_are_engine_args():
 
 def test_batch_policy_and_latency_target_are_engine_args():
     args = load_config("tiny-sd").stage_args[0].engine_args
-    assert (args.batch_policy, args.slo_ms, args.slo_shed) == ("learned", None, False)
-    config = with_engine_overrides(load_config("tiny-sd"), batch_policy="window", slo_ms=500, slo_shed=True)
+    assert (args.batch_policy, args.slo_ms, args.slo_shed) == ("window", None, False)
+    config = with_engine_overrides(load_config("tiny-sd"), batch_policy="learned", slo_ms=500, slo_shed=True)
     args = config.stage_args[0].engine_args
-    assert (args.batch_policy, args.slo_ms, args.slo_shed) == ("window", 500, True)
+    assert (args.batch_policy, args.slo_ms, args.slo_shed) == ("learned", 500, True)
     assert "engine_args.batch_policy: Invalid enum value 'bigger'" in error_of(
         {"stage_args": [stage(engine_args={"batch_policy": "bigger"})]}
     )
