@@ -241,37 +241,42 @@ async def warm_up(submit: Submit) -> None:
 
 
 async def bench_runner(runner: str, loads: list[Load]) -> list[dict[str, Any]]:
-    rows = []
+    """Every server is started and warmed up first; then each load runs on each server in turn
+    (starting with another server per load), so a busy machine's swings fall on all servers alike
+    rather than on whichever ran last."""
     systems: list[tuple[str, int, float, str]] = [
         ("learned", 4, 20.0, "learned"),
         ("window", 4, 20.0, "window"),
         ("sequential", 1, 0.0, "window"),
     ]
     loop = asyncio.get_running_loop()
-    for name, n, wait, policy in systems:
-        engine = AsyncOmni(stage(runner, n, wait, policy))
-        try:
-            submit = runtime_submit(engine, runner)
+    engines = [AsyncOmni(stage(runner, n, wait, policy)) for _, n, wait, policy in systems]
+    try:
+        submits: dict[str, Submit] = {
+            name: runtime_submit(engine, runner) for (name, *_), engine in zip(systems, engines, strict=True)
+        }
+        if runner == "synthetic":
+
+            def run_batch(size: int, ids: list[int]) -> None:
+                time.sleep(synthetic_cost_s(size, len(ids)))
+        else:
+            run_batch = await loop.run_in_executor(None, tiny_sd_batch)
+        submits["plain"] = PlainBatcher(run_batch).submit
+        for submit in submits.values():
             await warm_up(submit)
-            for load in loads:
+        rows = []
+        names = list(submits)
+        for k, load in enumerate(loads):
+            # Each load starts with another server: none always runs first (or last) in a load.
+            for name in names[k % len(names) :] + names[: k % len(names)]:
+                submit = submits[name]
                 rows.append({"runner": runner, "load": load.name, "server": name, **await drive(load, submit)})
                 print(rows[-1], flush=True)
-            if name == "learned":
-                [stats] = await engine.collective_rpc("get_stats")
-                print("learned cost model:", stats.result["cost_model"], flush=True)
-        finally:
+        [stats] = await engines[0].collective_rpc("get_stats")
+        print("learned cost model:", stats.result["cost_model"], flush=True)
+    finally:
+        for engine in engines:
             await loop.run_in_executor(None, engine.close)
-    if runner == "synthetic":
-
-        def run_batch(size: int, ids: list[int]) -> None:
-            time.sleep(synthetic_cost_s(size, len(ids)))
-    else:
-        run_batch = await loop.run_in_executor(None, tiny_sd_batch)
-    plain = PlainBatcher(run_batch)
-    await warm_up(plain.submit)
-    for load in loads:
-        rows.append({"runner": runner, "load": load.name, "server": "plain", **await drive(load, plain.submit)})
-        print(rows[-1], flush=True)
     return rows
 
 
