@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.overhead
 	$(PY) -m benchmarks.batching
 	$(PY) -m benchmarks.step_batching
+	$(PY) -m benchmarks.adaptive_batching
 	$(PY) -m benchmarks.video
 	$(PY) -m benchmarks.audio
 	$(PY) -m benchmarks.transfer

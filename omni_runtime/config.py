@@ -202,6 +202,19 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: between steps (continuous batching). A runner or pipeline that cannot falls back to
     #: request-level batching and logs why.
     step_execution: bool = False
+    #: How waves are formed. ``learned``: a per-key model of a forward's (or step's) time against
+    #: its batch size, learned from every wave, caps the batch where throughput stops rising and
+    #: holds a wave open only while one more request saves more than its expected wait
+    #: (``request_batch_max_wait_ms`` stays the upper bound); until it has evidence for a key, the
+    #: window applies. ``window``: hold up to ``request_batch_max_wait_ms``, ended early by the
+    #: quiet window, and batch up to ``max_num_seqs``.
+    batch_policy: Literal["learned", "window"] = "window"
+    #: A latency target (ms) for this stage, acted on with ``batch_policy: learned`` once the model
+    #: knows a key: no admission hold lasts past the point where the wave's head would miss it.
+    slo_ms: Annotated[float, msgspec.Meta(gt=0, le=3_600_000)] | None = None
+    #: With ``slo_ms``: refuse (429 with ``Retry-After``) a request the learned cost says would
+    #: finish later than ``slo_ms``, instead of serving it late.
+    slo_shed: bool = False
     #: ``torch.compile`` the denoiser (``true`` for the defaults, or ``{backend, mode, fullgraph,
     #: dynamic}``). Off by default: worth it on a GPU for a long-running server.
     torch_compile: bool | TorchCompile = False

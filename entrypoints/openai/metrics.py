@@ -26,6 +26,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 #: How many of the latest latencies the status route's quantiles are taken over.
 RECENT = 1024
+#: Keys per stage that get a cost gauge; later keys are not exported (bounded label cardinality).
+_COST_KEYS_PER_STAGE = 16
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 
 
@@ -169,6 +171,20 @@ class ServerMetrics:
             ["stage"],
             registry=r,
         )
+        self.cost_fixed = Gauge(
+            "omni_stage_batch_fixed_cost_seconds",
+            "Learned fixed cost of a stage's forward (or step), whatever its batch size, per key "
+            "(summarised, at most 16 per stage): what batching shares.",
+            ["stage", "key"],
+            registry=r,
+        )
+        self.cost_per_item = Gauge(
+            "omni_stage_batch_per_item_cost_seconds",
+            "Learned cost of each request added to a stage's forward (or step), per key.",
+            ["stage", "key"],
+            registry=r,
+        )
+        self._cost_keys: dict[str, set[str]] = {}
         #: (stage, replica, batch id) of waves already observed, so a wave of 8 counts once.
         self._waves: OrderedDict[tuple[Any, Any, Any], None] = OrderedDict()
         r.register(_EngineCollector(health))
@@ -190,7 +206,8 @@ class ServerMetrics:
             self.observe_stage(sid, result.metrics)
 
     def observe_stage(self, sid: int, metrics: dict[str, Any]) -> None:
-        """The wave histogram, from one stage's output metrics (each wave counted once)."""
+        """The wave histogram and cost gauges, from one stage's output metrics (each wave counted once)."""
+        self._observe_cost(str(sid), metrics)
         execution, batch = metrics.get("execution_ms"), metrics.get("batch_id")
         if not isinstance(execution, int | float):
             return
@@ -223,6 +240,18 @@ class ServerMetrics:
                 if sample.name.endswith("_total"):
                     counts[sample.labels["status"]] = int(sample.value)
         return counts
+
+    def _observe_cost(self, stage: str, metrics: dict[str, Any]) -> None:
+        key, fixed, per_item = metrics.get("cost_key"), metrics.get("cost_fixed_ms"), metrics.get("cost_per_item_ms")
+        if not isinstance(key, str) or not isinstance(fixed, int | float) or not isinstance(per_item, int | float):
+            return
+        keys = self._cost_keys.setdefault(stage, set())
+        if key not in keys:
+            if len(keys) >= _COST_KEYS_PER_STAGE:
+                return
+            keys.add(key)
+        self.cost_fixed.labels(stage, key).set(fixed / 1000.0)
+        self.cost_per_item.labels(stage, key).set(per_item / 1000.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

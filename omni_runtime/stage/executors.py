@@ -20,10 +20,14 @@ import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from omni_runtime.exceptions import OmniError, StageAsleepError, StageExecutionError
 from omni_runtime.messages import Payload, Progress, StageOutput
+from omni_runtime.stage.cost_model import key_label
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StepResult
 from omni_runtime.stage.scheduler import RequestScheduler, Wave
 from omni_runtime.stage.step_scheduler import StepPlan, StepScheduler
@@ -60,7 +64,19 @@ class Executor(ABC):
 
     def stats(self) -> dict[str, Any]:
         """This executor's part of the worker's ``get_stats``."""
-        return {"step_execution": self.step_mode}
+        return {"step_execution": self.step_mode, "cost_model": self._cost_stats()}
+
+    def _cost_stats(self) -> dict[str, Any]:
+        """The learned cost of a batch (per key) and the policy that acts on it."""
+        snapshot = msgspec.to_builtins(self.worker.cost_model.snapshot())
+        return {"policy": self.worker.stage.engine_args.batch_policy, **snapshot}
+
+    def cost_metrics(self, key: Hashable) -> dict[str, Any]:
+        """The fitted cost of ``key`` for a request's output metrics (the server's gauges read it)."""
+        fit = self.worker.cost_model.fit(key)
+        if fit is None:
+            return {}
+        return {"cost_key": key_label(key), "cost_fixed_ms": fit.fixed_ms, "cost_per_item_ms": fit.per_item_ms}
 
 
 class RequestExecutor(Executor):
@@ -110,6 +126,10 @@ class RequestExecutor(Executor):
         finally:
             self.scheduler.finish(wave.batch_id)
         elapsed_ms = (time.perf_counter() - start) * 1000.0
+        if not w.asleep and all(out.error is None for out in outputs):
+            # A failed wave ran (partly) one by one: its time says nothing of a batch of this size.
+            w.cost_model.observe(wave.key, len(batch), elapsed_ms)
+        cost = self.cost_metrics(wave.key)
         done: list[StageOutput] = []
         for req, out in zip(batch, outputs, strict=True):
             rid = req.request_id
@@ -123,6 +143,7 @@ class RequestExecutor(Executor):
                 "batch_id": wave.batch_id,
                 "execution_ms": elapsed_ms,
                 "replica_id": w.replica_id,
+                **cost,
                 **out.metrics,
             }
             if "first_step_ms" in out.metrics:  # a runner that reports when its first step ended
@@ -219,6 +240,7 @@ class StepExecutor(Executor):
         s = self.scheduler.stats()
         return {
             "step_execution": True,
+            "cost_model": self._cost_stats(),
             "steps": s.get("steps", 0),
             "paused": s.get("num_paused", 0),
             **self.worker.throttle.stats(),
@@ -240,7 +262,9 @@ class StepExecutor(Executor):
             else:
                 ctx = self._step_context()
                 w.progress_at = time.monotonic()
-                failed, results = await loop.run_in_executor(w.forward_thread, self._step_job, plan, ctx)
+                failed, results, step_ms = await loop.run_in_executor(w.forward_thread, self._step_job, plan, ctx)
+                if results and not failed and plan.key is not None:
+                    w.cost_model.observe(plan.key, len(results), step_ms)
         except Exception as e:
             # The runner failed as a whole (asleep under us, or a bug): the plan's requests fail.
             logger.warning("stage %d: step %d failed: %s", self.stage_id, plan.step_id, e)
@@ -258,6 +282,7 @@ class StepExecutor(Executor):
         finished = [*failed, *(rid for rid, r in results.items() if r.output is not None)]
         done = scheduler.finish_step(plan.step_id, list(results), finished)
         # 4) Final outputs (errors included) of those that left; nothing for the aborted ones.
+        cost = {} if plan.key is None else self.cost_metrics(plan.key)
         outputs: list[StageOutput] = []
         for rid in finished:
             # A request whose partial output could not be sent was marked released (emit): its
@@ -268,7 +293,7 @@ class StepExecutor(Executor):
                 continue
             out = failed[rid] if rid in failed else results[rid].output
             assert out is not None  # finished: failed, or its step result has an output
-            metrics = {**metrics, "admission_wait_ms": 0.0, "replica_id": w.replica_id, **out.metrics}
+            metrics = {**metrics, "admission_wait_ms": 0.0, "replica_id": w.replica_id, **cost, **out.metrics}
             outputs.append(w.final_output(rid, out, metrics))
         w.emit_outputs(outputs)
         # 5) Progress of those still running, when a burst is due.
@@ -285,14 +310,19 @@ class StepExecutor(Executor):
 
         return ExecuteContext(is_aborted=is_aborted)
 
-    def _step_job(self, plan: StepPlan, ctx: ExecuteContext) -> tuple[dict[str, RunnerOutput], dict[str, StepResult]]:
+    def _step_job(
+        self, plan: StepPlan, ctx: ExecuteContext
+    ) -> tuple[dict[str, RunnerOutput], dict[str, StepResult], float]:
         """In the forward thread: 1) free aborted state  2) admit the joiners (batched encode)
-        3) one batched step of the plan's key (decoding those done)."""
+        3) one batched step of the plan's key (decoding those done). Also returns the step's own
+        time (ms), without the admission: what the cost model learns from."""
         runner = self.worker.runner
         runner.step_drop(plan.drop)
         failed = runner.step_admit([plan.payloads[rid] for rid in plan.join], ctx) if plan.join else {}
         run = [rid for rid in plan.run if rid not in failed]
+        start = time.perf_counter()
         results = runner.step_run(run, ctx) if run else {}
+        step_ms = (time.perf_counter() - start) * 1000.0
         # A runner may skip a request aborted meanwhile (it leaves with the next plan); any other
         # it did not step would hold its slot forever.
         for rid in run:
@@ -301,7 +331,7 @@ class StepExecutor(Executor):
                     "the runner returned no result for this request's step", stage_id=self.stage_id
                 )
                 failed[rid] = RunnerOutput(error=err)
-        return failed, results
+        return failed, results, step_ms
 
     def _emit_progress(self, results: dict[str, StepResult]) -> None:
         """:class:`Progress` partial outputs for every request that just took

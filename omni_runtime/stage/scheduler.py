@@ -36,6 +36,23 @@ what a lone request pays small. Concurrent HTTP clients arrive with jitter (conn
 a busy machine): one late arrival of a burst that the floor missed teaches the window the gap, and the
 following bursts are held long enough. Sporadic traffic pushes the short gaps out of the history, and
 the window returns to the floor.
+
+Learned admission (a :class:`~omni_runtime.stage.cost_model.CostModel` injected as ``cost_model``,
+``engine_args.batch_policy: learned``). Once the model has a fit for the head's key, it replaces the
+stable window: a wave is capped at the model's best batch (where throughput stops rising, never
+above ``max_num_seqs``), and it is held only while the machine time one more request would save
+(:meth:`~omni_runtime.stage.cost_model.CostFit.gain_of_one_more`) exceeds the expected wait for one
+(the mean of the recent gaps between arrivals, all of them: a longer gap only makes holding look
+worse, so it cannot feed on itself). A hold ends once it has lasted as long as that saving, or at
+``max_wait_ms``, which stays the upper bound. When per-item cost is flat or rising the saving is
+zero, and a lone request goes at once. Until the model has a fit for a key, the window above holds.
+
+Latency target (``slo_ms``, with a cost model). A hold never lasts past the moment the head could
+still finish within ``slo_ms`` of its arrival (its wait so far plus the model's time for the wave it
+would run in). With ``slo_shed``, :meth:`~RequestScheduler.add` refuses (QueueFullError, whose
+``retry_after_s`` is the expected backlog) a request the model expects to finish later than
+``slo_ms``: the rest of the running wave, the waiting requests at their per-item cost, and its own
+wave. A key the model does not know yet counts as free: a request is never refused without evidence.
 """
 
 from __future__ import annotations
@@ -48,6 +65,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from omni_runtime.exceptions import ConfigError, DuplicateRequestError, QueueFullError
+from omni_runtime.stage.cost_model import CostFit, CostModel
 
 Policy = Literal["oldest_key", "fifo"]
 
@@ -137,6 +155,9 @@ class RequestScheduler(BatchSize):
         max_queue_len: int | None = None,
         policy: Policy = "oldest_key",
         priority_aging_s: float = 10.0,
+        cost_model: CostModel | None = None,
+        slo_ms: float | None = None,
+        slo_shed: bool = False,
     ) -> None:
         if not isinstance(priority_aging_s, int | float) or not 0 < priority_aging_s < math.inf:
             raise ConfigError(f"expected a finite number of seconds > 0, got {priority_aging_s!r}", path="aging")
@@ -164,6 +185,16 @@ class RequestScheduler(BatchSize):
         self._last_arrival = -math.inf
         #: Recent gaps between consecutive arrivals (s), for the adaptive stable window.
         self._gaps: deque[float] = deque(maxlen=_GAP_HISTORY)
+        #: The same gaps, none left out: the arrival rate the learned admission expects.
+        self._raw_gaps: deque[float] = deque(maxlen=_GAP_HISTORY)
+        #: None: the window policy; otherwise waves are capped and held by what this model learned.
+        self._cost_model = cost_model
+        if slo_ms is not None:
+            _check_ms("slo_ms", slo_ms)
+        self._slo_ms = slo_ms
+        self._slo_shed = slo_shed
+        self._running_since = 0.0
+        self._shed = 0
         #: A wave finished since the latest arrival: the next gap spans our own hold and forward.
         self._finished_since_arrival = False
         self._next_batch_id = 1
@@ -178,6 +209,14 @@ class RequestScheduler(BatchSize):
         if self._max_queue_len is not None and len(self._waiting) >= self._max_queue_len:
             raise QueueFullError(f"{len(self._waiting)} requests already wait (max_queue_len)")
         now = self._clock()
+        if self._slo_shed and self._slo_ms is not None:
+            expected_ms = self._expected_finish_ms(key, now)
+            if expected_ms > self._slo_ms:
+                self._shed += 1
+                raise QueueFullError(
+                    f"expected to finish in {expected_ms:.0f} ms, past this stage's slo_ms {self._slo_ms:g}",
+                    retry_after_s=expected_ms / 1000.0,
+                )
         pending = _Pending(request_id, key, payload, now, int(priority))
         self._waiting[request_id] = pending
         self._priorities[pending.priority] = self._priorities.get(pending.priority, 0) + 1
@@ -186,6 +225,7 @@ class RequestScheduler(BatchSize):
             # A gap across a finished wave still takes its place in the history (so sporadic
             # traffic ages the burst gaps out), as a pause that never counts as inside a burst.
             self._gaps.append(math.inf if self._finished_since_arrival else now - self._last_arrival)
+            self._raw_gaps.append(now - self._last_arrival)
         self._last_arrival = now
         self._finished_since_arrival = False
 
@@ -213,22 +253,64 @@ class RequestScheduler(BatchSize):
         # 2) The oldest waiting request (by aged priority) picks the key, so no key starves behind a
         #    busier one.
         head = self._head()
-        members, closed = self._select(head)
+        fit = None if self._cost_model is None else self._cost_model.fit(head.key)
+        limit = self._max_num_seqs if fit is None else fit.best_batch(self._max_num_seqs, self._margin())
+        members, closed = self._select(head, limit)
         now = self._clock()
         # 3) Go at once when holding cannot grow the wave (full, or a fifo run already cut off by an
         #    incompatible request), when no added latency is wanted, or when the head queued behind a
         #    running wave and so has already waited its turn.
-        if len(members) >= self._max_num_seqs or closed or self._max_wait_ms == 0 or head.arrival < self._idle_since:
+        if len(members) >= limit or closed or self._max_wait_ms == 0 or head.arrival < self._idle_since:
             return self._dispatch(head.key, members, now)
-        # 4) Otherwise hold for compatible arrivals, bounded by the deadline, and ended early by a quiet
-        #    stable window after the most recent arrival (the burst is over).
+        # 4) Otherwise hold for compatible arrivals, bounded by the deadline, and ended early: by a
+        #    quiet stable window after the most recent arrival (the burst is over), or, once the cost
+        #    model knows this key, as soon as one more request no longer pays for its wait.
         deadline = max(head.arrival, self._idle_since) + self._max_wait_ms / 1000.0
-        stable_end = self._last_arrival + self._stable_window() / 1000.0
-        wake_at = min(deadline, stable_end)
+        if fit is None:
+            wake_at = min(deadline, self._last_arrival + self._stable_window() / 1000.0)
+        else:
+            hold_s = self._learned_hold_s(fit, len(members))
+            if hold_s <= 0:
+                return self._dispatch(head.key, members, now)
+            start = max(head.arrival, self._idle_since, self._last_arrival)
+            wake_at = min(deadline, start + hold_s)
+            if self._slo_ms is not None:  # the head must still make its target in a bigger wave
+                wake_at = min(wake_at, head.arrival + (self._slo_ms - fit.time_ms(len(members) + 1)) / 1000.0)
         if now >= wake_at - _DUE_SLACK_S:
             return self._dispatch(head.key, members, now)
         # 5) Not yet: tell the worker when to ask again.
         return wake_at
+
+    def _expected_finish_ms(self, key: Hashable, now: float) -> float:
+        """When a request of ``key`` arriving now is expected to finish (ms from now), by the cost
+        model: the running wave's rest, every waiting request at its key's per-item cost in a wave
+        of its best size, and its own wave. Unknown keys count as free."""
+        model = self._cost_model
+        if model is None:
+            return 0.0
+        total = 0.0
+        if self._running is not None and (fit := model.fit(self._running.key)) is not None:
+            total += max(0.0, fit.time_ms(len(self._running)) - (now - self._running_since) * 1000.0)
+        for k, same in self._by_key.items():
+            if (fit := model.fit(k)) is not None:
+                best = fit.best_batch(self._max_num_seqs, model.margin)
+                total += len(same) * fit.time_ms(best) / best
+        own = model.fit(key)
+        if own is not None:
+            total += own.time_ms(1)
+        return total
+
+    def _margin(self) -> float:
+        return 0.05 if self._cost_model is None else self._cost_model.margin
+
+    def _learned_hold_s(self, fit: CostFit, n: int) -> float:
+        """How long one more request is worth waiting for (s), after the latest arrival: the machine
+        time it would save, if that beats the expected wait for it; else 0 (go now)."""
+        gain_ms = fit.gain_of_one_more(n)
+        if gain_ms <= 0 or not self._raw_gaps:
+            return 0.0
+        expected_gap_ms = sum(self._raw_gaps) / len(self._raw_gaps) * 1000.0
+        return gain_ms / 1000.0 if gain_ms > expected_gap_ms else 0.0
 
     def finish(self, batch_id: int) -> list[str]:
         """End the running wave; returns its request ids. The scheduler is idle again."""
@@ -267,13 +349,16 @@ class RequestScheduler(BatchSize):
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics; ``batch_size_histogram`` maps wave size to how many waves had it."""
-        return {
+        stats = {
             "num_waiting": self.num_waiting,
             "num_running": self.num_running,
             "waves": self._next_batch_id - 1,
             "requests_scheduled": self._requests_scheduled,
             "batch_size_histogram": dict(sorted(self._histogram.items())),
         }
+        if self._slo_shed:
+            stats["slo_shed"] = self._shed
+        return stats
 
     def _is_running(self, request_id: str) -> bool:
         return self._running is not None and request_id in self._running.queue_wait_ms
@@ -305,9 +390,9 @@ class RequestScheduler(BatchSize):
     def _in_order(self, pendings: dict[str, _Pending]) -> Any:
         return pendings.values() if len(self._priorities) == 1 else sorted(pendings.values(), key=self._rank)
 
-    def _select(self, head: _Pending) -> tuple[list[_Pending], bool]:
-        """The wave ``head`` would lead, and whether it is closed to later arrivals (fifo only)."""
-        limit = self._max_num_seqs
+    def _select(self, head: _Pending, limit: int) -> tuple[list[_Pending], bool]:
+        """The wave ``head`` would lead (at most ``limit``), and whether it is closed to later
+        arrivals (fifo only)."""
         members: list[_Pending] = []
         if self._policy == "oldest_key":
             for pending in self._in_order(self._by_key[head.key]):
@@ -339,6 +424,7 @@ class RequestScheduler(BatchSize):
         self._requests_scheduled += len(members)
         self._histogram[len(members)] = self._histogram.get(len(members), 0) + 1
         self._running = wave
+        self._running_since = now
         return wave
 
     def _unindex(self, pending: _Pending) -> None:

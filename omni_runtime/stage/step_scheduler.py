@@ -23,6 +23,10 @@ denoising step at a time: before each step it asks :meth:`StepScheduler.schedule
 * Pauses. A request that has taken steps but is not in this step's batch keeps its state in the
   runner and resumes when it is again: when a request of higher priority took its place in the
   batch (preemption), or when an older or higher-priority request of another key leads.
+* Learned cap. With a :class:`~omni_runtime.stage.cost_model.CostModel` injected (``cost_model``,
+  fed each step's time and batch size), the batch of a key the model knows is also capped where its
+  throughput stops rising: on a machine where a step of 4 costs 4 steps of 1, requests step one at
+  a time and the first one finishes first, instead of all finishing late together.
 * Abort. A request that has not started leaves at once; one with state leaves with the next plan,
   which asks the runner to drop that state.
 
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from omni_runtime.exceptions import ConfigError, DuplicateRequestError, QueueFullError
+from omni_runtime.stage.cost_model import CostModel
 from omni_runtime.stage.scheduler import BatchSize, aged_rank
 
 
@@ -97,12 +102,14 @@ class StepScheduler(BatchSize):
         clock: Callable[[], float] = time.monotonic,
         max_queue_len: int | None = None,
         priority_aging_s: float = 10.0,
+        cost_model: CostModel | None = None,
     ) -> None:
         if max_queue_len is not None:
             _check_int("max_queue_len", max_queue_len)
         self._aging_s = float(priority_aging_s)
         self._clock = clock
         self._max_queue_len = max_queue_len
+        self._cost_model = cost_model
         self.set_config(max_num_seqs=max_num_seqs)
         # Every live request, and two indexes in arrival order: by priority, and by key then priority.
         self._entries: dict[str, _Entry] = {}
@@ -175,7 +182,7 @@ class StepScheduler(BatchSize):
         self._aborted = []
         # 2) The leader (priority, then arrival) picks the key; the best of that key form the batch.
         leader = self._leader()
-        batch = [] if leader is None else self._best_of(leader.key, self._max_num_seqs)
+        batch = [] if leader is None else self._best_of(leader.key, self._limit(leader.key))
         if not batch and not drop:
             return None
         last = set(self._last_run)
@@ -305,6 +312,11 @@ class StepScheduler(BatchSize):
         if len(self._by_priority) > 1:  # aging may lift an older, lower priority over a newer one
             return min(self._entries.values(), key=self._rank)
         return next(iter(self._by_priority[max(self._by_priority)].values()))
+
+    def _limit(self, key: Hashable) -> int:
+        """``max_num_seqs``, or less where the cost model says a bigger step stops paying."""
+        best = None if self._cost_model is None else self._cost_model.best_batch(key, self._max_num_seqs)
+        return self._max_num_seqs if best is None else best
 
     def _best_of(self, key: Hashable, limit: int) -> list[_Entry]:
         by_priority = self._by_key[key]

@@ -48,6 +48,7 @@ from omni_runtime.messages import (
     StageRpc,
     StageRpcResult,
 )
+from omni_runtime.stage.cost_model import CostModel
 from omni_runtime.stage.executors import Executor, RequestExecutor, StepExecutor
 from omni_runtime.stage.runners.base import RunnerOutput, RunnerRequest, runner_class
 from omni_runtime.stage.scheduler import RequestScheduler
@@ -77,6 +78,10 @@ class StageWorker:
         self.runner = runner_class(stage.stage_type)(stage)
         self.runner.replica_id = replica_id
         args = stage.engine_args
+        #: What a batch costs here, learned from every wave or step (reported in get_stats); the
+        #: schedulers act on it only with ``batch_policy: learned``.
+        self.cost_model = CostModel()
+        policy_model = self.cost_model if args.batch_policy == "learned" else None
         #: Request-level waves (the default), or a StepExecutor once start() finds that the runner
         #: can run step by step and ``step_execution`` asks for it.
         self.executor: Executor = RequestExecutor(
@@ -88,6 +93,9 @@ class StageWorker:
                 policy=args.scheduling_policy,
                 stable_window_ms=args.batch_quiet_window_ms,
                 priority_aging_s=args.priority_aging_s,
+                cost_model=policy_model,
+                slo_ms=args.slo_ms,
+                slo_shed=args.slo_shed,
             ),
         )
         # What the executors share, through the worker:
@@ -128,7 +136,10 @@ class StageWorker:
                 self.executor = StepExecutor(
                     self,
                     StepScheduler(
-                        args.max_num_seqs, max_queue_len=args.max_queue_len, priority_aging_s=args.priority_aging_s
+                        args.max_num_seqs,
+                        max_queue_len=args.max_queue_len,
+                        priority_aging_s=args.priority_aging_s,
+                        cost_model=self.cost_model if args.batch_policy == "learned" else None,
                     ),
                 )
             else:

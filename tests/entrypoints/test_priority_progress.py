@@ -130,3 +130,22 @@ async def test_with_step_execution_a_higher_priority_request_preempts_at_a_step_
     assert order == ["high", "low"]
     final = low_outs[-1]
     assert final.finished and final.metrics["pauses"] >= 1 and final.metrics["steps_run"] == 60
+
+
+async def test_get_stats_reports_the_learned_cost_of_a_batch(echo: AsyncOmni) -> None:
+    [res] = await echo.collective_rpc("set_batching", kwargs={"max_num_seqs": 4})
+    assert res.ok
+    try:
+        for burst in range(3):  # the first runs alone, the rest queue behind it and run together
+            order: list[str] = []
+            await asyncio.gather(
+                *(finish(echo, f"cost-{burst}-{i}", EchoSamplingParams(delay_ms=30), order) for i in range(4))
+            )
+        [stats] = await echo.collective_rpc("get_stats")
+        cost = stats.result["cost_model"]
+        assert cost["policy"] == "window" and cost["num_keys"] >= 1  # learned and reported under any policy
+        [key] = cost["keys"]
+        assert key["samples"] >= 3 and key["fixed_ms"] >= 0 and key["per_item_ms"] >= 0
+        assert 1 <= key["best_batch"] <= 4
+    finally:
+        await echo.collective_rpc("set_batching", kwargs={"max_num_seqs": 1})

@@ -124,6 +124,18 @@ def test_step_execution_and_the_quiet_window_are_engine_args():
     assert "step_execution: Expected `bool`" in error_of({"stage_args": [stage(engine_args={"step_execution": 1})]})
 
 
+def test_batch_policy_and_latency_target_are_engine_args():
+    args = load_config("tiny-sd").stage_args[0].engine_args
+    assert (args.batch_policy, args.slo_ms, args.slo_shed) == ("window", None, False)
+    config = with_engine_overrides(load_config("tiny-sd"), batch_policy="learned", slo_ms=500, slo_shed=True)
+    args = config.stage_args[0].engine_args
+    assert (args.batch_policy, args.slo_ms, args.slo_shed) == ("learned", 500, True)
+    assert "engine_args.batch_policy: Invalid enum value 'bigger'" in error_of(
+        {"stage_args": [stage(engine_args={"batch_policy": "bigger"})]}
+    )
+    assert "engine_args.slo_ms: Expected `float` > 0" in error_of({"stage_args": [stage(engine_args={"slo_ms": 0})]})
+
+
 def test_engine_overrides_apply_to_diffusion_stage():
     config = with_engine_overrides(load_config("tiny-sd"), max_num_seqs=8, request_batch_max_wait_ms=5)
     assert config.stage_args[0].engine_args.max_num_seqs == 8

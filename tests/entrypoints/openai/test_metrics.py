@@ -64,3 +64,21 @@ def test_cache_blocks_and_weight_bytes_per_stage_once_per_wave():
     assert got[("omni_stage_cache_blocks_total", (("outcome", "run"), ("stage", "0")))] == 50
     assert got[("omni_stage_cache_blocks_total", (("outcome", "skipped"), ("stage", "0")))] == 22
     assert got[("omni_stage_weight_bytes", (("stage", "0"),))] == 1234
+
+
+def test_learned_batch_costs_are_gauges_per_stage_and_key_bounded() -> None:
+    metrics = ServerMetrics(lambda: None)
+    for i in range(40):  # more keys than exported: the first 16 of the stage keep their gauges
+        metrics.observe_stage(0, {"cost_key": f"64x64x{i}", "cost_fixed_ms": 200.0, "cost_per_item_ms": 20.0})
+    metrics.observe_stage(0, {"cost_key": "64x64x0", "cost_fixed_ms": 100.0, "cost_per_item_ms": 10.0})
+    metrics.observe_stage(1, {"cost_key": 7, "cost_fixed_ms": "bad"})  # not a fit: ignored
+    found = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+        if s.name.startswith("omni_stage_batch_")
+    }
+    fixed = {k: v for k, v in found.items() if k[0] == "omni_stage_batch_fixed_cost_seconds"}
+    assert len(fixed) == 16
+    assert fixed[("omni_stage_batch_fixed_cost_seconds", (("key", "64x64x0"), ("stage", "0")))] == 0.1
+    assert found[("omni_stage_batch_per_item_cost_seconds", (("key", "64x64x0"), ("stage", "0")))] == 0.01

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -806,3 +807,122 @@ def test_nothing_of_a_request_stays_after_it_ends(ops: list) -> None:
     assert s.schedule() is None
     assert s._waiting == {} and s._by_key == {} and s._priorities == {} and s._aborted == set()
     assert s._running is None and s.num_waiting == 0
+
+
+# ---------------------------------------------------------------- learned admission (a cost model)
+
+
+def learned(
+    clock: FakeClock,
+    curve: Callable[[int], float],
+    max_num_seqs: int = 4,
+    max_wait_ms: float = 20.0,
+    **kw: object,
+) -> RequestScheduler:
+    """A scheduler whose injected cost model has seen waves of 1..4 of key ``k`` cost ``curve(n)`` ms."""
+    from omni_runtime.stage.cost_model import CostModel
+
+    model = CostModel()
+    for n in (1, 2, 3, 4):
+        for _ in range(2):
+            model.observe("k", n, curve(n))
+    return make(clock, max_num_seqs=max_num_seqs, max_wait_ms=max_wait_ms, cost_model=model, **kw)
+
+
+def test_learned_flat_per_item_cost_never_holds_a_lone_request(clock: FakeClock) -> None:
+    s = learned(clock, lambda n: 150.0 * n)
+    for i in range(3):  # frequent arrivals, 1 ms apart, each finished before the next
+        s.add(f"r{i}", "k")
+        assert run(s) == [f"r{i}"]  # at once, even with a 20 ms window
+        clock.advance(1)
+
+
+def test_learned_flat_cost_caps_waves_at_one(clock: FakeClock) -> None:
+    s = learned(clock, lambda n: 150.0 * n)
+    for i in range(3):
+        s.add(f"r{i}", "k")
+    assert drain(s) == [["r0"], ["r1"], ["r2"]]
+
+
+def test_learned_fixed_cost_holds_while_arrivals_are_frequent(clock: FakeClock) -> None:
+    s = learned(clock, lambda n: 10.0 + 1.0 * n, max_wait_ms=50.0)
+    s.add("a", "k")
+    clock.advance(2)
+    s.add("b", "k")  # arrivals ~2 ms apart; one more saves ~10 ms: worth waiting for
+    due = s.schedule()
+    assert isinstance(due, float)
+    # Held no longer than the saving one more request brings (10 / 2 = 5 ms after the last arrival).
+    assert due * 1000.0 == pytest.approx(2 + 5.0)
+    clock.advance(2)
+    s.add("c", "k")
+    clock.advance(2)
+    s.add("d", "k")  # full: goes at once
+    wave = s.schedule()
+    assert isinstance(wave, Wave) and wave.request_ids == ["a", "b", "c", "d"]
+
+
+def test_learned_fixed_cost_does_not_hold_when_arrivals_are_rare(clock: FakeClock) -> None:
+    s = learned(clock, lambda n: 10.0 + 1.0 * n, max_wait_ms=1000.0)
+    s.add("a", "k")
+    assert len(run(s)) == 1
+    clock.advance(500)  # one more would save 10 ms, but the next is ~500 ms away
+    s.add("b", "k")
+    assert run(s) == ["b"]
+
+
+def test_learned_hold_never_exceeds_max_wait(clock: FakeClock) -> None:
+    s = learned(clock, lambda n: 1000.0 + 1.0 * n, max_wait_ms=20.0)
+    s.add("a", "k")
+    clock.advance(1)
+    s.add("b", "k")
+    due = s.schedule()
+    assert isinstance(due, float) and due * 1000.0 == pytest.approx(20.0)
+    clock.advance(19)
+    assert isinstance(s.schedule(), Wave)
+
+
+def test_learned_caps_waves_at_best_batch(clock: FakeClock) -> None:
+    # t = 20 + 100 n: throughput rises 9 % from 1 to 2, 3 % from 2 to 3: best batch 2.
+    s = learned(clock, lambda n: 20.0 + 100.0 * n, max_num_seqs=8, max_wait_ms=0.0)
+    for i in range(5):
+        s.add(f"r{i}", "k")
+    assert drain(s) == [["r0", "r1"], ["r2", "r3"], ["r4"]]
+
+
+def test_learned_unknown_key_keeps_the_window(clock: FakeClock) -> None:
+    s = learned(clock, lambda n: 150.0 * n, max_wait_ms=20.0)
+    s.add("a", "other")
+    due = s.schedule()
+    assert isinstance(due, float)  # no evidence for this key: held as the window policy holds
+
+
+def test_slo_ends_a_hold_the_head_could_not_afford(clock: FakeClock) -> None:
+    # One more request saves 100 ms, but a wave of 3 takes 103 ms and the head's target is 110 ms.
+    s = learned(clock, lambda n: 100.0 + 1.0 * n, max_wait_ms=50.0, slo_ms=110.0)
+    s.add("a", "k")
+    clock.advance(2)
+    s.add("b", "k")
+    due = s.schedule()
+    assert isinstance(due, float) and due * 1000.0 == pytest.approx(110.0 - 103.0)
+    clock.advance(5)
+    assert run(s) == ["a", "b"]
+
+
+def test_slo_shed_refuses_what_would_finish_late_with_a_retry_after(clock: FakeClock) -> None:
+    from omni_runtime.stage.cost_model import CostModel
+
+    model = CostModel()
+    for n in (1, 2, 3, 4):
+        model.observe("k", n, 100.0 * n)  # flat: 100 ms a request, one at a time
+    s = make(clock, max_num_seqs=4, cost_model=model, slo_ms=250.0, slo_shed=True)
+    s.add("a", "k")
+    s.add("b", "k")  # 100 ahead + 100 own = 200 <= 250
+    with pytest.raises(QueueFullError) as e:
+        s.add("c", "k")  # 200 ahead + 100 own = 300 > 250
+    assert e.value.retry_after_s == pytest.approx(0.3)
+    s.add("new", "unknown key")  # no evidence: never refused
+    assert s.stats()["slo_shed"] == 1
+    wave = s.schedule()
+    assert isinstance(wave, Wave) and wave.request_ids == ["a"]
+    clock.advance(60)  # the running wave has 40 ms left: 40 + 100 (b) + 100 own = 240
+    s.add("d", "k")

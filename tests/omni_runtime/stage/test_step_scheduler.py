@@ -465,3 +465,28 @@ def test_nothing_of_a_request_stays_after_it_ends(ops: list, max_num_seqs: int) 
     assert plan is None
     assert s._entries == {} and s._by_priority == {} and s._by_key == {} and s._aborted == []
     assert s.num_waiting == 0 and s.num_running == 0 and s.running_ids() == []
+
+
+# ---------------------------------------------------------------- a learned cap
+
+
+def test_learned_cap_bounds_the_step_batch(clock: FakeClock) -> None:
+    from omni_runtime.stage.cost_model import CostModel
+
+    model = CostModel()
+    for n in (1, 2, 3, 4):
+        model.observe("flat", n, 50.0 * n)  # a step of n costs n steps of 1
+        model.observe("gpu", n, 50.0 + 1.0 * n)  # fixed cost dominates
+    s = StepScheduler(4, clock=clock, cost_model=model)
+    for i in range(3):
+        s.add(f"f{i}", "flat")
+    plan = s.schedule()
+    assert plan is not None and plan.run == ["f0"]
+    s.finish_step(plan.step_id, plan.run, plan.run)
+    for i in range(3):
+        s.add(f"g{i}", "gpu")
+    plans = []
+    while (plan := s.schedule()) is not None:
+        plans.append(plan.run)
+        s.finish_step(plan.step_id, plan.run, plan.run)
+    assert plans == [["f1"], ["f2"], ["g0", "g1", "g2"]]
