@@ -4,6 +4,7 @@ the plain run the LoRA image is compared with also checks the params a generate 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -25,20 +26,26 @@ def image(out: Path) -> np.ndarray:
 
 def test_generate_with_a_lora_folder(tmp_path: Path) -> None:
     adapter = build_tiny_sd_lora(tmp_path / "ink", seed=1)
-    done = generate(tmp_path / "with", "--lora", str(adapter), "--lora-scale", "0.8")
+    runs = {
+        "with": ("--lora", str(adapter), "--lora-scale", "0.8"),
+        "plain": (),
+        # Not a folder here: a name, which tiny-sd does not offer; the request fails, naming it.
+        "unknown": ("--lora", "watercolor"),
+        "bad": ("--lora", str(adapter), "--lora-scale", "nan"),
+    }
+    # Four independent CLI processes, run at once: each spends most of its time starting up.
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {name: pool.submit(generate, tmp_path / name, *extra) for name, extra in runs.items()}
+        done, plain, unknown, bad_scale = (futures[name].result() for name in runs)
     assert done.returncode == 0, done.stderr
     [result] = json.loads((tmp_path / "with" / "report.json").read_text())["results"]
     assert result["params"]["lora"] == {"path": str(adapter.resolve()), "scale": 0.8}
-    plain = generate(tmp_path / "plain")
     assert plain.returncode == 0, plain.stderr
     [result] = json.loads((tmp_path / "plain" / "report.json").read_text())["results"]
     # tiny-sd's defaults, resolved: what the request ran with, not only what was typed.
     assert result["params"] == {"seed": 7, "num_inference_steps": 4, "guidance_scale": 7.5, "height": 64, "width": 64}
     assert np.abs(image(tmp_path / "with") - image(tmp_path / "plain")).mean() > 1.0
-    # Not a folder here: a name, which tiny-sd does not offer; the request fails, naming it.
-    unknown = generate(tmp_path / "unknown", "--lora", "watercolor")
     assert unknown.returncode == 1 and "unknown LoRA adapter 'watercolor'" in unknown.stderr
-    bad_scale = generate(tmp_path / "bad", "--lora", str(adapter), "--lora-scale", "nan")
     assert bad_scale.returncode != 0 and "lora" in bad_scale.stderr
 
 
