@@ -32,8 +32,8 @@ from omni_runtime.media import AudioItem
 from omni_runtime.messages import StageConstraints
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import SpeechSamplingParams
-from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
-from omni_runtime.stage.runners.torch_common import release_memory
+from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
+from omni_runtime.stage.runners.torch_common import TransformersRunner
 
 #: OpenAI's voice names, in the order they are mapped onto a model's speakers: the ``i``-th is
 #: the model's speaker ``i mod num_speakers`` (so the stock client's voices all work, and differ
@@ -69,14 +69,11 @@ class _Row:
     generator: torch.Generator
 
 
-class SpeechRunner(StageRunner):
+class SpeechRunner(TransformersRunner):
     """Text-to-speech with any local VITS checkpoint (``VitsModel`` and its ``VitsTokenizer``)."""
 
     params_cls: ClassVar[type[msgspec.Struct]] = SpeechSamplingParams
     needs_model = True
-
-    model: Any = None
-    tokenizer: Any = None
 
     def load(self) -> None:
         from transformers import VitsModel, VitsTokenizer
@@ -96,15 +93,6 @@ class SpeechRunner(StageRunner):
 
     def batch_key(self, request: RunnerRequest) -> tuple[()]:
         return ()  # voice, speed and seed apply per row: every speech request can join a wave
-
-    def sleep(self) -> dict[str, Any]:
-        self.model = self.tokenizer = None
-        return release_memory()
-
-    def wake_up(self) -> dict[str, Any]:
-        if self.model is None:
-            self.load()
-        return {"reloaded": True}
 
     def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
         started = time.perf_counter()

@@ -23,8 +23,8 @@ from omni_runtime.exceptions import (
 )
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import TextSamplingParams
-from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
-from omni_runtime.stage.runners.torch_common import release_memory
+from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
+from omni_runtime.stage.runners.torch_common import TransformersRunner
 
 DEFAULTS: dict[str, Any] = {"max_tokens": 32, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop": []}
 
@@ -100,14 +100,11 @@ class _Row:
                     break
 
 
-class TextRunner(StageRunner):
+class TextRunner(TransformersRunner):
     """Text generation with any local causal LM (``AutoModelForCausalLM``) and its tokenizer."""
 
     params_cls: ClassVar[type[msgspec.Struct]] = TextSamplingParams
     needs_model = True
-
-    model: Any = None
-    tokenizer: Any = None
 
     def load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -133,15 +130,6 @@ class TextRunner(StageRunner):
 
     def batch_key(self, request: RunnerRequest) -> tuple[()]:
         return ()  # params are applied per row, so every text request can join a wave
-
-    def sleep(self) -> dict[str, Any]:
-        self.model = self.tokenizer = None
-        return release_memory()
-
-    def wake_up(self) -> dict[str, Any]:
-        if self.model is None:
-            self.load()
-        return {"reloaded": True}
 
     def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
         started = time.perf_counter()

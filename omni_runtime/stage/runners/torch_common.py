@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from omni_runtime.stage.runners.base import RunnerRequest
+from omni_runtime.stage.runners.base import RunnerRequest, StageRunner
 
 
 class WaveAborted(Exception):
@@ -34,3 +34,20 @@ def release_memory() -> dict[str, Any]:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"released": True}
+
+
+class TransformersRunner(StageRunner):
+    """A runner of one transformers model and its tokenizer: asleep, both are dropped and their
+    memory released; awake again, :meth:`load` reads them back."""
+
+    model: Any = None
+    tokenizer: Any = None
+
+    def sleep(self) -> dict[str, Any]:
+        self.model = self.tokenizer = None
+        return release_memory()
+
+    def wake_up(self) -> dict[str, Any]:
+        if self.model is None:
+            self.load()
+        return {"reloaded": True}
