@@ -213,6 +213,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_pending=args.max_pending,
         default_timeout=args.default_timeout,
+        max_loaded_models=args.max_loaded_models,
+        max_resident_bytes=args.max_resident_bytes,
+        load_timeout=args.load_timeout,
         engine_args={
             "max_num_seqs": args.max_num_seqs,
             "request_batch_max_wait_ms": args.request_batch_max_wait_ms,
@@ -684,12 +687,30 @@ def build_parser() -> argparse.ArgumentParser:
         "model",
         nargs="*",
         help="bundled config name, deploy YAML or model dir (default: tiny-sd); several are served side by side, "
-        "each under its config's name or as NAME=CONFIG",
+        "each under its config's name or as NAME=CONFIG; a trailing @lazy loads one on its first request, "
+        "@stop makes the budget stop it rather than put it to sleep",
     )
     s.add_argument(
         "--models-file",
         metavar="YAML",
-        help="more models to serve: NAME: CONFIG, or NAME: {config: CONFIG, max_pending: N}, one per line",
+        help="more models to serve: NAME: CONFIG, or NAME: {config: CONFIG, max_pending: N, lazy: true, "
+        "evict: sleep|stop}, one per line",
+    )
+    s.add_argument(
+        "--max-loaded-models",
+        type=_positive_int,
+        help="most models loaded at once: past it the least recently used idle one is evicted",
+    )
+    s.add_argument(
+        "--max-resident-bytes",
+        type=_positive_int,
+        help="most weight bytes resident at once (as the runners report them), evicting as above",
+    )
+    s.add_argument(
+        "--load-timeout",
+        type=_float(0, strict=True),
+        default=300.0,
+        help="seconds a request waits for its model to load or wake up (then 503)",
     )
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=_int(1, 65535), default=8000, help="port to listen on")

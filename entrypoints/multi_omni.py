@@ -11,18 +11,23 @@ others serve. The HTTP server holds one of these; tests drive it without HTTP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import threading
-from collections.abc import AsyncGenerator, Callable, Sequence
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
 import yaml
 
 from omni_runtime.config import DeployConfig
 from omni_runtime.exceptions import (
     ConfigError,
     EngineDeadError,
+    EngineError,
     InvalidRequestError,
     ModelUnavailableError,
     UnknownModelError,
@@ -33,13 +38,44 @@ from omni_runtime.resolve import ResolvedConfig
 
 from .async_omni import AsyncOmni, EngineHealth, ValidRequest, load_resolved
 
-__all__ = ["ModelSpec", "ModelState", "MultiOmni", "ServedModel", "load_models_file", "parse_model_arg"]
+__all__ = [
+    "ModelCounts",
+    "ModelSpec",
+    "ModelState",
+    "MultiOmni",
+    "ServedModel",
+    "load_models_file",
+    "parse_model_arg",
+]
 
-#: Where a model is in its life: loading (its stages start), loaded (serving), failed (its load
-#: raised; ``error`` says why), dead (its engine died for good), closed.
-ModelState = Literal["loading", "loaded", "failed", "dead", "closed"]
+logger = logging.getLogger(__name__)
+
+#: Seconds a sleep, wake-up or stats call waits for a model's replicas.
+RPC_TIMEOUT_S = 600.0
+
+#: Where a model is in its life: unloaded (lazy and not asked for yet, or stopped by the budget:
+#: no processes), loading (its stages start, or wake up), loaded (serving), asleep (evicted by the
+#: budget: weights released, processes kept), failed (its load raised; ``error`` says why), dead
+#: (its engine died for good), closed. A request for an unloaded or asleep model brings it back.
+ModelState = Literal["unloaded", "loading", "loaded", "asleep", "failed", "dead", "closed"]
+
+#: How the budget evicts a model: ``sleep`` (runners release their weights, the stage processes
+#: stay: the cheaper way back for models whose processes are slow to start) or ``stop`` (the engine
+#: closes: all its memory and processes go; the way back is a cold load).
+EvictMode = Literal["sleep", "stop"]
 
 ModelSource = str | Path | DeployConfig | ResolvedConfig
+
+
+class ModelCounts(msgspec.Struct, kw_only=True, frozen=True):
+    """A model's state and what the budget did to it so far (``MultiOmni.counts``)."""
+
+    state: ModelState
+    loads: int
+    wakes: int
+    evictions: int
+    #: Weight bytes its runners reported resident when last loaded (None: none reported).
+    resident_bytes: int | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,21 +86,36 @@ class ModelSpec:
     source: ModelSource
     name: str | None = None
     max_pending: int | None = None
+    #: Loaded on its first request instead of at start.
+    lazy: bool = False
+    #: How the budget evicts it (see :data:`EvictMode`).
+    evict: EvictMode = "sleep"
 
 
 def parse_model_arg(arg: str) -> ModelSpec:
     """``NAME=CONFIG`` (served as NAME) or ``CONFIG`` (served under the config's own name); an
-    existing path containing ``=`` is a path."""
+    existing path containing ``=`` is a path. A trailing ``@lazy`` loads it on its first request;
+    ``@stop`` makes the budget stop it rather than put it to sleep (``@lazy@stop`` both)."""
+    lazy = evict_stop = False
+    while not Path(arg).exists():
+        if arg.endswith("@lazy"):
+            arg, lazy = arg[: -len("@lazy")], True
+        elif arg.endswith("@stop"):
+            arg, evict_stop = arg[: -len("@stop")], True
+        else:
+            break
+    evict: EvictMode = "stop" if evict_stop else "sleep"
     name, sep, source = arg.partition("=")
     if not sep or Path(arg).exists() or not name or "/" in name:
-        return ModelSpec(source=arg)
-    return ModelSpec(source=source, name=name)
+        return ModelSpec(source=arg, lazy=lazy, evict=evict)
+    return ModelSpec(source=source, name=name, lazy=lazy, evict=evict)
 
 
 def load_models_file(path: str | Path) -> list[ModelSpec]:
     """The models of a models file: a YAML mapping of served name to a config (a bundled name, a
     deploy YAML or a model dir, relative paths from the file's folder), or to a mapping with
-    ``config`` and optional ``max_pending``. ConfigError naming the entry otherwise."""
+    ``config`` and optional ``max_pending``, ``lazy`` (bool) and ``evict`` (``sleep`` or
+    ``stop``). ConfigError naming the entry otherwise."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -80,27 +131,45 @@ def load_models_file(path: str | Path) -> list[ModelSpec]:
         if not isinstance(name, str) or not isinstance(entry, dict) or not isinstance(entry.get("config"), str):
             raise ConfigError("expected `NAME: CONFIG` or `NAME: {config: CONFIG, max_pending: N}`", path=where,
                               source=str(path))  # fmt: skip
-        unknown = set(entry) - {"config", "max_pending"}
+        unknown = set(entry) - {"config", "max_pending", "lazy", "evict"}
         if unknown:
             raise ConfigError(f"unknown field `{sorted(unknown)[0]}`", path=where, source=str(path))
         limit = entry.get("max_pending")
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise ConfigError(f"expected int >= 1, got {limit!r}", path=f"{where}.max_pending", source=str(path))
+        lazy = entry.get("lazy", False)
+        if not isinstance(lazy, bool):
+            raise ConfigError(f"expected true or false, got {lazy!r}", path=f"{where}.lazy", source=str(path))
+        evict = entry.get("evict", "sleep")
+        if evict not in ("sleep", "stop"):
+            raise ConfigError(f"expected sleep or stop, got {evict!r}", path=f"{where}.evict", source=str(path))
         config = entry["config"]
         local = path.parent / config
-        specs.append(ModelSpec(source=str(local) if local.exists() else config, name=name, max_pending=limit))
+        source = str(local) if local.exists() else config
+        specs.append(ModelSpec(source=source, name=name, max_pending=limit, lazy=lazy, evict=evict))
     return specs
 
 
 class ServedModel:
-    """One named model of a :class:`MultiOmni`: its config, its engine once loaded, its state."""
+    """One named model of a :class:`MultiOmni`: its config, its engine once loaded, its state, and
+    what the budget needs (requests holding it, when it was last used, its resident bytes)."""
 
-    def __init__(self, name: str, resolved: ResolvedConfig, max_pending: int | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        resolved: ResolvedConfig,
+        max_pending: int | None,
+        *,
+        lazy: bool = False,
+        evict: EvictMode = "sleep",
+    ) -> None:
         self.name = name
         self.resolved = resolved
         self.config = resolved.config
         self.max_pending = max_pending
-        self.state: ModelState = "loading"
+        self.lazy = lazy
+        self.evict: EvictMode = evict
+        self.state: ModelState = "unloaded" if lazy else "loading"
         #: Why it failed or died, or None.
         self.error: BaseException | None = None
         self.engine: AsyncOmni | None = None
@@ -110,10 +179,40 @@ class ServedModel:
         self.audio_stage = next((s.stage_id for s in finals if s.final_output_type == "audio"), None)
         #: What it makes: its final stages' output types (image, video, audio, text).
         self.kinds = sorted({s.final_output_type for s in finals if s.final_output_type})
+        #: Requests holding it (acquired, not released) and requests waiting for it to come back:
+        #: the budget evicts only a model with neither (and no request in its engine).
+        self.leases = 0
+        self.waiters = 0
+        #: When a request last took or gave it back (monotonic seconds): the budget evicts the
+        #: least recently used idle model first.
+        self.last_used = 0.0
+        #: Weight bytes its runners reported resident (``get_stats`` ``weight_bytes``) when last
+        #: loaded; kept while evicted as what bringing it back will take. None: none reported.
+        self.resident_bytes: int | None = None
+        #: Cold loads (engine started), wakes from sleep, and evictions (sleep or stop) so far.
+        self.loads = 0
+        self.wakes = 0
+        self.evictions = 0
+        #: Held through each transition (load, wake, sleep, stop): one at a time per model.
+        self.lock = asyncio.Lock()
+        #: The task bringing it back, shared by every request that waits for it.
+        self.coming_up: asyncio.Future[None] | None = None
 
     def health(self) -> EngineHealth | None:
         """Its engine's health, or None while it has no engine (loading, failed)."""
         return self.engine.health() if self.engine is not None else None
+
+    @property
+    def starting(self) -> bool:
+        """In its first load at start (not lazy): the server is not ready until it is done."""
+        return self.state == "loading" and not self.lazy and self.loads == 0
+
+    def idle(self) -> bool:
+        """No request holds it, waits for it, or runs in its engine."""
+        if self.leases or self.waiters:
+            return False
+        health = self.health()
+        return health is None or health.pending == 0
 
     def unavailable(self) -> ModelUnavailableError:
         return ModelUnavailableError(self.name, self.state, str(self.error) if self.error is not None else None)
@@ -125,10 +224,18 @@ class MultiOmni:
     ``models``: specs, or sources (a bundled config name, deploy YAML, model dir, DeployConfig),
     each served under its config's ``model:`` name unless its spec names it; a name served twice
     is a ConfigError. Every config is validated in the constructor (ConfigError at once);
-    :meth:`start` loads all models concurrently and returns once each is ``loaded`` or
-    ``failed`` (a failed load never raises: that model's requests fail with
+    :meth:`start` loads all models not declared lazy concurrently and returns once each is
+    ``loaded`` or ``failed`` (a failed load never raises: that model's requests fail with
     :class:`ModelUnavailableError`). ``max_pending`` is each model's admission limit unless its
     spec sets one; the keyword engine args apply to every model.
+
+    The budget: at most ``max_loaded_models`` models loaded (or loading) and at most
+    ``max_resident_bytes`` weight bytes resident (as the runners report them) at once. Before a
+    model loads or wakes, and whenever a request gives one back, the least recently used idle
+    model is evicted (its spec's ``evict``: sleep or stop) until the budget holds; a model busy
+    with requests is never evicted (the budget is then exceeded until it is idle). A request for
+    an unloaded or asleep model (:meth:`acquire`, :meth:`generate`) waits for it to come back, at
+    most ``load_timeout`` seconds (None: no bound); concurrent ones share one load.
     """
 
     def __init__(
@@ -138,9 +245,19 @@ class MultiOmni:
         max_pending: int | None = None,
         default_timeout: float | None = None,
         ray_address: str | None = None,
+        max_loaded_models: int | None = None,
+        max_resident_bytes: int | None = None,
+        load_timeout: float | None = None,
         **engine_args: Any,
     ) -> None:
+        if max_loaded_models is not None and max_loaded_models < 1:
+            raise ConfigError(f"max_loaded_models: expected int >= 1, got {max_loaded_models}")
+        if max_resident_bytes is not None and max_resident_bytes < 1:
+            raise ConfigError(f"max_resident_bytes: expected int >= 1, got {max_resident_bytes}")
         self._default_timeout = default_timeout
+        self.max_loaded_models = max_loaded_models
+        self.max_resident_bytes = max_resident_bytes
+        self.load_timeout = load_timeout
         self.models: dict[str, ServedModel] = {}
         for item in models:
             spec = item if isinstance(item, ModelSpec) else ModelSpec(source=item)
@@ -151,11 +268,14 @@ class MultiOmni:
                     f"the model `{name}` is given twice; serve the other under a name of its own (NAME=CONFIG)"
                 )
             limit = spec.max_pending if spec.max_pending is not None else max_pending
-            self.models[name] = ServedModel(name, resolved, limit)
+            self.models[name] = ServedModel(name, resolved, limit, lazy=spec.lazy, evict=spec.evict)
         if not self.models:
             raise ConfigError("no model to serve")
         self._closed = False
         self._lock = threading.Lock()
+        #: Held while the budget picks and evicts models.
+        self._budget = asyncio.Lock()
+        self._tasks: set[asyncio.Future[None]] = set()
         #: Called on the loop that ran :meth:`start` when a loaded model dies for good.
         self.on_dead: list[Callable[[ServedModel, EngineDeadError], None]] = []
 
@@ -166,11 +286,32 @@ class MultiOmni:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Load every model at once (stage processes start off the loop); returns when each is
-        ``loaded`` or ``failed``."""
-        await asyncio.gather(*(self._load(m) for m in self.models.values()))
+        """Load every model not lazy at once (stage processes start off the loop); returns when
+        each is ``loaded`` or ``failed``."""
+        eager = [m for m in self.models.values() if not m.lazy]
+        await asyncio.gather(*(self._bring_up(m) for m in eager))
+
+    def _bring_up(self, model: ServedModel) -> asyncio.Future[None]:
+        """The one task loading or waking ``model``: every request waiting for it shares it."""
+        if model.coming_up is None or model.coming_up.done():
+            model.coming_up = asyncio.ensure_future(self._up(model))
+        return model.coming_up
+
+    async def _up(self, model: ServedModel) -> None:
+        async with model.lock:
+            if model.state in ("loaded", "failed", "dead", "closed") or self._closed:
+                return
+            # 1) make room first, so the memory is free before it loads  2) load or wake
+            await self._make_room(model)
+            if model.engine is not None:
+                await self._wake(model)
+            else:
+                await self._load(model)
+        # 3) its real size may be over what was estimated
+        await self._enforce()
 
     async def _load(self, model: ServedModel) -> None:
+        model.state = "loading"
         loop = asyncio.get_running_loop()
         try:
             engine = await loop.run_in_executor(
@@ -188,15 +329,49 @@ class MultiOmni:
             await loop.run_in_executor(None, engine.close)
             model.state = "closed"
             return
-        engine.on_dead(lambda error: self._died(model, error))
+        model.loads += 1
+        model.last_used = time.monotonic()
+        engine.on_dead(lambda error: self._died(model, engine, error))
+        await self._measure(model)
 
-    def _died(self, model: ServedModel, error: EngineDeadError) -> None:
+    async def _wake(self, model: ServedModel) -> None:
+        engine = model.engine
+        assert engine is not None
+        model.state = "loading"
+        results = await engine.collective_rpc("wake_up", timeout=RPC_TIMEOUT_S)
+        errors = [r.error for r in results if not r.ok]
+        if errors or not results:
+            model.state = "failed"
+            model.error = EngineError(f"waking up failed: {errors[0] if errors else 'no live replica'}")
+            return
+        model.state = "loaded"
+        model.wakes += 1
+        model.last_used = time.monotonic()
+        await self._measure(model)
+
+    async def _measure(self, model: ServedModel) -> None:
+        """Its resident weight bytes, summed over the replicas whose runner reports them."""
+        engine = model.engine
+        if engine is None:
+            return
+        try:
+            results = await engine.collective_rpc("get_stats", timeout=RPC_TIMEOUT_S)
+        except Exception:  # a size it cannot tell is no reason to fail the load
+            return
+        sizes = [r.result.get("weight_bytes") for r in results if r.ok and isinstance(r.result, dict)]
+        known = [b for b in sizes if isinstance(b, int) and not isinstance(b, bool)]
+        if known:
+            model.resident_bytes = sum(known)
+
+    def _died(self, model: ServedModel, engine: AsyncOmni, error: EngineDeadError) -> None:
+        if model.engine is not engine:  # an engine the budget stopped
+            return
         model.state, model.error = "dead", error
         for callback in self.on_dead:
             callback(model, error)
 
     def close(self) -> None:
-        """Close every loaded engine (idempotent); a model still loading is closed once loaded."""
+        """Close every engine (idempotent); a model still loading is closed once loaded."""
         with self._lock:
             self._closed = True
             engines = [m for m in self.models.values() if m.engine is not None and m.state != "closed"]
@@ -211,6 +386,107 @@ class MultiOmni:
 
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    # ------------------------------------------------------------------ the budget
+
+    def _over(self, coming: ServedModel | None = None) -> bool:
+        """Whether the models holding memory (and ``coming``, about to) exceed the budget."""
+        held = [m for m in self.models.values() if m.state in ("loaded", "loading") or m is coming]
+        if self.max_loaded_models is not None and len(held) > self.max_loaded_models:
+            return True
+        size = sum(m.resident_bytes or 0 for m in held)
+        return self.max_resident_bytes is not None and size > self.max_resident_bytes
+
+    def _victim(self, spare: ServedModel | None) -> ServedModel | None:
+        """The least recently used loaded model that is idle and in no transition."""
+        idle = [
+            m for m in self.models.values()
+            if m is not spare and m.state == "loaded" and not m.lock.locked() and m.idle()
+        ]  # fmt: skip
+        return min(idle, key=lambda m: m.last_used, default=None)
+
+    async def _make_room(self, coming: ServedModel) -> None:
+        async with self._budget:
+            while self._over(coming) and (victim := self._victim(coming)) is not None:
+                await self._evict(victim)
+
+    async def _enforce(self) -> None:
+        async with self._budget:
+            while self._over() and (victim := self._victim(None)) is not None:
+                await self._evict(victim)
+
+    async def _evict(self, model: ServedModel) -> None:
+        """Put ``model`` to sleep or stop it. Its state changes before the first await, so a
+        request arriving meanwhile waits for it to come back rather than reach a sleeping engine."""
+        async with model.lock:
+            engine = model.engine
+            if model.state != "loaded" or engine is None or not model.idle():
+                return
+            model.evictions += 1
+            if model.evict == "stop":
+                model.state, model.engine = "unloaded", None
+                await asyncio.get_running_loop().run_in_executor(None, engine.close)
+                return
+            model.state = "asleep"
+            results = await engine.collective_rpc("sleep", timeout=RPC_TIMEOUT_S)
+            for r in results:
+                if not r.ok:  # its wake-up reloads what is left anyway
+                    logger.warning("%s: stage %d replica %d did not sleep: %s", model.name, r.stage_id,
+                                   r.replica_id, r.error)  # fmt: skip
+
+    async def acquire(self, name: str | None = None, timeout: float | None = None) -> ServedModel:
+        """The model ``name``, loaded, held by the caller until :meth:`release` (the budget does
+        not evict it meanwhile). An unloaded or asleep model is brought back first, waiting at
+        most ``timeout`` seconds (default ``load_timeout``); ModelUnavailableError when it cannot
+        serve (failed, dead, closed, or not back in time)."""
+        model = self.model(name)
+        limit = timeout if timeout is not None else self.load_timeout
+        deadline = time.monotonic() + limit if limit is not None else None
+        model.waiters += 1
+        try:
+            while model.state != "loaded":
+                if model.state in ("failed", "dead", "closed") or self._closed:
+                    raise model.unavailable()
+                left = deadline - time.monotonic() if deadline is not None else None
+                try:
+                    if left is not None and left <= 0:
+                        raise TimeoutError
+                    await asyncio.wait_for(asyncio.shield(self._bring_up(model)), left)
+                except TimeoutError:
+                    raise ModelUnavailableError(model.name, "loading", f"not loaded within {limit:g} s") from None
+        finally:
+            model.waiters -= 1
+        # No await between the check above and this: the budget cannot evict it in between.
+        model.leases += 1
+        model.last_used = time.monotonic()
+        return model
+
+    def release(self, model: ServedModel) -> None:
+        """Give back what :meth:`acquire` held; the budget may now evict it (on the loop)."""
+        model.leases -= 1
+        model.last_used = time.monotonic()
+        if self._over() and not self._closed:
+            task = asyncio.ensure_future(self._enforce())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str | None = None, timeout: float | None = None) -> AsyncIterator[AsyncOmni]:
+        """``async with multi.use("x") as engine``: :meth:`acquire` and :meth:`release` around a block."""
+        model = await self.acquire(name, timeout)
+        try:
+            assert model.engine is not None
+            yield model.engine
+        finally:
+            self.release(model)
+
+    def counts(self) -> dict[str, ModelCounts]:
+        """Each model's loads, wakes and evictions so far, and its state, by name."""
+        return {
+            n: ModelCounts(state=m.state, loads=m.loads, wakes=m.wakes, evictions=m.evictions,
+                           resident_bytes=m.resident_bytes)
+            for n, m in self.models.items()
+        }  # fmt: skip
 
     # ------------------------------------------------------------------ routing
 
@@ -258,9 +534,11 @@ class MultiOmni:
         modalities: Sequence[str] | None = None,
     ) -> AsyncGenerator[OmniRequestOutput, None]:
         """:meth:`AsyncOmni.generate` on ``model``'s engine (a ValidRequest goes back to the
-        model that validated it)."""
-        async for out in self.engine(model).generate(prompt, sampling_params, request_id, modalities=modalities):
-            yield out
+        model that validated it), bringing the model back first when unloaded or asleep; the
+        model is held (not evicted) until the generator ends."""
+        async with self.use(model) as engine:
+            async for out in engine.generate(prompt, sampling_params, request_id, modalities=modalities):
+                yield out
 
     def abort(
         self, request_id: str | Sequence[str], reason: BaseException | None = None, *, model: str | None = None

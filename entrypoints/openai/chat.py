@@ -68,7 +68,7 @@ async def chat_completion(
     state: ServerState, body: proto.ChatCompletionRequest, request: Request
 ) -> StreamingResponse | tuple[dict[str, Any], str]:
     """The streamed answer, or the whole one with its request id."""
-    omni = state.check_request(body.model)
+    omni = await state.check_request(body.model)
     try:
         prompt, where = body.prompt()
     except ValueError as e:

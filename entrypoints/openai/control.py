@@ -1,14 +1,22 @@
 """The control route: ``POST /v1/omni/collective_rpc`` calls a method on every replica of the
-chosen stages and answers each one's result or error."""
+chosen stages and answers each one's result or error. With several models served, the body's
+``model`` picks one; without it the call goes to every loaded model and each result names its
+model."""
 
 from __future__ import annotations
+
+import asyncio
 
 import msgspec
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from omni_runtime.messages import RpcReplicaResult
+
+from ..async_omni import AsyncOmni
 from . import protocol as proto
 from .dependencies import AUTH, JSON_BODY, State
+from .protocol import ApiError
 from .responses import SafeJSONResponse
 
 router = APIRouter(prefix="/v1/omni", dependencies=[AUTH])
@@ -20,17 +28,30 @@ DEFAULT_TIMEOUT_S = 30.0
 
 @router.post("/collective_rpc", dependencies=[JSON_BODY])
 async def collective_rpc(body: proto.CollectiveRpcRequest, state: State) -> JSONResponse:
-    omni = state.check_request(None)
     timeout = body.timeout if body.timeout is not None else DEFAULT_TIMEOUT_S
-    results = await omni.collective_rpc(body.method, body.args, body.kwargs, body.stage_ids, timeout)
+    targets: list[tuple[str | None, AsyncOmni]]
+    if body.model is not None or not state.several:
+        targets = [(state.model_name if state.several else None, await state.check_request(body.model))]
+    else:
+        if state.draining:
+            raise ApiError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
+        # Every loaded model, not those evicted or loading: a control call brings none back.
+        targets = [(m.name, m.engine) for m in state.multi.models.values() if m.state == "loaded" and m.engine]
+
+    async def call(engine: AsyncOmni) -> list[RpcReplicaResult]:
+        return await engine.collective_rpc(body.method, body.args, body.kwargs, body.stage_ids, timeout)
+
+    answers = await asyncio.gather(*(call(engine) for _, engine in targets))
     out = [
         proto.ReplicaResult(
+            model=name,
             stage_id=r.stage_id,
             replica_id=r.replica_id,
             ok=r.ok,
             result=msgspec.to_builtins(r.result, enc_hook=repr),
             error=r.error,
-        ).model_dump()
+        ).model_dump(exclude={"model"} if name is None else None)
+        for (name, _), results in zip(targets, answers, strict=True)
         for r in results
     ]
     return SafeJSONResponse(out)

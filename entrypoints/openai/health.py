@@ -134,8 +134,15 @@ def _json(body: msgspec.Struct, status_code: int = 200, headers: dict[str, str] 
     return SafeJSONResponse(msgspec.to_builtins(body), status_code=status_code, headers=headers)
 
 
+def _on_demand(model: ServedModel) -> bool:
+    """Whether a request for it brings it back: lazy and not loaded yet, evicted, or coming back."""
+    return model.state in ("unloaded", "asleep") or (model.state == "loading" and not model.starting)
+
+
 def _model_health(model: ServedModel) -> HealthReport:
     h = model.health()
+    if _on_demand(model):
+        return HealthReport(status="ok")
     if h is None:
         if model.state == "failed":
             return HealthReport(status="failed", reason=str(model.error))
@@ -167,7 +174,7 @@ def _several_ready(state: ServerState, job_store: JobStoreStatus) -> JSONRespons
     for name, m in state.multi.models.items():
         h = m.health()
         models[name] = ModelReadiness(
-            ready=h is not None and h.ok and m.state == "loaded",
+            ready=(h is not None and h.ok and m.state == "loaded") or _on_demand(m),
             state=m.state,
             error=str(m.error) if m.error is not None else None,
             pending=h.pending if h is not None else 0,
@@ -175,7 +182,8 @@ def _several_ready(state: ServerState, job_store: JobStoreStatus) -> JSONRespons
             stages=[ReadyStage.of(s) for s in h.stages] if h is not None else [],
         )
         remote += _remote_replicas(h) if h is not None else 0
-    serving = any(r.ready for r in models.values()) and not any(r.state == "loading" for r in models.values())
+    starting = any(m.starting for m in state.multi.models.values())
+    serving = any(r.ready for r in models.values()) and not starting
     ready = serving and not state.draining and job_store.ok
     body = MultiReadyReport(
         ready=ready, draining=state.draining, models=models, remote_replicas=remote, job_store=job_store
@@ -185,8 +193,8 @@ def _several_ready(state: ServerState, job_store: JobStoreStatus) -> JSONRespons
 
 def _several_verdict(state: ServerState) -> bool:
     models = list(state.multi.models.values())
-    loading = any(m.state == "loading" for m in models)
-    serving = any(m.state == "loaded" and (h := m.health()) is not None and h.ok for m in models)
+    loading = any(m.starting for m in models)
+    serving = any((m.state == "loaded" and (h := m.health()) is not None and h.ok) or _on_demand(m) for m in models)
     return serving and not loading and not state.draining
 
 
@@ -263,7 +271,8 @@ async def get_model(model_id: str, state: State) -> JSONResponse:
         except UnknownModelError as e:
             raise ApiError(404, str(e), param="model", code="model_not_found") from None
     else:
-        state.check_request(model_id)
+        state.select(model_id)
+        _ = state.started
         model = state.current
     return SafeJSONResponse(_card(state, model).model_dump())
 

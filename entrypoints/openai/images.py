@@ -73,9 +73,9 @@ async def gather_or_abort(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
             t.cancel()
 
 
-def images_engine(state: ServerState, model: str | None, n: int) -> AsyncOmni:
+async def images_engine(state: ServerState, model: str | None, n: int) -> AsyncOmni:
     """The engine for an images request of ``n`` images, or the error that refuses it."""
-    omni = state.check_request(model)
+    omni = await state.check_request(model)
     if state.image_stage is None:
         raise ApiError(400, f"the model `{state.model_name}` has no image output", param="model", code="no_image")
     max_pending = omni.health().max_pending
@@ -162,7 +162,7 @@ router = APIRouter(prefix="/v1/images", dependencies=[AUTH])
 
 @router.post("/generations", dependencies=[JSON_BODY])
 async def create_images(body: proto.ImageGenerationRequest, request: Request, state: State) -> JSONResponse:
-    omni = images_engine(state, body.model, body.n)
+    omni = await images_engine(state, body.model, body.n)
     image = GENERATION_FIELDS.params(body)
     valid = validate_images(omni, body.prompt, image, body.n, body.seed, GENERATION_FIELDS)
     return json_with_id(await run_images(state, omni, request, valid, body))
@@ -171,7 +171,7 @@ async def create_images(body: proto.ImageGenerationRequest, request: Request, st
 @router.post("/edits", dependencies=[MULTIPART_BODY])
 async def edit_images(request: Request, state: State) -> JSONResponse:
     body, files = await read_image_form(request, proto.ImageEditForm)
-    omni = images_engine(state, body.model, body.n)
+    omni = await images_engine(state, body.model, body.n)
     # Without a mask, the image's own transparent pixels are the region to edit (as OpenAI's
     # edits take it); an opaque image without a mask is redrawn as a whole (img2img).
     params = await image_params(
@@ -184,7 +184,7 @@ async def edit_images(request: Request, state: State) -> JSONResponse:
 @router.post("/variations", dependencies=[MULTIPART_BODY])
 async def image_variations(request: Request, state: State) -> JSONResponse:
     body, files = await read_image_form(request, proto.ImageVariationForm)
-    omni = images_engine(state, body.model, body.n)
+    omni = await images_engine(state, body.model, body.n)
     strength = body.strength if body.strength is not None else proto.VARIATION_STRENGTH
     params = await image_params(
         body, files, strength, alpha_as_mask=False, limit=omni.max_input_pixels(), fields=INPUT_IMAGE_FIELDS

@@ -355,7 +355,12 @@ class JobManager:
     async def submit(self, body: GenerateRequest, base_url: str, traceparent: str | None = None) -> dict[str, Any]:
         """Admit a job and store it; returns its record (``queued``). Raises the engine's
         admission errors (400, 429, 503) before anything is stored."""
-        omni = self.state.check_request(body.model)
+        # A model that is not loaded (lazy, or evicted by the budget) is brought back first; the
+        # job's `loading` event then says from what and how long it took.
+        was = self.state.select(body.model).state
+        waited = time.time()
+        omni = await self.state.check_request(body.model)
+        loading = {"model": self.state.model_name, "from": was, "loaded_s": round(time.time() - waited, 3)}
         valid = await self._validate(omni, body)
         job_id = "job-" + secrets.token_urlsafe(18)
         now = time.time()
@@ -370,10 +375,18 @@ class JobManager:
             base_url=base_url,
             traceparent=traceparent,
         )
-        await self._launch(record, omni, valid, new=True)
+        await self._launch(record, omni, valid, new=True, loading=loading if was in ("unloaded", "asleep") else None)
         return record.public()
 
-    async def _launch(self, record: JobRecord, omni: AsyncOmni, valid: ValidRequest, *, new: bool) -> None:
+    async def _launch(
+        self,
+        record: JobRecord,
+        omni: AsyncOmni,
+        valid: ValidRequest,
+        *,
+        new: bool,
+        loading: dict[str, Any] | None = None,
+    ) -> None:
         job_id = record.job_id
         job = _LocalJob(job_id, (self.gateway_id, record.attempts))
         agen = omni.generate(valid, request_id=job.request_id)
@@ -401,6 +414,8 @@ class JobManager:
             await _close(agen, first)
             raise
         self.state.metrics.jobs.labels("queued").inc()
+        if loading is not None:
+            await self._emit(job, "loading", loading)
         job.task = asyncio.create_task(self._follow(job, record, agen, first), name=f"job-{job_id}")
 
     # ------------------------------------------------------------------ following a job
@@ -714,7 +729,7 @@ class JobManager:
         )
         self.state.metrics.jobs.labels("requeued").inc()
         try:
-            omni = self.state.job_engine(record.model)
+            omni = await self.state.job_engine(record.model)
             body = GenerateRequest.model_validate(record.request | {"async_run": True})
             valid = await self._validate(omni, body)
             await self._launch(record, omni, valid, new=False)

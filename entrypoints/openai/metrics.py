@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -28,6 +28,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 RECENT = 1024
 #: Keys per stage that get a cost gauge; later keys are not exported (bounded label cardinality).
 _COST_KEYS_PER_STAGE = 16
+_M = TypeVar("_M", Histogram, Counter, Gauge)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 
 
@@ -162,26 +163,26 @@ class ServerMetrics:
             "omni_stage_cache_blocks",
             "Denoiser transformer blocks called per stage, by outcome: run, or skipped by a step cache "
             "(output metrics cache_blocks_called / cache_blocks_run, once per wave).",
-            ["stage", "outcome"],
+            [*m, "stage", "outcome"],
             registry=r,
         )
         self.weight_bytes = Gauge(
             "omni_stage_weight_bytes",
             "Bytes of model weights resident in a stage replica (after quantization or casting).",
-            ["stage"],
+            [*m, "stage"],
             registry=r,
         )
         self.cost_fixed = Gauge(
             "omni_stage_batch_fixed_cost_seconds",
             "Learned fixed cost of a stage's forward (or step), whatever its batch size, per key "
             "(summarised, at most 16 per stage): what batching shares.",
-            ["stage", "key"],
+            [*m, "stage", "key"],
             registry=r,
         )
         self.cost_per_item = Gauge(
             "omni_stage_batch_per_item_cost_seconds",
             "Learned cost of each request added to a stage's forward (or step), per key.",
-            ["stage", "key"],
+            [*m, "stage", "key"],
             registry=r,
         )
         self._cost_keys: dict[str, set[str]] = {}
@@ -222,12 +223,12 @@ class ServerMetrics:
         self.recent_waves.setdefault(sid, deque(maxlen=RECENT)).append(execution / 1000.0)
         called, ran, weights = (metrics.get(k) for k in ("cache_blocks_called", "cache_blocks_run", "weight_bytes"))
         if isinstance(called, int) and isinstance(ran, int) and called >= ran >= 0:
-            self.cache_blocks.labels(str(sid), "run").inc(ran)
-            self.cache_blocks.labels(str(sid), "skipped").inc(called - ran)
+            self._series(self.cache_blocks, str(sid), "run").inc(ran)
+            self._series(self.cache_blocks, str(sid), "skipped").inc(called - ran)
         if isinstance(weights, int | float):
-            self.weight_bytes.labels(str(sid)).set(weights)
+            self._series(self.weight_bytes, str(sid)).set(weights)
 
-    def _series(self, metric: Histogram, *labels: str) -> Histogram:
+    def _series(self, metric: _M, *labels: str) -> _M:
         """``metric``'s series for ``labels``, with the current model first when labelled by model."""
         values = (self._model(), *labels) if self._model is not None else labels
         return metric.labels(*values) if values else metric
@@ -245,13 +246,13 @@ class ServerMetrics:
         key, fixed, per_item = metrics.get("cost_key"), metrics.get("cost_fixed_ms"), metrics.get("cost_per_item_ms")
         if not isinstance(key, str) or not isinstance(fixed, int | float) or not isinstance(per_item, int | float):
             return
-        keys = self._cost_keys.setdefault(stage, set())
+        keys = self._cost_keys.setdefault((self._model() if self._model is not None else "") + "/" + stage, set())
         if key not in keys:
             if len(keys) >= _COST_KEYS_PER_STAGE:
                 return
             keys.add(key)
-        self.cost_fixed.labels(stage, key).set(fixed / 1000.0)
-        self.cost_per_item.labels(stage, key).set(per_item / 1000.0)
+        self._series(self.cost_fixed, stage, key).set(fixed / 1000.0)
+        self._series(self.cost_per_item, stage, key).set(per_item / 1000.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -632,9 +632,14 @@ class CollectiveRpcRequest(_Request):
     kwargs: dict[str, Any] = Field(default_factory=dict)
     stage_ids: list[int] | None = Field(None, max_length=256)
     timeout: Timeout | None = None
+    #: The model to call (an unloaded or asleep one is brought back first); None: every loaded
+    #: model when several are served (the results then say whose), else the only one.
+    model: str | None = Field(None, max_length=256)
 
 
 class ReplicaResult(BaseModel):
+    #: Whose replica, when several models are served.
+    model: str | None = None
     stage_id: int
     replica_id: int
     ok: bool

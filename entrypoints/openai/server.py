@@ -13,6 +13,7 @@ streaming response is cancelled by Starlette when the peer goes away.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -152,7 +153,8 @@ class _HttpMiddleware:
                 await error_response(e)(scope, receive, send_and_record)
                 return
             try:
-                await self.app(scope, receive_limited, send_unless_over)
+                async with self.state.holding():  # the models the request uses, until it ends
+                    await self.app(scope, receive_limited, send_unless_over)
             except Exception:
                 if not over:
                     raise
@@ -185,6 +187,9 @@ def create_app(
     jobs: JobSettings | None = None,
     public_url: str | None = None,
     local_url: str | None = None,
+    max_loaded_models: int | None = None,
+    max_resident_bytes: int | None = None,
+    load_timeout: float | None = 300.0,
 ) -> FastAPI:
     """The FastAPI app for ``model`` (a config name, YAML path, model dir or DeployConfig), or
     for several models (:class:`ModelSpec` each), routed by the requests' ``model``.
@@ -193,20 +198,18 @@ def create_app(
         ``app.state.omni`` is the :class:`ServerState`. ``public_url``: the base of result URLs
         (else each request's Host); ``local_url``: this server's own address (see ServerState).
         With ``api_key``, the interactive docs and the OpenAPI schema are not served.
+        ``max_loaded_models`` / ``max_resident_bytes``: the budget that evicts the least recently
+        used idle model; ``load_timeout``: how long a request waits for its model to come back.
     """
     served: ResolvedConfig | list[ModelSpec]
     if isinstance(model, str | Path | DeployConfig):
         served = load_resolved(model, dict(engine_args or {}), ray_address)
     else:
         served = [
-            ModelSpec(
-                source=load_resolved(m.source, dict(engine_args or {}), ray_address),
-                name=m.name,
-                max_pending=m.max_pending,
-            )
-            for m in model
+            dataclasses.replace(m, source=load_resolved(m.source, dict(engine_args or {}), ray_address)) for m in model
         ]
-        if len(served) == 1 and served[0].name is None and served[0].max_pending is None:
+        one = served[0]
+        if len(served) == 1 and one.name is None and one.max_pending is None and not one.lazy:
             served = served[0].source  # type: ignore[assignment]
     state = ServerState(
         served,
@@ -218,6 +221,9 @@ def create_app(
         jobs=jobs,
         public_url=public_url,
         local_url=local_url,
+        max_loaded_models=max_loaded_models,
+        max_resident_bytes=max_resident_bytes,
+        load_timeout=load_timeout,
     )
 
     @asynccontextmanager

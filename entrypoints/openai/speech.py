@@ -53,7 +53,7 @@ def speech_stage(state: ServerState) -> int:
 
 async def synthesise(state: ServerState, request: Request, body: proto.SpeechRequest) -> tuple[AudioItem, int, str]:
     """Run the request: the clip, its input token count and the request id."""
-    omni: AsyncOmni = state.check_request(body.model)
+    omni: AsyncOmni = await state.check_request(body.model)
     stage_id = speech_stage(state)
     try:
         valid = omni.validate(body.input, omni.sampling_params(shared=SPEECH_FIELDS.params(body)))

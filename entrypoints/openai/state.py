@@ -5,10 +5,12 @@ Runs on the server's event loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from typing import TypeVar
 
@@ -32,6 +34,7 @@ from ..multi_omni import ModelSpec, MultiOmni, ServedModel
 from .files import MAX_REDIS_FILE_BYTES, FileStore, RedisFileStore
 from .job_manager import JobManager, JobSettings
 from .metrics import ServerMetrics
+from .model_metrics import ModelCollector
 from .protocol import DISCONNECTED, ApiError, ClientDisconnected
 
 logger = logging.getLogger(__name__)
@@ -69,14 +72,29 @@ class ServerState:
         jobs: JobSettings | None = None,
         public_url: str | None = None,
         local_url: str | None = None,
+        max_loaded_models: int | None = None,
+        max_resident_bytes: int | None = None,
+        load_timeout: float | None = None,
     ) -> None:
         specs = [ModelSpec(source=resolved)] if isinstance(resolved, ResolvedConfig) else list(resolved)
-        #: Every served model, each with its own engine, queues and admission limit.
-        self.multi = MultiOmni(specs, max_pending=max_pending, default_timeout=default_timeout)
+        if len(specs) == 1:  # a lone model is what the server is for: it loads at start
+            specs = [dataclasses.replace(specs[0], lazy=False)]
+        #: Every served model, each with its own engine, queues and admission limit, and the
+        #: budget of loaded models that evicts the least recently used idle one.
+        self.multi = MultiOmni(
+            specs,
+            max_pending=max_pending,
+            default_timeout=default_timeout,
+            max_loaded_models=max_loaded_models,
+            max_resident_bytes=max_resident_bytes,
+            load_timeout=load_timeout,
+        )
         self.multi.on_dead.append(self._model_died)
         #: Whether several models are served: the bodies then say which, and metrics gain a label.
         self.several = len(self.multi.models) > 1
         self._bound: ContextVar[str | None] = ContextVar(f"omni_model_{id(self)}", default=None)
+        #: The models the current HTTP request (or job launch) holds: released when it ends.
+        self._held: ContextVar[list[ServedModel] | None] = ContextVar(f"omni_held_{id(self)}", default=None)
         #: The base of result URLs when configured (``--public-url``); else the request's Host.
         self.public_url = public_url.rstrip("/") if public_url else None
         #: This gateway's own address (its listening socket), for the results of jobs it took
@@ -98,6 +116,7 @@ class ServerState:
             (lambda: self.multi.health()) if self.several else (lambda: self.current.health()),
             (lambda: self.current.name) if self.several else None,
         )
+        self.metrics.registry.register(ModelCollector(self.multi))
         self.files: FileStore | RedisFileStore
         if self.job_settings.redis_url:
             # Every gateway on the same Redis serves every file (a job's result outlives its gateway).
@@ -290,27 +309,57 @@ class ServerState:
             raise model.unavailable()
         return model.engine
 
-    def bind(self, model: str | None) -> AsyncOmni:
-        """Make ``model`` the current one in this context and return its engine (see
-        :attr:`started`): 404 naming the served models for an unknown one; 400 when several are
-        served and none is named."""
+    def select(self, model: str | None) -> ServedModel:
+        """Make ``model`` the current one in this context (any state): 404 naming the served
+        models for an unknown one; 400 when several are served and none is named."""
         try:
             served = self.multi.model(model)
         except UnknownModelError as e:
             raise ApiError(404, str(e), param="model", code="model_not_found") from None
         self._bound.set(served.name)
+        return served
+
+    async def bind(self, model: str | None) -> AsyncOmni:
+        """Make ``model`` the current one in this context (see :meth:`select`) and return its
+        engine, held until the HTTP request (or :meth:`holding` block) ends so that the budget
+        does not evict it meanwhile. A model declared lazy, or evicted, is brought back first
+        (the request waits, at most the load timeout); one still in its first load at start is a
+        503 ``loading`` (see :attr:`started`)."""
+        served = self.select(model)
+        if served.state == "loading" and not served.lazy and served.loads == 0:
+            return self.started
+        if served.state in ("unloaded", "asleep", "loading", "loaded"):
+            held = await self.multi.acquire(served.name)
+            leases = self._held.get()
+            if leases is not None:
+                leases.append(held)
+            else:  # nothing would give it back: the engine's own pending count guards it from here
+                self.multi.release(held)
         return self.started
 
-    def check_request(self, model: str | None) -> AsyncOmni:
+    @contextlib.asynccontextmanager
+    async def holding(self) -> AsyncIterator[None]:
+        """Hold the models :meth:`bind` hands out inside the block until it ends (the HTTP
+        middleware wraps each request in one)."""
+        leases: list[ServedModel] = []
+        token = self._held.set(leases)
+        try:
+            yield
+        finally:
+            self._held.reset(token)
+            for model in leases:
+                self.multi.release(model)
+
+    async def check_request(self, model: str | None) -> AsyncOmni:
         """The engine a request for ``model`` runs on (see :meth:`bind`); 503 while draining."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
-        return self.bind(model)
+        return await self.bind(model)
 
-    def job_engine(self, model: str | None) -> AsyncOmni:
+    async def job_engine(self, model: str | None) -> AsyncOmni:
         """The engine a job recorded for ``model`` runs on when taken over: with one model served,
         that one (a job store shared by gateways of one model under other names)."""
-        return self.bind(model if self.several else None)
+        return await self.bind(model if self.several else None)
 
     def authorized(self, scope: Scope) -> bool:
         """Whether the request carries the API key (always, when none is set)."""

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 
 from omni_runtime.engine.status import EngineState, ReplicaState
 
+from ..multi_omni import ModelCounts
 from .dependencies import AUTH, State
 from .responses import SafeJSONResponse
 from .state import ServerState
@@ -95,6 +96,20 @@ class StatusReport(msgspec.Struct, **_Body):
     e2e_p50_ms: float | None
     e2e_p99_ms: float | None
     jobs: JobsReport | None
+    #: The model's state (loaded, asleep, unloaded, loading, failed, dead, closed), and its cold
+    #: loads, wakes from sleep and evictions so far (see the budget in docs/http_api.md).
+    state: str = "loaded"
+    loads: int = 0
+    wakes: int = 0
+    evictions: int = 0
+    #: Weight bytes its runners reported resident when last loaded (None: none reported).
+    resident_bytes: int | None = None
+
+
+class MultiStatusReport(msgspec.Struct, **_Body):
+    """The body of ``GET /v1/status`` when several models are served and none is named."""
+
+    models: list[StatusReport]
 
 
 def quantile_ms(values: Iterable[float], q: float) -> float | None:
@@ -123,11 +138,11 @@ class WaveRates:
         return round((waves - before) / (now - then), 3)
 
 
-def _rates(request: Request) -> WaveRates:
-    rates = getattr(request.app.state, "wave_rates", None)
-    if rates is None:
-        rates = request.app.state.wave_rates = WaveRates()
-    return rates
+def _rates(request: Request, model: str) -> WaveRates:
+    by_model: dict[str, WaveRates] | None = getattr(request.app.state, "wave_rates", None)
+    if by_model is None:
+        by_model = request.app.state.wave_rates = {}
+    return by_model.setdefault(model, WaveRates())
 
 
 async def _replica_stats(state: ServerState) -> dict[tuple[int, int], dict[str, Any]]:
@@ -143,6 +158,25 @@ def _int(value: object) -> int | None:
 
 
 async def build_status(state: ServerState, rates: WaveRates) -> StatusReport:
+    """The report of the current model (see :meth:`ServerState.select`)."""
+    model = state.current
+    counts = ModelCounts(
+        state=model.state,
+        loads=model.loads,
+        wakes=model.wakes,
+        evictions=model.evictions,
+        resident_bytes=model.resident_bytes,
+    )
+    if state.several and (model.engine is None or model.state != "loaded"):
+        # Not serving now (evicted, loading, failed): its state, without asking its replicas.
+        health = model.health()
+        return StatusReport(
+            model=model.name, time=round(time.time(), 3), status=model.state,
+            pending=health.pending if health is not None else 0,
+            max_pending=health.max_pending if health is not None else 0,
+            draining=state.draining, stages=[], e2e_p50_ms=None, e2e_p99_ms=None, jobs=None,
+            **msgspec.structs.asdict(counts),
+        )  # fmt: skip
     h = state.started.health()
     stats = await _replica_stats(state)
     now = time.time()
@@ -201,10 +235,22 @@ async def build_status(state: ServerState, rates: WaveRates) -> StatusReport:
         e2e_p50_ms=quantile_ms(state.metrics.recent_e2e, 0.5),
         e2e_p99_ms=quantile_ms(state.metrics.recent_e2e, 0.99),
         jobs=jobs,
+        **msgspec.structs.asdict(counts),
     )
 
 
 @router.get("/status")
-async def status(request: Request, state: State) -> JSONResponse:
-    report = await build_status(state, _rates(request))
+async def status(request: Request, state: State, model: str | None = None) -> JSONResponse:
+    """One model's report (``?model=NAME``, or the only one); with several models served and
+    none named, every model's (``{"models": [...]}``)."""
+    report: StatusReport | MultiStatusReport
+    if model is not None or not state.several:
+        served = state.select(model)
+        report = await build_status(state, _rates(request, served.name))
+    else:
+        reports = []
+        for name in state.multi.names:
+            state.select(name)
+            reports.append(await build_status(state, _rates(request, name)))
+        report = MultiStatusReport(models=reports)
     return SafeJSONResponse(msgspec.to_builtins(report), headers={"Cache-Control": "no-store"})

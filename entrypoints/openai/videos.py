@@ -259,7 +259,7 @@ def _create_body() -> dict[str, Any]:
 async def create_video(
     body: Annotated[VideoCreateRequest, Depends(video_request)], request: Request, state: State, manager: Jobs
 ) -> SafeJSONResponse:
-    omni = state.check_request(body.model)
+    omni = await state.check_request(body.model)
     if state.video_stage is None:
         raise ApiError(400, f"the model `{state.model_name}` has no video output", param="model", code="no_video")
     try:

@@ -11,6 +11,9 @@ import signal
 from pathlib import Path
 
 import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from omni_runtime.entrypoints.multi_omni import ModelSpec, load_models_file, parse_model_arg
 
 from omni_runtime import MultiOmni
@@ -143,3 +146,75 @@ def test_model_args_and_models_file(tmp_path: Path):
         load_models_file(models)
     with pytest.raises(ConfigError, match="given twice"):
         MultiOmni(["echo", "echo"])
+
+
+async def test_lazy_models_and_a_budget_of_one(broken_dir):
+    """Three lazy echo models (two put to sleep when evicted, one stopped) and a lazy broken one
+    under a budget of one loaded model: concurrent first requests share one load, alternating
+    requests from several tasks are all answered across evictions, and the broken one fails its
+    own requests typed while the others serve."""
+    models = MultiOmni(
+        [
+            ModelSpec(source=ECHO, name="a", lazy=True),
+            ModelSpec(source=ECHO, name="b", lazy=True),
+            ModelSpec(source=ECHO, name="s", lazy=True, evict="stop"),
+            ModelSpec(source=broken_dir, name="broken", lazy=True),
+        ],
+        max_loaded_models=1,
+        load_timeout=120,
+    )
+    async with models:
+        assert set(models.states().values()) == {"unloaded"}
+        first = [asyncio.ensure_future(last(models, f"first {i}", model="a")) for i in range(6)]
+        await eventually(lambda: models.models["a"].state == "loading", timeout=30, what="a loading")
+        assert [o.text for o in await asyncio.gather(*first)] == [f"first {i}" for i in range(6)]
+        assert models.counts()["a"].loads == 1 and models.states()["a"] == "loaded"
+
+        async def client(k: int) -> list[str]:
+            return [(await last(models, f"{k}-{i}", model="ab"[(k + i) % 2])).text or "" for i in range(4)]
+
+        answers = await asyncio.wait_for(asyncio.gather(*(client(k) for k in range(4))), 120)
+        assert answers == [[f"{k}-{i}" for i in range(4)] for k in range(4)]
+        await eventually(
+            lambda: list(models.states().values()).count("loaded") <= 1, timeout=30, what="the budget held"
+        )
+        a, b = models.counts()["a"], models.counts()["b"]
+        # Evicted by sleep, each came back by a wake-up, never a second cold load.
+        assert a.evictions + b.evictions >= 1 and a.loads == b.loads == 1
+        assert a.wakes + b.wakes >= a.evictions + b.evictions - 1
+
+        # The model stopped when evicted goes back to unloaded, its engine closed.
+        assert (await last(models, "stop me", model="s")).text == "stop me"
+        assert (await last(models, "back", model="a")).text == "back"
+        await eventually(lambda: models.states()["s"] == "unloaded", timeout=30, what="s stopped")
+        assert models.counts()["s"].evictions == 1 and models.models["s"].engine is None
+
+        with pytest.raises(ModelUnavailableError) as info:
+            await last(models, "a fox", model="broken")
+        assert info.value.model == "broken" and info.value.state == "failed"
+        assert (await last(models, "still here", model="a")).text == "still here"
+        assert models.states()["broken"] == "failed"
+
+
+def test_lazy_and_evict_in_model_args_and_models_file(tmp_path: Path):
+    assert parse_model_arg("chat=echo@lazy") == ModelSpec(source="echo", name="chat", lazy=True)
+    assert parse_model_arg("echo@lazy@stop") == ModelSpec(source="echo", lazy=True, evict="stop")
+    models = tmp_path / "models.yaml"
+    models.write_text("fast: {config: echo, lazy: true, evict: stop}\nsd: tiny-sd\n")
+    assert load_models_file(models) == [
+        ModelSpec(source="echo", name="fast", lazy=True, evict="stop"),
+        ModelSpec(source="tiny-sd", name="sd"),
+    ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(lazy=st.one_of(st.integers(), st.text(max_size=8), st.none(), st.lists(st.booleans(), max_size=2)),
+       evict=st.text(max_size=12).filter(lambda e: e not in ("sleep", "stop")))  # fmt: skip
+def test_models_file_refuses_bad_lazy_and_evict(tmp_path_factory: pytest.TempPathFactory, lazy, evict):
+    models = tmp_path_factory.mktemp("m") / "models.yaml"
+    models.write_text(yaml.safe_dump({"fast": {"config": "echo", "lazy": lazy}}))
+    with pytest.raises(ConfigError, match=r"fast\.lazy: expected true or false"):
+        load_models_file(models)
+    models.write_text(yaml.safe_dump({"fast": {"config": "echo", "evict": evict}}))
+    with pytest.raises(ConfigError, match=r"fast\.evict: expected sleep or stop"):
+        load_models_file(models)
