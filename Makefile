@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.audio
 	$(PY) -m benchmarks.transfer
 	$(PY) -m benchmarks.http
+	$(PY) -m benchmarks.multimodel
 	$(PY) -m benchmarks.jobs
 	$(PY) -m benchmarks.acceleration
 
