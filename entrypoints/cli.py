@@ -454,11 +454,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- worker
 
 
+def _names(text: str) -> list[str]:
+    """A comma-separated list of names (empty items dropped; checked by the worker)."""
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
 def worker_command(args: argparse.Namespace) -> list[str]:
     """The ``ray start`` that joins this machine to the cluster at ``args.address``, offering the
     custom resources the given configs' ray stages ask for (enough for all of a stage's replicas
-    on this node), merged with ``--resources``."""
+    on this node), the models it holds and its tags (``--models``, ``--tags``: a resource each,
+    from which those models' replicas are placed), and ``--resources``."""
     from omni_runtime.config import load_config
+    from omni_runtime.engine.backends.ray_backend import declared_resources
 
     offered: dict[str, float] = {}
     for name in args.configs:
@@ -468,6 +475,7 @@ def worker_command(args: argparse.Namespace) -> list[str]:
             for key, amount in stage.runtime.options.resources.items():
                 if key not in ("CPU", "GPU"):
                     offered[key] = max(offered.get(key, 0.0), amount * stage.runtime.num_replicas)
+    offered.update(declared_resources(args.models, args.tags))
     offered.update(args.resources)
     ray = Path(sys.executable).with_name("ray")
     cmd = [str(ray) if ray.exists() else "ray", "start", "--address", args.address, "--block", "--disable-usage-stats"]
@@ -817,10 +825,12 @@ def build_parser() -> argparse.ArgumentParser:
         "worker",
         "join this machine to a Ray cluster as a node for ray stages",
         "  omni-runtime worker --address head:6379 my-pipeline.yaml --num-gpus 1\n"
-        "  omni-runtime worker --address head:6379 --resources '{\"sdxl_box\": 2}' --dry-run",
+        "  omni-runtime worker --address head:6379 --resources '{\"sdxl_box\": 2}' --dry-run\n"
+        "  omni-runtime worker --address head:6379 --models sdxl,flux --tags a100",
         "Run `ray start --address ADDRESS --block` with the node resources the given deploy configs'\n"
-        "ray stages ask for (a custom resource that pins a stage to this kind of machine, say). The\n"
-        "node lives as long as this command; see docs/distributed.md.",
+        "ray stages ask for (a custom resource that pins a stage to this kind of machine, say), and\n"
+        "the models it holds: once any node declares models, a model's replicas run only on nodes\n"
+        "that declare it. The node lives as long as this command; see docs/distributed.md.",
     )
     w.add_argument("--address", required=True, help="the Ray head, HOST:PORT")
     w.add_argument(
@@ -829,6 +839,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--num-cpus", type=_int(0), help="CPUs this node offers (default: all)")
     w.add_argument("--num-gpus", type=_int(0), help="GPUs this node offers (default: all)")
     w.add_argument("--resources", type=_json_value(dict), default={}, help="more custom resources, JSON")
+    w.add_argument(
+        "--models", type=_names, default=[], help="served model names this node holds, comma-separated (sdxl,flux)"
+    )
+    w.add_argument("--tags", type=_names, default=[], help="tags a stage's runtime.tags may ask for (a100,fast)")
     w.add_argument("--object-store-mb", type=_float(0, strict=True), help="object store size (MiB)")
     w.add_argument("--dry-run", action="store_true", help="print the ray start command and exit")
     w.set_defaults(func=cmd_worker)

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,7 +57,10 @@ RPC_TIMEOUT_S = 600.0
 #: no processes), loading (its stages start, or wake up), loaded (serving), asleep (evicted by the
 #: budget: weights released, processes kept), failed (its load raised; ``error`` says why), dead
 #: (its engine died for good), closed. A request for an unloaded or asleep model brings it back.
-ModelState = Literal["unloaded", "loading", "loaded", "asleep", "failed", "dead", "closed"]
+#: unplaced is reported (by :meth:`ServedModel.status`) for a loaded model while no node can host
+#: one of its stages (on Ray, its declaring workers are gone): its requests fail at once until a
+#: node takes it again.
+ModelState = Literal["unloaded", "loading", "loaded", "asleep", "failed", "dead", "closed", "unplaced"]
 
 #: How the budget evicts a model: ``sleep`` (runners release their weights, the stage processes
 #: stay: the cheaper way back for models whose processes are slow to start) or ``stop`` (the engine
@@ -214,6 +217,18 @@ class ServedModel:
         health = self.health()
         return health is None or health.pending == 0
 
+    def unplaced(self) -> str | None:
+        """Why this loaded model cannot serve now because no node can host one of its stages
+        (a stage without a live replica whose restart waits for a node), or None."""
+        h = self.health() if self.state == "loaded" else None
+        if h is None:
+            return None
+        return next((s.unplaced for s in h.stages if s.live_replicas == 0 and s.unplaced), None)
+
+    def status(self) -> ModelState:
+        """Its state as reported: ``unplaced`` while :meth:`unplaced`, else :attr:`state`."""
+        return "unplaced" if self.unplaced() is not None else self.state
+
     def unavailable(self) -> ModelUnavailableError:
         return ModelUnavailableError(self.name, self.state, str(self.error) if self.error is not None else None)
 
@@ -263,6 +278,8 @@ class MultiOmni:
             spec = item if isinstance(item, ModelSpec) else ModelSpec(source=item)
             resolved = load_resolved(spec.source, dict(engine_args), ray_address)
             name = spec.name or resolved.config.model or "omni"
+            if resolved.config.model != name:  # its engine knows it by the name it is served under
+                resolved = replace(resolved, config=msgspec.structs.replace(resolved.config, model=name))
             if name in self.models:
                 raise ConfigError(
                     f"the model `{name}` is given twice; serve the other under a name of its own (NAME=CONFIG)"
@@ -509,6 +526,9 @@ class MultiOmni:
         model = self.model(name)
         if model.engine is None or model.state != "loaded":
             raise model.unavailable()
+        unplaced = model.unplaced()
+        if unplaced is not None:
+            raise ModelUnavailableError(model.name, "unplaced", unplaced)
         return model.engine
 
     # ------------------------------------------------------------------ AsyncOmni's protocol, by model
@@ -574,7 +594,7 @@ class MultiOmni:
         return {name: model.health() for name, model in self.models.items()}
 
     def states(self) -> dict[str, ModelState]:
-        return {name: model.state for name, model in self.models.items()}
+        return {name: model.status() for name, model in self.models.items()}
 
     def __repr__(self) -> str:
         return f"MultiOmni({', '.join(f'{n}: {s}' for n, s in self.states().items())})"

@@ -141,6 +141,12 @@ class StageStartupError(EngineError):
     """A stage process failed to start or did not say READY in time."""
 
 
+class StageUnplacedError(StageStartupError):
+    """No node can host a replica now (on Ray: no live node offers what it needs, such as the
+    model it serves). A start fails with it at once; a restart waits for a node instead of
+    spending its attempts."""
+
+
 class UnavailableError(OmniError):
     """A dependency is unreachable or a bounded resource is spent for now (the job store, the
     budget of event streams): the request is refused at once and may be retried later (HTTP 503
@@ -165,11 +171,17 @@ class UnknownModelError(InvalidRequestError):
 
 
 class ModelUnavailableError(EngineError):
-    """One model of several cannot serve (still loading, failed to load, or dead): its requests
-    fail with this error naming the model and why, while the other models serve."""
+    """One model of several cannot serve (still loading, failed to load, dead, or unplaced: no
+    node can host one of its stages now): its requests fail with this error naming the model
+    and why, while the other models serve."""
 
     def __init__(self, model: str, state: str, reason: str | None = None) -> None:
-        why = {"loading": "is loading; retry shortly", "failed": "failed to load", "dead": "is dead"}.get(state, state)
+        why = {
+            "loading": "is loading; retry shortly",
+            "failed": "failed to load",
+            "dead": "is dead",
+            "unplaced": "has no node to run on",
+        }.get(state, state)
         super().__init__(f"the model `{model}` {why}" + (f": {reason}" if reason else ""))
         self.model = model
         self.state = state
@@ -200,6 +212,7 @@ ERROR_TYPES: dict[str, type[OmniError]] = {
         EngineClosedError,
         EngineDeadError,
         StageStartupError,
+        StageUnplacedError,
         RpcError,
     )
 }

@@ -151,7 +151,7 @@ def _model_health(model: ServedModel) -> HealthReport:
         return HealthReport(status="ok")
     if h.status == "dead":
         return HealthReport(status="dead", reason=h.reason)
-    return HealthReport(status="unhealthy", dead_stages=h.dead_stages)
+    return HealthReport(status="unhealthy", reason=model.unplaced() or msgspec.UNSET, dead_stages=h.dead_stages)
 
 
 def _several_health(state: ServerState) -> JSONResponse:
@@ -175,8 +175,8 @@ def _several_ready(state: ServerState, job_store: JobStoreStatus) -> JSONRespons
         h = m.health()
         models[name] = ModelReadiness(
             ready=(h is not None and h.ok and m.state == "loaded") or _on_demand(m),
-            state=m.state,
-            error=str(m.error) if m.error is not None else None,
+            state=m.status(),
+            error=str(m.error) if m.error is not None else m.unplaced(),
             pending=h.pending if h is not None else 0,
             max_pending=h.max_pending if h is not None else 0,
             stages=[ReadyStage.of(s) for s in h.stages] if h is not None else [],
@@ -279,7 +279,7 @@ async def get_model(model_id: str, state: State) -> JSONResponse:
 
 def _card(state: ServerState, model: ServedModel) -> proto.ModelCard:
     return proto.ModelCard(
-        id=model.name, created=state.created, kinds=model.kinds, tasks=_tasks(model), state=model.state
+        id=model.name, created=state.created, kinds=model.kinds, tasks=_tasks(model), state=model.status()
     )
 
 

@@ -22,6 +22,7 @@ from omni_runtime.exceptions import (
     ConfigError,
     EngineDeadError,
     EngineError,
+    ModelUnavailableError,
     RequestAbortedError,
     UnknownModelError,
 )
@@ -307,6 +308,9 @@ class ServerState:
                     503, f"{model.name} is loading; retry shortly", type="service_unavailable", code="loading"
                 )
             raise model.unavailable()
+        unplaced = model.unplaced() if self.several else None
+        if unplaced is not None:  # no node can host one of its stages now: fail at once, naming it
+            raise ModelUnavailableError(model.name, "unplaced", unplaced)
         return model.engine
 
     def select(self, model: str | None) -> ServedModel:

@@ -9,6 +9,11 @@ and answers from its own event loop. A replica that stays silent that long (stop
 its loop blocked), or whose forward made no progress for ``runtime.stall_timeout_s`` (stuck in
 native code), is killed: its requests fail with StageDeadError and it is restarted like a crash.
 A stage left with no live replica and no restart is *gone*, which the orchestrator hears once.
+
+Placement: a restart that no node can host now (StageUnplacedError: on Ray, every node offering
+what the replica needs is gone) spends no restart attempt; the replica is ``unplaced`` and its
+restart tries again every ``_PLACE_RETRY_S`` until a node can host it. Meanwhile the stage's
+requests fail at once (StageDeadError saying why), they never wait for a node.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from omni_runtime.exceptions import (
     RpcError,
     StageDeadError,
     StageStartupError,
+    StageUnplacedError,
 )
 from omni_runtime.messages import (
     RpcReplicaResult,
@@ -50,6 +56,9 @@ from omni_runtime.tasks import BackgroundTasks
 logger = logging.getLogger(__name__)
 
 _call_ids = itertools.count(1)
+
+#: Seconds between attempts to place an unplaced replica (each asks the cluster what it offers).
+_PLACE_RETRY_S = 1.0
 
 
 def heartbeat_interval(timeout_s: float) -> float:
@@ -86,6 +95,8 @@ class StagePool:
         self._rpc: dict[int, tuple[int, asyncio.Future]] = {}
         self._tasks = BackgroundTasks()  # restarts, and the closing of dead replicas
         self._restarting: dict[int, asyncio.Task] = {}
+        #: Replicas whose restart waits for a node that can host them, and why.
+        self._unplaced: dict[int, str] = {}
         self._pong_at = [0.0] * n
         self._stalled: list[float | None] = [None] * n
         self._ping_seq = itertools.count(1)
@@ -155,7 +166,10 @@ class StagePool:
         reached; InvalidRequestError when the request holds what no message can carry."""
         live = self.live
         if not live:
-            raise StageDeadError(f"stage {self.stage_id} has no live replica", stage_id=self.stage_id)
+            why = next(iter(self._unplaced.values()), None)
+            raise StageDeadError(
+                f"stage {self.stage_id} has no live replica" + (f": {why}" if why else ""), stage_id=self.stage_id
+            )
         # Least loaded; ties rotate, so an idle pool does not pile every request on replica 0.
         self._turn += 1
         n = len(self.replicas)
@@ -241,15 +255,28 @@ class StagePool:
         try:
             while True:
                 attempt = self.restarts[replica]  # counted by the caller
-                delay = min(0.5 * 2 ** (attempt - 1), 30.0)
-                logger.warning(
-                    "stage %d replica %d: restart %d/%d in %.1f s", self.stage_id, replica, attempt, max_restarts, delay
-                )
+                if replica in self._unplaced:
+                    delay = _PLACE_RETRY_S  # no attempt was spent: ask again for a node
+                else:
+                    delay = min(0.5 * 2 ** (attempt - 1), 30.0)
+                    logger.warning(
+                        "stage %d replica %d: restart %d/%d in %.1f s",
+                        *(self.stage_id, replica, attempt, max_restarts, delay),
+                    )
                 await asyncio.sleep(delay)  # backoff: a crash loop must not spin
                 client = self._new_client(replica, attempt)
                 try:
                     await client.start()  # closes its own process if it fails or is cancelled
+                except StageUnplacedError as e:
+                    # Nowhere to go: no attempt spent, wait for a node (a worker that comes back).
+                    if self._closed:
+                        return
+                    if replica not in self._unplaced:
+                        logger.error("stage %d replica %d waits for a node: %s", self.stage_id, replica, e)
+                    self._unplaced[replica] = str(e)
+                    continue
                 except Exception as e:
+                    self._unplaced.pop(replica, None)
                     logger.error("stage %d replica %d: restart failed: %s", self.stage_id, replica, e)
                     if self._closed or self.restarts[replica] >= max_restarts:
                         failure = f"restart failed: {e}"
@@ -259,12 +286,14 @@ class StagePool:
                 if self._closed:
                     await client.close()
                     return
+                self._unplaced.pop(replica, None)
                 self.replicas[replica] = client
                 self._pong_at[replica], self._stalled[replica] = time.monotonic(), None
                 logger.warning("stage %d replica %d restarted (pid %s)", self.stage_id, replica, client.pid)
                 return
         finally:
             self._restarting.pop(replica, None)
+            self._unplaced.pop(replica, None)
             if failure is not None:
                 self._check_gone(failure)
 
@@ -346,7 +375,13 @@ class StagePool:
     def status(self) -> StageStatus:
         live = {c.replica_id for c in self.live}
         states: list[ReplicaState] = [
-            "live" if i in live else "restarting" if i in self._restarting else "dead"
+            "live"
+            if i in live
+            else "unplaced"
+            if i in self._unplaced
+            else "restarting"
+            if i in self._restarting
+            else "dead"
             for i in range(len(self.replicas))
         ]
         return StageStatus(
@@ -360,4 +395,5 @@ class StagePool:
             unresponsive_kills=self.unresponsive_kills,
             inflight=sum(len(s) for s in self.inflight),
             per_replica_inflight=[len(s) for s in self.inflight],
+            unplaced=next(iter(self._unplaced.values()), None),
         )

@@ -10,9 +10,9 @@ from typing import Literal
 
 import msgspec
 
-#: A replica is ``live`` (serving), ``restarting`` (dead, a restart under way) or ``dead`` (for good,
-#: or not yet started).
-ReplicaState = Literal["live", "restarting", "dead"]
+#: A replica is ``live`` (serving), ``restarting`` (dead, a restart under way), ``unplaced`` (dead,
+#: and no node can host it now: its restart waits for one) or ``dead`` (for good, or not yet started).
+ReplicaState = Literal["live", "restarting", "unplaced", "dead"]
 
 #: What the engine as a whole is: ``ok``; ``unhealthy`` (a stage has no live replica now, a restart
 #: may bring it back); ``dead`` (it will not serve again: see EngineDeadError); ``closed``.
@@ -38,6 +38,8 @@ class StageStatus(msgspec.Struct, kw_only=True, frozen=True):
     inflight: int
     #: ...and per replica.
     per_replica_inflight: list[int]
+    #: Why a replica waits for a node to host it (``unplaced``), or None.
+    unplaced: str | None = None
 
 
 class EngineHealth(msgspec.Struct, kw_only=True, frozen=True):

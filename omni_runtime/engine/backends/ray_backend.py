@@ -21,6 +21,14 @@ deadlines and control calls.
   ``runtime.placement`` (``spread`` | ``pack``). A placement no node can ever satisfy fails
   start-up at once, naming the stage and what is missing (Ray itself would wait forever); one that
   waits for capacity fails after ``startup_timeout_s``.
+* **Declared models**: a node joined with ``omni-runtime worker --models sdxl,flux --tags a100``
+  offers ``omni_model:sdxl``, ``omni_model:flux`` and ``omni_tag:a100`` (:func:`declared_resources`).
+  While any live node declares a model when an engine starts (or always, with
+  ``runtime.require_declared_model: true``), each replica of its ray stages needs
+  ``omni_model:<the served model name>``, and ``runtime.tags`` add ``omni_tag:<tag>``: a model runs
+  only on the nodes that declare it. A model no live node declares fails its start at once, naming
+  it; one whose declaring nodes are all lost later has its replicas ``unplaced`` (its requests fail
+  at once) until such a node joins again and the pool places them.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import sys
 from functools import partial
 from typing import Annotated, Any, Literal
@@ -35,7 +44,13 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from omni_runtime.config import DeployConfig, StageConfig
-from omni_runtime.exceptions import StageDeadError, StageExecutionError, StageStartupError
+from omni_runtime.exceptions import (
+    ConfigError,
+    StageDeadError,
+    StageExecutionError,
+    StageStartupError,
+    StageUnplacedError,
+)
 from omni_runtime.messages import StageOutput, StageReady, StageStartupFailed
 from omni_runtime.serialization import Encoder, outbound_decoder, remote_arrays, replace_remote
 
@@ -44,6 +59,43 @@ from .base import EngineResources, OnDead, OnMessage, StageBackend, StageClient
 from .ray_connection import ray_module
 
 logger = logging.getLogger(__name__)
+
+#: The node resource saying a node holds a model (``omni_model:sdxl``), and one naming a tag.
+MODEL_RESOURCE_PREFIX = "omni_model:"
+TAG_RESOURCE_PREFIX = "omni_tag:"
+#: How much of each model or tag resource a declaring node offers; a replica takes 1. The count is
+#: no real limit (CPUs, GPUs and memory are): it only says "this node may host that model".
+DECLARED_CAPACITY = 1000.0
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
+
+
+def resource_name(kind: Literal["model", "tag"], name: str) -> str:
+    """The node resource for the model or tag ``name``; ConfigError naming it when it cannot be
+    one (letters, digits, ``. _ / -``, starting with a letter or digit, at most 128)."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigError(
+            f"invalid {kind} name {name!r}: expected letters, digits, '.', '_', '/' or '-', "
+            "starting with a letter or digit, at most 128 characters"
+        )
+    return (MODEL_RESOURCE_PREFIX if kind == "model" else TAG_RESOURCE_PREFIX) + name
+
+
+def declared_resources(models: list[str], tags: list[str]) -> dict[str, float]:
+    """The node resources a worker holding ``models`` and tagged ``tags`` offers."""
+    names = [resource_name("model", m) for m in models] + [resource_name("tag", t) for t in tags]
+    return dict.fromkeys(names, DECLARED_CAPACITY)
+
+
+#: Seconds between checks, while an actor waits to be placed, that a node can still host it.
+_PLACE_CHECK_S = 2.0
+
+
+def _declares() -> bool:
+    """Whether any live node of the cluster declares a model (blocking)."""
+    nodes = ray_module().nodes()
+    return any(
+        n.get("Alive") and any(k.startswith(MODEL_RESOURCE_PREFIX) for k in n.get("Resources", {})) for n in nodes
+    )
 
 
 class RayOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -71,6 +123,12 @@ class RayOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: exits by itself, freeing its node. Unset: ``max(10, 3 * heartbeat_timeout_s)``; keep it
     #: well above ``heartbeat_timeout_s``. Never used when heartbeats are off.
     orphan_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    #: Whether each replica needs a node declaring this model (``omni-runtime worker --models``):
+    #: ``true`` always, ``false`` never, unset when any live node of the cluster declares a model
+    #: as the engine starts (decided once per engine).
+    require_declared_model: bool | None = None
+    #: Node tags each replica needs (``omni-runtime worker --tags``), e.g. ``[a100]``.
+    tags: list[str] = msgspec.field(default_factory=list)
 
 
 def ray_options(stage: StageConfig) -> RayOptions:
@@ -102,6 +160,8 @@ class RayBackend(StageBackend):
         #: Connecting is part of starting: bounded like the slowest stage's start.
         self.connect_timeout_s = max((s.runtime.startup_timeout_s for s in stages), default=300.0)
         self._actor_class: Any = None
+        #: The model name this engine's replicas need a node to declare (None: no such need).
+        self.declared_model: str | None = None
         #: Bytes of arrays this process fetched from the object store (hand-offs move none).
         self.fetched_bytes = 0
 
@@ -117,6 +177,15 @@ class RayBackend(StageBackend):
         from omni_runtime.stage.ray_actor import StageActor
 
         self._actor_class = ray.remote(StageActor)
+        stages = [s for s in self.config.stage_args if s.runtime.backend == self.name]
+        wanted = {ray_options(s).require_declared_model for s in stages}
+        if True in wanted or (None in wanted and await asyncio.get_running_loop().run_in_executor(None, _declares)):
+            name = self.config.model or "omni"
+            try:
+                resource_name("model", name)
+            except ConfigError as e:
+                raise StageStartupError(f"the model {name!r} cannot be declared by a Ray node: {e}") from None
+            self.declared_model = name
 
     def client(
         self, stage: StageConfig, replica_id: int, generation: int, on_message: OnMessage, on_dead: OnDead
@@ -151,7 +220,12 @@ class RayBackend(StageBackend):
         }
 
     def actor_options(self, stage: StageConfig) -> dict[str, Any]:
-        resources = dict(ray_options(stage).resources)
+        settings = ray_options(stage)
+        resources = dict(settings.resources)
+        if self.declared_model is not None and settings.require_declared_model is not False:
+            resources[resource_name("model", self.declared_model)] = 1
+        for tag in settings.tags:
+            resources[resource_name("tag", tag)] = 1
         options: dict[str, Any] = {
             "num_cpus": resources.pop("CPU", 1),
             "num_gpus": resources.pop("GPU", 0),
@@ -182,6 +256,16 @@ class RayBackend(StageBackend):
                 return None
         best = {k: max((n.get("Resources", {}).get(k, 0) for n in nodes), default=0) for k in wanted}
         missing = {k: v for k, v in wanted.items() if best[k] < v}
+        undeclared = [k for k in missing if k.startswith((MODEL_RESOURCE_PREFIX, TAG_RESOURCE_PREFIX))]
+        if undeclared:
+            models = [k.removeprefix(MODEL_RESOURCE_PREFIX) for k in undeclared if k.startswith(MODEL_RESOURCE_PREFIX)]
+            tags = [k.removeprefix(TAG_RESOURCE_PREFIX) for k in undeclared if k.startswith(TAG_RESOURCE_PREFIX)]
+            said = [f"the model `{m}`" for m in models] + [f"the tag `{t}`" for t in tags]
+            hint = " ".join([f"--models {','.join(models)}"] * bool(models) + [f"--tags {','.join(tags)}"] * bool(tags))
+            return (
+                f"no live node of the Ray cluster declares {' and '.join(said)} (join one with "
+                f"`omni-runtime worker --address HEAD {hint}`); a replica needs {wanted}"
+            )
         return (
             f"no node of the Ray cluster has the resources a replica needs: {wanted} "
             f"(missing {missing or wanted}; the largest node offers {best})"
@@ -224,7 +308,7 @@ class RayStageClient(StageClient):
         stage = self.stage
         why = await loop.run_in_executor(None, self._backend.infeasible, stage)
         if why is not None:
-            raise StageStartupError(f"stage {self.stage_id} replica {self.replica_id} cannot be placed: {why}")
+            raise StageUnplacedError(f"stage {self.stage_id} replica {self.replica_id} cannot be placed: {why}")
         options = self._backend.actor_options(stage)
         heartbeat = stage.runtime.heartbeat_timeout_s
         settings = ray_options(stage)
@@ -244,7 +328,7 @@ class RayStageClient(StageClient):
             # 1) placed: the actor answers its first call once a node had its resources free (Ray
             #    itself would wait silently forever)  2) loaded: READY, within the same bound.
             try:
-                self.node = await asyncio.wait_for(self._actor.node.remote(), timeout)
+                self.node = await self._placed(timeout)
             except TimeoutError:
                 raise StageStartupError(
                     f"replica {self.replica_id} of stage {self.stage_id} waits for resources "
@@ -278,6 +362,27 @@ class RayStageClient(StageClient):
         gen = self._actor.outputs.options(num_returns="streaming").remote()
         self._reader = loop.create_task(self._read(gen), name=f"ray-stage{self.stage_id}r{self.replica_id}")
         return self.ready
+
+    async def _placed(self, timeout: float) -> str:
+        """The node the actor was placed on, within ``timeout`` (TimeoutError). StageUnplacedError
+        as soon as no live node can host it any more (its node was lost before the actor ran):
+        waiting would only end at the time-out."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        where = asyncio.ensure_future(self._actor.node.remote())
+        try:
+            while True:
+                left = deadline - loop.time()
+                done, _ = await asyncio.wait([where], timeout=max(0.0, min(left, _PLACE_CHECK_S)))
+                if done:
+                    return str(where.result())
+                if left <= _PLACE_CHECK_S:
+                    raise TimeoutError
+                why = await loop.run_in_executor(None, self._backend.infeasible, self.stage)
+                if why is not None:
+                    raise StageUnplacedError(f"stage {self.stage_id} replica {self.replica_id} cannot be placed: {why}")
+        finally:
+            where.cancel()
 
     async def _read(self, gen: Any) -> None:
         """Everything the actor says, in order, until it dies (which is reported once)."""

@@ -44,9 +44,17 @@ def ray_cluster() -> Iterator[RayCluster]:
     import ray
     from ray.cluster_utils import Cluster
 
+    # A lost node is declared dead after a few failed health checks of a second each (Ray's
+    # default takes about 15 s): the tests that remove a node wait for that.
+    health = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": False, "object_store_memory": STORE},
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "object_store_memory": STORE,
+            "_system_config": health,
+        },
     )
     info = RayCluster(cluster, {})
     try:

@@ -19,6 +19,7 @@ from omni_runtime import AsyncOmni
 from omni_runtime.config import load_config
 from omni_runtime.exceptions import RequestAbortedError, RequestTimeoutError, StageDeadError, StageStartupError
 from tests.conftest import echo_stage, eventually, make_config
+from tests.omni_runtime.engine.backends.conftest import STORE
 
 RAY = {"backend": "ray"}
 
@@ -308,3 +309,63 @@ def test_engines_of_one_process_share_its_ray_connection_and_the_last_close_stop
     assert found["second after first closed"] == "still served"
     assert found["left running"] == "[]" and found["children"] == "[]" and found["dirs left"] == "[]"
     assert "done" in out.stdout and took < 150
+
+
+async def test_models_run_on_the_nodes_declaring_them_and_one_whose_node_is_lost_fails_fast(ray_cluster):
+    """Nodes declaring ``m1`` and ``m2`` (``omni-runtime worker --models``): each model's replica
+    runs on its own node; ``m3``, which no node declares, fails its load while they serve. When
+    m2's node is lost, m2 is reported ``unplaced`` and fails its requests at once while m1 serves,
+    until a node declaring m2 joins and the waiting restart places it there. The declaring nodes
+    go again at the end: the other tests' engines see a cluster where no node declares a model."""
+    from omni_runtime.entrypoints.multi_omni import ModelSpec
+
+    from omni_runtime import MultiOmni
+    from omni_runtime.engine.backends.ray_backend import declared_resources
+    from omni_runtime.exceptions import ModelUnavailableError
+
+    cluster = ray_cluster.cluster
+    added = [cluster.add_node(num_cpus=1, resources=declared_resources([m], []), object_store_memory=STORE)
+             for m in ("m1", "m2")]  # fmt: skip
+    cluster.wait_for_nodes()
+    holds = dict(zip(("m1", "m2"), added, strict=True))
+    runtime = {**RAY, "resources": {"CPU": 0.25}, "heartbeat_timeout_s": 2.0}
+    specs = [ModelSpec(source=make_config([echo_stage(runtime=runtime)], model="echo"), name=m) for m in holds]
+    multi = MultiOmni([*specs, ModelSpec(source=specs[0].source, name="m3")])
+
+    async def run_on(model, prompt):
+        last = None
+        async for out in multi.generate(prompt, model=model):
+            last = out
+        return last
+
+    try:
+        await multi.start()
+        # 1) placed by declared model; m3 failed at once beside them
+        assert multi.states() == {"m1": "loaded", "m2": "loaded", "m3": "failed"}
+        assert "no live node of the Ray cluster declares the model `m3`" in str(multi.models["m3"].error)
+        for name, node in holds.items():
+            assert multi.health()[name].stages[0].replica_nodes == [node.node_id]
+        outs = await asyncio.gather(run_on("m1", "one"), run_on("m2", "two"))
+        assert [o.text for o in outs] == ["one", "two"]
+
+        # 2) m2's only declaring node is lost: m2 is reported and fails fast, m1 serves
+        cluster.remove_node(holds["m2"], allow_graceful=False)
+        await eventually(lambda: multi.states()["m2"] == "unplaced", timeout=30, what="m2 unplaced")
+        start = time.monotonic()
+        with pytest.raises(ModelUnavailableError, match=r"the model `m2` has no node.*declares the model `m2`"):
+            await run_on("m2", "lost")
+        assert time.monotonic() - start < 2
+        assert (await run_on("m1", "still")).text == "still" and multi.states()["m1"] == "loaded"
+
+        # 3) a node declaring m2 joins: the waiting restart places m2 there, and it serves again
+        back = ray_cluster.add("m2_again", num_cpus=1, resources=declared_resources(["m2"], []))
+        added.append(back)
+        await eventually(lambda: multi.states()["m2"] == "loaded", timeout=30, what="m2 placed again")
+        assert multi.health()["m2"].stages[0].replica_nodes == [back.node_id]
+        assert (await run_on("m2", "back")).text == "back"
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, multi.close)
+        for node in added:
+            if node in cluster.worker_nodes:
+                cluster.remove_node(node, allow_graceful=False)
+        ray_cluster.nodes.pop("m2_again", None)
