@@ -303,12 +303,22 @@ class StepExecutor(Executor):
 
     def _step_context(self) -> ExecuteContext:
         w = self.worker
+        loop = asyncio.get_running_loop()
 
         def is_aborted(rid: str) -> bool:
             w.progress_at = time.monotonic()  # liveness: the step is moving
             return w.closed or self.scheduler.is_aborted(rid)
 
-        return ExecuteContext(is_aborted=is_aborted)
+        def emit(rid: str, part: RunnerOutput) -> None:
+            # A partial output of the step (a text stage's delta for its token), in order with
+            # the step's final outputs: both are sent by the event loop.
+            loop.call_soon_threadsafe(self._emit_partial, rid, part)
+
+        return ExecuteContext(is_aborted=is_aborted, emit=emit)
+
+    def _emit_partial(self, rid: str, part: RunnerOutput) -> None:
+        if not self.scheduler.is_aborted(rid):  # an aborted request's caller was answered
+            self.worker.emit_partial(rid, part)
 
     def _step_job(
         self, plan: StepPlan, ctx: ExecuteContext
