@@ -193,3 +193,31 @@ async def test_sleep_frees_every_cache(worker: tuple[StageWorker, Outbox]) -> No
     runner.sleep()
     assert runner.steps.states == {} and runner.steps.group is None
     runner.wake_up()
+
+
+async def test_a_paused_request_keeps_its_cache_and_resumes_unchanged(worker: tuple[StageWorker, Outbox]) -> None:
+    # The runner driven directly (the worker is idle): b pauses while a decodes alone (the group
+    # shrinks, b takes its cache back), c joins, b resumes (the group is rebuilt), a leaves.
+    steps = worker[0].runner.steps
+    specs = {
+        "a": ("the cat sat on", {"max_tokens": 10, "temperature": 1.0, "seed": 1}),
+        "b": ("a much longer prompt, about the weather", {"max_tokens": 12, "temperature": 0.8, "seed": 2}),
+        "c": ("", {"max_tokens": 6, "temperature": 0}),
+    }
+    ctx = ExecuteContext(lambda rid: False)
+    texts: dict[str, str | None] = {}
+
+    def step(ids: list[str]) -> None:
+        for rid, result in steps.step(ids, ctx).items():
+            if result.output is not None:
+                texts[rid] = result.output.text
+
+    steps.admit([RunnerRequest(rid, *specs[rid]) for rid in ("a", "b")])
+    for ids in (["a", "b"], ["a", "b"], ["a"], ["a"]):
+        step(ids)
+    steps.admit([RunnerRequest("c", *specs["c"])])
+    step(["a", "c"])
+    while steps.states:
+        step([rid for rid in ("b", "a", "c") if rid in steps.states])
+    for rid, (prompt, params) in specs.items():
+        assert texts[rid] == solo(worker[0], prompt, params), rid
