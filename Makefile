@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.overhead
 	$(PY) -m benchmarks.batching
 	$(PY) -m benchmarks.step_batching
+	$(PY) -m benchmarks.text_batching
 	$(PY) -m benchmarks.adaptive_batching
 	$(PY) -m benchmarks.video
 	$(PY) -m benchmarks.audio

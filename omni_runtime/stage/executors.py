@@ -252,6 +252,8 @@ class StepExecutor(Executor):
         scheduler = self.scheduler
         failed: dict[str, RunnerOutput] = {}
         results: dict[str, StepResult] = {}
+        #: Partial outputs the step emitted (a text stage's token deltas), sent with its final outputs.
+        partials: list[tuple[str, RunnerOutput]] = []
         start = time.perf_counter()
         try:
             if w.asleep:
@@ -260,7 +262,7 @@ class StepExecutor(Executor):
                 err = StageAsleepError(f"stage {self.stage_id} is asleep")
                 failed = {rid: RunnerOutput(error=err) for rid in scheduler.running_ids()}
             else:
-                ctx = self._step_context()
+                ctx = self._step_context(partials)
                 w.progress_at = time.monotonic()
                 failed, results, step_ms = await loop.run_in_executor(w.forward_thread, self._step_job, plan, ctx)
                 if results and not failed and plan.key is not None:
@@ -280,10 +282,16 @@ class StepExecutor(Executor):
             w.progress_at = None
         elapsed = time.perf_counter() - start
         finished = [*failed, *(rid for rid, r in results.items() if r.output is not None)]
+        silenced = {rid for rid, _ in partials if scheduler.is_aborted(rid)}  # before they leave
         done = scheduler.finish_step(plan.step_id, list(results), finished)
-        # 4) Final outputs (errors included) of those that left; nothing for the aborted ones.
+        # 4) The step's partial outputs, then the final outputs (errors included) of those that
+        #    left, in one frame; nothing for the aborted ones.
         cost = {} if plan.key is None else self.cost_metrics(plan.key)
         outputs: list[StageOutput] = []
+        for rid, part in partials:
+            partial = None if rid in silenced else w.partial_output(rid, part)
+            if partial is not None:
+                outputs.append(partial)
         for rid in finished:
             # A request whose partial output could not be sent was marked released (emit): its
             # mark goes with it, or every such request would stay in the set for the replica's life.
@@ -301,14 +309,20 @@ class StepExecutor(Executor):
             w.throttle.add_step(elapsed)
             self._emit_progress(results)
 
-    def _step_context(self) -> ExecuteContext:
+    def _step_context(self, partials: list[tuple[str, RunnerOutput]]) -> ExecuteContext:
         w = self.worker
 
         def is_aborted(rid: str) -> bool:
             w.progress_at = time.monotonic()  # liveness: the step is moving
             return w.closed or self.scheduler.is_aborted(rid)
 
-        return ExecuteContext(is_aborted=is_aborted)
+        def emit(rid: str, part: RunnerOutput) -> None:
+            # Held until the step ends, then sent with its final outputs in one frame: a step is
+            # short (a text stage's is one token), and a wake-up of the event loop per partial
+            # output would cost more than the step itself on a busy machine.
+            partials.append((rid, part))
+
+        return ExecuteContext(is_aborted=is_aborted, emit=emit)
 
     def _step_job(
         self, plan: StepPlan, ctx: ExecuteContext

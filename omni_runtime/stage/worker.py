@@ -253,10 +253,17 @@ class StageWorker:
             self._emit(StageOutputs(outputs=done) if len(done) > 1 else done[0])
 
     def emit_partial(self, rid: str, part: RunnerOutput) -> None:
-        if rid not in self.released:
-            metrics = StageMetrics.of(part.metrics)
-            payload = Payload(text=part.text, media=part.media, tensors=part.tensors, metrics=metrics)
-            self._emit(StageOutput(request_id=rid, finished=False, payload=payload))
+        partial = self.partial_output(rid, part)
+        if partial is not None:
+            self._emit(partial)
+
+    def partial_output(self, rid: str, part: RunnerOutput) -> StageOutput | None:
+        """The message of a partial output, or None for a request whose caller was answered."""
+        if rid in self.released:
+            return None
+        metrics = StageMetrics.of(part.metrics)
+        payload = Payload(text=part.text, media=part.media, tensors=part.tensors, metrics=metrics)
+        return StageOutput(request_id=rid, finished=False, payload=payload)
 
     def _emit(self, msg: Any) -> None:
         """Send ``msg``. One that cannot be encoded (a runner's text with a lone surrogate, an int

@@ -23,7 +23,8 @@ from omni_runtime.exceptions import (
 )
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import TextSamplingParams
-from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
+from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StepResult
+from omni_runtime.stage.runners.text_steps import TextSteps
 from omni_runtime.stage.runners.torch_common import TransformersRunner
 
 DEFAULTS: dict[str, Any] = {"max_tokens": 32, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop": []}
@@ -105,6 +106,8 @@ class TextRunner(TransformersRunner):
 
     params_cls: ClassVar[type[msgspec.Struct]] = TextSamplingParams
     needs_model = True
+    #: Token-level decode state (``engine_args.step_execution``): per-request caches between tokens.
+    _steps: TextSteps | None = None
 
     def load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -271,3 +274,30 @@ class TextRunner(TransformersRunner):
         # is the same whatever the row is batched with.
         noise = torch.empty_like(probs).exponential_(generator=row.generator)
         return int((probs / noise).argmax())
+
+    # ------------------------------------------------------------------ token-level batching
+
+    @property
+    def steps(self) -> TextSteps:
+        if self._steps is None:
+            self._steps = TextSteps(self)
+        return self._steps
+
+    def step_support(self) -> str | None:
+        return self.steps.support()
+
+    def step_key(self, request: RunnerRequest) -> tuple[()]:
+        return ()  # one token of any request can be decoded with one of any other
+
+    def step_admit(self, requests: list[RunnerRequest], ctx: ExecuteContext) -> dict[str, RunnerOutput]:
+        return self.steps.admit(requests)
+
+    def step_run(self, request_ids: list[str], ctx: ExecuteContext) -> dict[str, StepResult]:
+        return self.steps.step(request_ids, ctx)
+
+    def step_drop(self, request_ids: list[str]) -> None:
+        self.steps.drop(request_ids)
+
+    def sleep(self) -> dict[str, Any]:
+        self.steps.clear()  # the caches are the model's: they go with it
+        return super().sleep()
