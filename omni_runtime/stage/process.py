@@ -1,4 +1,4 @@
-"""Entry point of a stage replica process (spawned): ``run_stage_process``.
+"""Entry point of a stage replica process (forked by the launcher, or spawned): ``run_stage_process``.
 
 The parent binds two ZMQ sockets in a private directory (or on loopback) and passes their
 addresses; this process connects, loads the model, says READY, then serves until it is told to
@@ -39,7 +39,7 @@ class StageProcessArgs(msgspec.Struct, kw_only=True, frozen=True):
     shm_engine: str | None = None
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -50,7 +50,7 @@ def _die_with_parent() -> None:
 
 def run_stage_process(args_bytes: bytes) -> None:
     """Process target. Exit code 0 after a clean shutdown."""
-    _die_with_parent()
+    die_with_parent()
     args = msgspec.msgpack.decode(args_bytes, type=StageProcessArgs)
     # Ctrl-C goes to the whole process group; the parent decides how to shut stages down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -61,6 +61,8 @@ def run_stage_process(args_bytes: bytes) -> None:
     threads = str(args.torch_threads)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = threads
+    if "torch" in sys.modules:  # forked from the launcher, which imported it already
+        sys.modules["torch"].set_num_threads(args.torch_threads)
     logging.basicConfig(
         level=args.log_level,
         format=f"%(asctime)s %(levelname)s stage{args.stage['stage_id']}.{args.replica_id} %(name)s: %(message)s",
