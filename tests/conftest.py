@@ -222,6 +222,18 @@ def children() -> list[psutil.Process]:
     return psutil.Process(os.getpid()).children(recursive=True)
 
 
+def stage_processes() -> list[psutil.Process]:
+    """The stage replicas among this process's descendants (not their launcher)."""
+    found = []
+    for p in children():
+        try:
+            if "omni_runtime.stage.process" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
 def shm_segments() -> set[str]:
     """This runtime's shared-memory segments (other programs' files in /dev/shm are not ours).
 

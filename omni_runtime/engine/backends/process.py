@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -44,6 +45,7 @@ from omni_runtime.messages import (
 from omni_runtime.transport import SocketReader
 
 from .base import EngineResources, OnDead, OnMessage, StageBackend, StageClient
+from .launcher_client import LaunchedProcess, LauncherClient
 
 if TYPE_CHECKING:
     import zmq
@@ -59,10 +61,27 @@ class ProcessOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Transport to a process replica: ``ipc`` (a unix socket in a private directory) or ``tcp``
     #: (loopback). Tensors use shared memory over ipc and raw msgpack buffers over tcp.
     transport: Literal["ipc", "tcp"] = "ipc"
+    #: How a replica's process starts: ``fork``ed from the engine's stage launcher, which imported
+    #: the runner's libraries once (restarts and the second replica onwards skip seconds of
+    #: imports), or ``spawn``ed as a fresh interpreter that imports them itself.
+    start_method: Literal["fork", "spawn"] = "fork"
 
 
 def _transport(stage: StageConfig) -> str:
     return stage.runtime.options.transport if isinstance(stage.runtime.options, ProcessOptions) else "ipc"
+
+
+def _forks(stage: StageConfig) -> bool:
+    options = stage.runtime.options
+    return not isinstance(options, ProcessOptions) or options.start_method == "fork"
+
+
+def _child_env() -> dict[str, str]:
+    """A replica's environment: this one, with this process's import path, so custom runner
+    modules resolve in the replica as they do here."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    return env
 
 
 class ProcessBackend(StageBackend):
@@ -79,6 +98,9 @@ class ProcessBackend(StageBackend):
         stages = [s for s in config.stage_args if s.runtime.backend == self.name]
         self._process_replicas = sum(s.runtime.num_replicas for s in stages)
         self._uses_shm = any(_transport(s) == "ipc" for s in stages)
+        self._forked = [s for s in stages if _forks(s)]
+        #: The stage launcher the forked replicas come from (None: every replica is spawned).
+        self.launcher: LauncherClient | None = None
 
     async def open(self) -> None:
         import zmq
@@ -99,6 +121,13 @@ class ProcessBackend(StageBackend):
             self.shm_prefix = prefix
             self.shm_pool = shm.ShmPool(shm.orchestrator_prefix(prefix))
             self.resources.add("the orchestrator's shared-memory pool", self.shm_pool.close)
+        if self._forked:
+            # 4) the launcher imports while the rest of the engine starts; released after every
+            #    replica (resources go last made first), so it never outlives one of them.
+            launcher = LauncherClient([msgspec.to_builtins(s) for s in self._forked], _child_env())
+            launcher.start(asyncio.get_running_loop())
+            self.resources.add(f"stage launcher (pid {launcher.pid})", launcher.close)
+            self.launcher = launcher
 
     def torch_threads(self, stage: StageConfig) -> int:
         """Intra-op threads of one replica: as configured, or the cores shared by every process
@@ -150,7 +179,7 @@ class ProcessStageClient(StageClient):
         self._resource: int | None = None  # the process's registration with the engine's resources
         self._sent: list[shm.ShmHandle] = []  # handles this replica has not released yet (maybe)
         self._sent_check_at = 256
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | LaunchedProcess | None = None
         self._pidfd: int | None = None
         self._push: zmq.Socket | None = None
         self._pull: zmq.Socket | None = None
@@ -219,28 +248,39 @@ class ProcessStageClient(StageClient):
         )
         # 2) start the process; its arguments go on stdin as msgpack (nothing is pickled), and it
         #    sees this process's import path so custom runner modules resolve the same way.
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
         payload = msgspec.msgpack.encode(args)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "omni_runtime.stage.process"], stdin=subprocess.PIPE, env=env, close_fds=True
-        )
+        launcher = self._backend.launcher
+        if _forks(self.stage) and launcher is not None and launcher.alive:
+            title = f"omni_runtime.stage.process stage {self.stage_id} replica {self.replica_id}"
+            title += f" ({self.stage.model})" if self.stage.model else ""
+            launched = await launcher.launch(payload, title)
+            proc: subprocess.Popen | LaunchedProcess = launched
+            pidfd = os.dup(launched.pidfd)
+        else:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "omni_runtime.stage.process"],
+                stdin=subprocess.PIPE,
+                env=_child_env(),
+                close_fds=True,
+            )
+            pidfd = os.pidfd_open(proc.pid)
+        self._proc = proc
         self._resource = self._backend.resources.add(
-            f"stage {self.stage_id} replica {self.replica_id} (pid {self._proc.pid})",
-            partial(_kill_and_reap, self._proc),
+            f"stage {self.stage_id} replica {self.replica_id} (pid {proc.pid})", partial(_kill_and_reap, proc)
         )
         # 3) death sentinel first: a pidfd becomes readable when the process exits.
-        self._pidfd = os.pidfd_open(self._proc.pid)
+        self._pidfd = pidfd
         loop.add_reader(self._pidfd, self._on_exit)
         self.alive = True
         self._ready_fut = loop.create_future()
         self._reader = SocketReader(self._pull, self._on_frames)
-        assert self._proc.stdin is not None
-        try:
-            self._proc.stdin.write(payload)  # a few KiB: fits the pipe, never blocks
-            self._proc.stdin.close()
-        except BrokenPipeError:
-            pass  # it exited at once; the pidfd reports why
+        if isinstance(proc, subprocess.Popen):
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(payload)  # a few KiB: fits the pipe, never blocks
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass  # it exited at once; the pidfd reports why
         # 4) READY handshake with a time-out.
         timeout = self.stage.runtime.startup_timeout_s
         ready: StageReady = await asyncio.wait_for(asyncio.shield(self._ready_fut), timeout)
@@ -278,9 +318,17 @@ class ProcessStageClient(StageClient):
         proc, pidfd = self._proc, self._pidfd
         assert proc is not None and pidfd is not None  # set by _start before this reader was added
         loop.remove_reader(pidfd)
-        code = proc.wait()  # reaps it: no zombie
         os.close(pidfd)
         self._pidfd = None
+        if isinstance(proc, LaunchedProcess):
+            # The launcher reaps it and reports its code a moment later.
+            proc.on_exit(lambda code: _call_soon(loop, self._exited, proc, code))
+        else:
+            self._exited(proc, proc.wait())  # reaps it: no zombie
+
+    def _exited(self, proc: subprocess.Popen | LaunchedProcess, code: int) -> None:
+        if proc is not self._proc:
+            return  # reported after this client moved on (it cannot: one process per client)
         was_alive, self.alive = self.alive, False
         reason = f"stage {self.stage_id} replica {self.replica_id} (pid {proc.pid}) exited with code {code}"
         if self._ready_fut is not None and not self._ready_fut.done() and self._reader is not None:
@@ -406,11 +454,20 @@ class ProcessStageClient(StageClient):
                 shm.unlink_prefix(self.shm_prefix + "-")
 
 
-async def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
-    """Wait for ``proc`` to exit without blocking the loop: a pidfd wakes us, no polling."""
+async def _wait_exit(proc: subprocess.Popen | LaunchedProcess, timeout: float) -> bool:
+    """Wait for ``proc`` to exit without blocking the loop: a pidfd (or the launcher's report of
+    the exit) wakes us, no polling."""
     if proc.poll() is not None:
         return True
     loop = asyncio.get_running_loop()
+    if isinstance(proc, LaunchedProcess):
+        reported: asyncio.Future[None] = loop.create_future()
+        proc.on_exit(lambda _: _call_soon(loop, _set_none, reported))
+        try:
+            await asyncio.wait_for(reported, timeout)
+            return True
+        except TimeoutError:
+            return False
     fd = os.pidfd_open(proc.pid)
     fut = loop.create_future()
 
@@ -429,7 +486,20 @@ async def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
         os.close(fd)
 
 
-def _kill_and_reap(proc: subprocess.Popen) -> None:
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` on ``loop``, from any thread; dropped if the loop has closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
+def _set_none(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _kill_and_reap(proc: subprocess.Popen | LaunchedProcess) -> None:
     """The last resort at the engine's end: a replica process still running is killed."""
     if proc.poll() is None:
         proc.kill()

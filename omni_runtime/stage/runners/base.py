@@ -111,6 +111,13 @@ class StageRunner(ABC):
         self.stage = stage
         self.device = stage.runtime.devices
 
+    @classmethod  # noqa: B027 - optional hook
+    def preload(cls, stage: StageConfig) -> None:
+        """Import, in the engine's stage launcher, the libraries ``load`` will need, so that the
+        replicas forked from it start with them imported (see :mod:`omni_runtime.stage.launcher`).
+        Imports only: no threads, no devices, no files written. Importing this class's module
+        has happened already."""
+
     def load(self) -> None:  # noqa: B027 - optional hook
         """Load the model (called once in the worker before READY)."""
 

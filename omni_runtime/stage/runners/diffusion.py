@@ -50,7 +50,13 @@ from omni_runtime.stage.runners.image_inputs import TEXT, PipelineForm, Pipeline
 from omni_runtime.stage.runners.lora import LoraAdapters
 from omni_runtime.stage.runners.sizes import denoiser, derive_size_limits
 from omni_runtime.stage.runners.step_limits import step_constraints
-from omni_runtime.stage.runners.torch_common import WaveAborted, image_generators, release_memory, request_seeds
+from omni_runtime.stage.runners.torch_common import (
+    WaveAborted,
+    image_generators,
+    import_model_libraries,
+    release_memory,
+    request_seeds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +197,10 @@ class DiffusionRunner(StageRunner):
         )
 
     # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def preload(cls, stage: StageConfig) -> None:
+        import_model_libraries(diffusers=True)
 
     def load(self) -> None:
         # Model families registered from outside the package, imported here in the stage process.

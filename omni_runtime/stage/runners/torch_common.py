@@ -4,11 +4,13 @@ giving memory back on ``sleep``. Imported by runners only (it imports torch)."""
 from __future__ import annotations
 
 import gc
+import importlib
 import secrets
 from typing import Any
 
 import torch
 
+from omni_runtime.config import StageConfig
 from omni_runtime.stage.runners.base import RunnerRequest, StageRunner
 
 
@@ -36,12 +38,25 @@ def release_memory() -> dict[str, Any]:
     return {"released": True}
 
 
+def import_model_libraries(diffusers: bool) -> None:
+    """Import what loading a transformers (and, with ``diffusers``, a diffusers) model imports
+    first: most of a stage's start-up (torch._dynamo, the quantizers, the modeling utilities)."""
+    importlib.import_module("transformers.modeling_utils")
+    if diffusers:
+        importlib.import_module("diffusers.models.modeling_utils")
+        importlib.import_module("diffusers.pipelines.pipeline_utils")
+
+
 class TransformersRunner(StageRunner):
     """A runner of one transformers model and its tokenizer: asleep, both are dropped and their
     memory released; awake again, :meth:`load` reads them back."""
 
     model: Any = None
     tokenizer: Any = None
+
+    @classmethod
+    def preload(cls, stage: StageConfig) -> None:
+        import_model_libraries(diffusers=False)
 
     def sleep(self) -> dict[str, Any]:
         self.model = self.tokenizer = None

@@ -84,6 +84,12 @@ class _SplitRunner(StageRunner):
         super().__init__(stage)
         self._model_dir = ""
 
+    @classmethod
+    def preload(cls, stage: StageConfig) -> None:
+        from omni_runtime.stage.runners.torch_common import import_model_libraries
+
+        import_model_libraries(diffusers=True)
+
     def load(self) -> None:
         from diffusers.utils import logging as diffusers_logging
         from transformers.utils import logging as transformers_logging
