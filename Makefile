@@ -34,7 +34,8 @@ chromium:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver; }
 
 # Two pytest-xdist workers, a test file each at a time (module-scoped engines stay in one worker):
-# most tests wait on processes, sockets and leases, so two overlap well on two cores. The slowest
+# most tests wait on processes, sockets and leases, so two overlap well on two cores. Files go out
+# longest first (tests/conftest.py, HEAVIEST_FILES), so that no long file starts last. The slowest
 # tests are listed at the end, so that a run says where the suite's time goes.
 TEST_WORKERS ?= 2
 # The type check runs beside the tests (the two workers leave about half a core idle while they
@@ -42,7 +43,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP) redis-server chromium
 	$(PY) -m ruff check .
 	$(PY) -m mypy & mypy=$$!; \
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS); rc=$$?; \
 	wait $$mypy || rc=1; exit $$rc
 
 bench: $(STAMP)

@@ -133,6 +133,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             wrong.append(item.nodeid)
     if wrong:
         raise pytest.UsageError(f"declared unit but using a process or model fixture: {wrong}")
+    items[:] = heaviest_files_first(items)
+
+
+#: The files that take longest (seconds of one worker, a quiet fresh-clone run), longest first.
+#: ``make test`` hands files to its two workers in collection order (``--no-loadscope-reorder``):
+#: a long file started last would leave one worker busy while the other has nothing left, so
+#: these go first, then every other file that starts processes, and the unit files fill the end.
+HEAVIEST_FILES = (
+    "tests/omni_runtime/engine/backends/test_ray.py",
+    "tests/entrypoints/test_cli.py",
+    "tests/entrypoints/openai/test_jobs_outage.py",
+    "tests/entrypoints/openai/test_jobs_redis.py",
+    "tests/entrypoints/test_batching.py",
+    "tests/omni_runtime/models/test_families.py",
+    "tests/omni_runtime/models/test_fake_family.py",
+    "tests/entrypoints/test_step_batching.py",
+    "tests/entrypoints/test_split_pipeline.py",
+    "tests/entrypoints/openai/test_http_videos.py",
+    "tests/entrypoints/openai/test_jobs.py",
+    "tests/entrypoints/openai/test_jobs_hostile.py",
+    "tests/entrypoints/test_multistage.py",
+)
+
+
+def heaviest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """``items`` with whole files reordered (a file's own order kept): :data:`HEAVIEST_FILES`,
+    then the files with a test that is not ``unit``, then the rest."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    rank = {name: i for i, name in enumerate(HEAVIEST_FILES)}
+
+    def key(entry: tuple[int, str]) -> tuple[int, int, int]:
+        position, name = entry
+        if name in rank:
+            return (0, rank[name], position)
+        light = all(item.get_closest_marker("unit") for item in files[name])
+        return (2 if light else 1, 0, position)
+
+    order = sorted(enumerate(files), key=key)
+    return [item for _, name in order for item in files[name]]
 
 
 #: Where the libraries' model classes live (``from_pretrained`` loads a model).
