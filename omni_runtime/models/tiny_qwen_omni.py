@@ -167,6 +167,11 @@ def _build_talker(path: Path, ids: dict[str, int]) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED + 1)
         model = Qwen2_5OmniTalkerForConditionalGeneration(config).eval()
+        # A random talker picks its end token as often as any code and would often stop after a
+        # few: the end's logit is held at zero (the codes' spread about +-1.6), so a clip usually
+        # runs to max_codes and sometimes ends before it, as a trained talker's does.
+        with torch.no_grad():
+            model.codec_head.weight[codec["end"]].zero_()
     model.save_pretrained(path)
 
 
