@@ -248,7 +248,7 @@ class TalkerRunner(TransformersRunner):
         dtype = self.model.thinker_to_talker_proj.weight.dtype
 
         def tensor(a: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(a, device=self.device).to(dtype)
+            return torch.tensor(a, device=self.device, dtype=dtype)  # a copy: arrays from shared memory are read-only
 
         prompt, reply, markers = (
             tensor(arrays[PROMPT_STATES]),
