@@ -20,11 +20,13 @@ from hypothesis import strategies as st
 
 from omni_runtime import Omni
 from omni_runtime.config import load_config
-from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError
 from omni_runtime.params import TalkerSamplingParams, resolve_params
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.qwen_omni import (
     CODES,
+    REPLY_IDS,
+    REPLY_STATES,
     THINKER_TENSORS,
     Code2WavRunner,
     TalkerRunner,
@@ -168,3 +170,21 @@ def test_hostile_codes_are_invalid_request_errors(runners: dict[str, Any], codes
 def test_a_talker_without_a_thinkers_states_fails_alone(runners: dict[str, Any]) -> None:
     out, deltas = _run(runners["talker"], RunnerRequest("x", "hi", {}, inputs={}))
     assert isinstance(out.error, InvalidRequestError) and out.error.param == "inputs" and not deltas
+
+
+@pytest.mark.integration
+def test_an_aborted_talker_stops_streaming_and_fails_with_a_typed_error(runners: dict[str, Any]) -> None:
+    thought, _ = _run(runners["thinker"], RunnerRequest("t2", "abc", {"seed": 4, "max_tokens": 3}))
+    deltas: list[RunnerOutput] = []
+    ctx = ExecuteContext(is_aborted=lambda _: len(deltas) >= 3, emit=lambda _, out: deltas.append(out))
+    request = RunnerRequest("a", "", {"seed": 1, "max_codes": 40}, inputs=dict(thought.tensors))
+    (out,) = runners["talker"].execute([request], ctx)
+    assert isinstance(out.error, RequestAbortedError) and len(deltas) == 3
+
+
+@pytest.mark.integration
+def test_a_thinker_reply_without_tokens_still_gives_codes(runners: dict[str, Any]) -> None:
+    thought, _ = _run(runners["thinker"], RunnerRequest("t3", "abc", {"seed": 4, "max_tokens": 3}))
+    inputs = {**thought.tensors, REPLY_IDS: np.zeros(0, np.int64), REPLY_STATES: np.zeros((0, 64), np.float32)}
+    out, deltas = _run(runners["talker"], RunnerRequest("e", "", {"seed": 1, "max_codes": 4}, inputs=inputs))
+    assert out.error is None and 1 <= len(out.tensors[CODES]) <= 4 and len(deltas) == len(out.tensors[CODES])
