@@ -4,7 +4,8 @@ One engine (``tiny-qwen-omni``, its stages in this process to keep the module ch
 prompt with text and audio, the same for the same seeds, and refuses bad params before anything
 is queued. The stages' runners, loaded beside it from the same build, show the hand-off contract
 the chunked pipeline relies on: the talker's streamed code deltas add up to its final codes, and
-the decoder's audio of a chunk equals its audio of the same codes given alone.
+the decoder's audio of a chunk equals its audio of the same codes given alone; an aborted talker
+stops streaming with a typed error, and hostile codes are refused naming the field.
 """
 
 from __future__ import annotations
