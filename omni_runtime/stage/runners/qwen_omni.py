@@ -26,6 +26,7 @@ convolutions see past both ends, and the noise of each decode starts at its own 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -58,8 +59,19 @@ CODES = "codes"
 TALKER_DEFAULTS: dict[str, Any] = {"max_codes": 64, "temperature": 0.9, "top_p": 1.0, "top_k": 40}
 
 
-# The model classes are imported from their module, not from ``transformers``' lazy top level:
-# stages loading in threads of one process (the inproc backend) would race on its lazy import.
+#: Held while a stage of this module loads. Stages of one process (the inproc backend) load in
+#: threads at once, and transformers imported from several threads at once can see its own
+#: modules half-initialised (its lazy top level and circular imports): one load at a time, each
+#: sees them whole. A load is a fraction of a second, so little is lost.
+_LOAD_LOCK = threading.Lock()
+
+
+def _omni_modeling() -> Any:
+    """transformers' Qwen2.5-Omni modeling module; the classes are read from it, not from the
+    package's lazy top level."""
+    from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni
+
+    return modeling_qwen2_5_omni
 
 
 def part_dir(model: str, part: str) -> str:
@@ -92,15 +104,20 @@ class ThinkerRunner(TextRunner):
     talker conditions on (computed in one forward over prompt and reply once the text is done)."""
 
     def load(self) -> None:
-        from transformers import AutoTokenizer
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniThinkerForConditionalGeneration
+        with _LOAD_LOCK:
+            self._load()
 
+    def _load(self) -> None:
+        from transformers import AutoTokenizer
+
+        modeling = _omni_modeling()
         assert self.stage.model is not None  # needs_model: checked when the config is resolved
         path = part_dir(self.stage.model, "thinker")
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.tokenizer.padding_side = "left"
         dtype = getattr(torch, self.stage.engine_args.dtype)
-        model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(path, local_files_only=True, dtype=dtype)
+        thinker_cls = modeling.Qwen2_5OmniThinkerForConditionalGeneration
+        model = thinker_cls.from_pretrained(path, local_files_only=True, dtype=dtype)
         self.model = model.to(self.device).eval()
         # The text runner's decoding settings, read from the thinker's generation config.
         gen = self.model.generation_config
@@ -188,12 +205,16 @@ class TalkerRunner(TransformersRunner):
     needs_model = True
 
     def load(self) -> None:
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniTalkerForConditionalGeneration
+        with _LOAD_LOCK:
+            self._load()
 
+    def _load(self) -> None:
+        modeling = _omni_modeling()
         assert self.stage.model is not None
         path = part_dir(self.stage.model, "talker")
         dtype = getattr(torch, self.stage.engine_args.dtype)
-        model = Qwen2_5OmniTalkerForConditionalGeneration.from_pretrained(path, local_files_only=True, dtype=dtype)
+        talker_cls = modeling.Qwen2_5OmniTalkerForConditionalGeneration
+        model = talker_cls.from_pretrained(path, local_files_only=True, dtype=dtype)
         self.model = model.to(self.device).eval()
         cfg = self.model.config
         self.eos = int(cfg.tts_codec_end_token_id)
@@ -309,13 +330,18 @@ class Code2WavRunner(TransformersRunner):
     needs_model = True
 
     def load(self) -> None:
+        with _LOAD_LOCK:
+            self._load()
+
+    def _load(self) -> None:
         from safetensors.torch import load_file
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
+
+        modeling = _omni_modeling()
 
         assert self.stage.model is not None
         path = part_dir(self.stage.model, "token2wav")
         # The DiT and BigVGAN run in float32 whatever the stage's dtype (the model's own rule).
-        model = Qwen2_5OmniToken2WavModel.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        model = modeling.Qwen2_5OmniToken2WavModel.from_pretrained(path, local_files_only=True, dtype=torch.float32)
         self.model = model.to(self.device).eval()
         cfg = self.model.config
         self.sample_rate = int(getattr(cfg, "sampling_rate", 24_000))
