@@ -303,6 +303,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from omni_runtime import encoders
     from omni_runtime.media import items_of
+    from omni_runtime.params import SpeechSamplingParams
 
     from .async_omni import AsyncOmni, load_resolved
 
@@ -340,7 +341,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         spec = {"path": str(where.resolve())} if where.exists() else {"name": args.lora}
         image["lora"] = {**spec, "scale": args.lora_scale}
     # A speech stage takes no image params: its voice, speed and seed are its own.
-    speech_stage = any(s.stage_type == "speech" for s in config.stage_args)
+    # A stage whose params are a speech stage's (``speech``, ``omni_code2wav``) takes them.
+    speech_stage = any(issubclass(s.params_cls, SpeechSamplingParams) for s in resolved.stages)
     if not speech_stage and (args.voice is not None or args.speed is not None):
         raise CliError(f"--voice and --speed are for a speech model; {args.model!r} has no speech stage")
 

@@ -138,6 +138,8 @@ REQUEST_BOUNDS: dict[str, Bounds] = {
     "voice": Bounds(min_length=1, max_length=64),
     #: OpenAI's range; the speech stage divides every duration by it.
     "speed": Bounds(ge=0.25, le=4.0),
+    # Omni talker (codec codes).
+    "max_codes": Bounds(ge=1, le=4096),
     # Echo.
     "delay_ms": Bounds(ge=0, le=600_000),
 }

@@ -148,6 +148,26 @@ class SpeechSamplingParams(SamplingParams):
     seed: Seed | None = None
 
 
+class TalkerSamplingParams(SamplingParams):
+    """Parameters of an omni talker (``omni_talker``): codec codes from the thinker's states."""
+
+    stage_type: ClassVar[str] = "omni_talker"
+
+    #: Most codes to generate (the talker also stops at its end-of-codec token).
+    max_codes: Annotated[int, meta("max_codes")] | None = None
+    temperature: Annotated[float, meta("temperature")] | None = None
+    top_p: Annotated[float, meta("top_p")] | None = None
+    top_k: Annotated[int, meta("top_k")] | None = None
+    seed: Seed | None = None
+
+
+class Code2WavSamplingParams(SpeechSamplingParams):
+    """Parameters of an omni audio decoder (``omni_code2wav``): codes to a waveform, in a voice,
+    at a speaking rate, from a seeded noise (the same fields as a speech stage's)."""
+
+    stage_type: ClassVar[str] = "omni_code2wav"
+
+
 class EchoSamplingParams(SamplingParams):
     """Parameters of the ``echo`` stage: it returns its input after ``delay_ms``."""
 

@@ -24,6 +24,7 @@ from omni_runtime.exceptions import ConfigError
 OTHER_BUILDERS: dict[str, str] = {
     "tiny-lm": "omni_runtime.models.tiny_lm:build_tiny_lm",
     "tiny-tts": "omni_runtime.models.tiny_tts:build_tiny_tts",
+    "tiny-qwen-omni": "omni_runtime.models.tiny_qwen_omni:build_tiny_qwen_omni",
 }
 
 

@@ -66,6 +66,8 @@ def _params_fields() -> list[tuple[str, str, dict[str, Any]]]:
         params.TextSamplingParams,
         params.EchoSamplingParams,
         params.SpeechSamplingParams,
+        params.TalkerSamplingParams,
+        params.Code2WavSamplingParams,
         params.GenericSamplingParams,
         params.LoraRequest,
     ]

@@ -1,6 +1,7 @@
 """The builtin stage types: the one registry of ``stage_type`` names.
 
-Core types (``diffusion``, ``text``, ``speech``, ``echo``) are listed here; a model family brings its own in
+Core types (``diffusion``, ``text``, ``speech``, ``echo``, and ``omni_thinker``, ``omni_talker``,
+``omni_code2wav``) are listed here; a model family brings its own in
 its spec (:attr:`omni_runtime.models.families.FamilySpec.stage_types`: the SD family's split
 stages ``sd_text_encoder``, ``sd_denoise``, ``sd_vae_decode``), and :func:`stage_type` reads both.
 Read by config validation (which names are known), by ``resolve`` (params class, whether a model is
@@ -15,9 +16,11 @@ from dataclasses import dataclass
 import msgspec
 
 from omni_runtime.params import (
+    Code2WavSamplingParams,
     DiffusionSamplingParams,
     EchoSamplingParams,
     SpeechSamplingParams,
+    TalkerSamplingParams,
     TextSamplingParams,
 )
 
@@ -45,6 +48,16 @@ BUILTIN_RUNNERS: dict[str, StageType] = {
     "text": StageType("omni_runtime.stage.runners.text:TextRunner", TextSamplingParams, needs_model=True),
     "speech": StageType("omni_runtime.stage.runners.speech:SpeechRunner", SpeechSamplingParams, needs_model=True),
     "echo": StageType("omni_runtime.stage.runners.echo:EchoRunner", EchoSamplingParams, needs_model=False),
+    # A Qwen-Omni speech pipeline's three parts (omni_runtime/stage/runners/qwen_omni.py).
+    "omni_thinker": StageType(
+        "omni_runtime.stage.runners.qwen_omni:ThinkerRunner", TextSamplingParams, needs_model=True
+    ),
+    "omni_talker": StageType(
+        "omni_runtime.stage.runners.qwen_omni:TalkerRunner", TalkerSamplingParams, needs_model=True
+    ),
+    "omni_code2wav": StageType(
+        "omni_runtime.stage.runners.qwen_omni:Code2WavRunner", Code2WavSamplingParams, needs_model=True
+    ),
 }
 
 
