@@ -172,6 +172,7 @@ def apply_output(out: OmniRequestOutput, msg: EngineOutput) -> None:
     out.finished = msg.finished
     out.metrics = payload.metrics.as_dict()
     out.progress = None
+    out.media_delta = [] if msg.stage_finished else list(payload.media)
     if not msg.stage_finished and payload.text is None:
         if payload.progress is not None:
             p = payload.progress
@@ -194,7 +195,8 @@ def apply_output(out: OmniRequestOutput, msg: EngineOutput) -> None:
         )
         out.text_delta = None
     else:
-        result.text = (result.text or "") + (payload.text or "")
+        if payload.text is not None:  # a chunk of audio is no text: the stage keeps none
+            result.text = (result.text or "") + payload.text
         out.text_delta = payload.text
     out.media = [m for r in out.outputs_by_stage.values() for m in r.media]
     texts = [r.text for r in out.outputs_by_stage.values() if r.text is not None]
