@@ -26,7 +26,7 @@ from typing import Any
 import janus
 import msgspec
 
-from omni_runtime.config import DeployConfig, StageConfig
+from omni_runtime.config import DeployConfig, InputChunking, StageConfig
 from omni_runtime.engine.backends import EngineResources, StageBackend, make_backends
 from omni_runtime.engine.chunking import Chunk, Chunker, join_outputs
 from omni_runtime.engine.stage_pool import StagePool
@@ -48,6 +48,7 @@ from omni_runtime.messages import (
     EngineRpc,
     EngineRpcResult,
     EngineShutdown,
+    EngineUpdate,
     ErrorInfo,
     Payload,
     StageConstraints,
@@ -59,6 +60,10 @@ from omni_runtime.resolve import ResolvedConfig
 from omni_runtime.tasks import BackgroundTasks
 
 logger = logging.getLogger(__name__)
+
+#: How a source stage takes a streaming-input request (the caller is its upstream): a sentence
+#: at a time, or 32 words where no sentence ends sooner.
+STREAMING_INPUT_CHUNKING = InputChunking(policy="sentence", size=32, max_buffered=2)
 
 #: Seconds a failed start waits for the orchestrator thread to release what it made (each
 #: release is bounded on its own; this only keeps a wedged one from hanging the caller).
@@ -86,7 +91,7 @@ class _Feed:
     """One request's chunked hand-off into one stage: chunks cut and not yet sent, chunks sent
     and not yet done (at most ``max_buffered``), outputs waiting for an earlier chunk's."""
 
-    __slots__ = ("chunker", "fed", "last_index", "next_out", "outputs", "outstanding", "ready", "results")
+    __slots__ = ("chunker", "extras", "fed", "last_index", "next_out", "outputs", "outstanding", "ready", "results")
 
     def __init__(self, chunker: Chunker) -> None:
         self.chunker = chunker
@@ -97,6 +102,7 @@ class _Feed:
         self.next_out = 0  # the chunk whose output goes on next
         self.outputs: list[StageOutput] = []  # gone on, in chunk order
         self.last_index: int | None = None  # known once the last chunk is cut
+        self.extras: dict[str, Any] = {}  # streaming updates' inputs, for the next chunk sent
 
 
 class Orchestrator:
@@ -263,6 +269,8 @@ class Orchestrator:
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, EngineRequest):
             self._add(msg)
+        elif isinstance(msg, EngineUpdate):
+            self._update(msg)
         elif isinstance(msg, EngineAbort):
             reason = msg.reason.to_exception() if msg.reason else RequestAbortedError("aborted")
             for rid in msg.request_ids:
@@ -308,7 +316,29 @@ class Orchestrator:
         needed = self._needed_stages(state.finals_left)
         for stage in self.config.stage_args:
             if stage.stage_id in needed and not stage.engine_input_source:
-                self._submit(state, stage.stage_id, msg.prompt, {})
+                if msg.streaming_input:  # the prompt is the input's first piece
+                    state.feeds[stage.stage_id] = _Feed(Chunker(STREAMING_INPUT_CHUNKING))
+                    self._update(EngineUpdate(request_id=msg.request_id, text=msg.prompt))
+                else:
+                    self._submit(state, stage.stage_id, msg.prompt, {})
+
+    def _update(self, msg: EngineUpdate) -> None:
+        """More input for a streaming-input request: into each source stage's chunker."""
+        state = self._requests.get(msg.request_id)
+        if state is None or not state.msg.streaming_input:
+            return  # it ended meanwhile (the caller checked the rest)
+        for stage_id, feed in list(state.feeds.items()):
+            if self.config.stage(stage_id).engine_input_source or feed.chunker.finished:
+                continue
+            feed.extras.update(msg.inputs)
+            feed.fed = True
+            feed.ready.extend(feed.chunker.feed(msg.text))
+            if msg.final:
+                feed.ready.extend(feed.chunker.finish())
+                feed.last_index = feed.chunker.chunks_made - 1
+            self._pump(state, stage_id)
+            if self._requests.get(msg.request_id) is not state:
+                return
 
     def _needed_stages(self, finals: set[int]) -> set[int]:
         needed, todo = set(), list(finals)
@@ -500,7 +530,7 @@ class Orchestrator:
 
     def _feed(self, state: _Request, down: int) -> _Feed:
         feed = state.feeds.get(down)
-        if feed is None:
+        if feed is None:  # only chunked stages get one here (a source stage's is made at _add)
             feed = state.feeds[down] = _Feed(Chunker(self._chunked[down]))
         return feed
 
@@ -533,19 +563,24 @@ class Orchestrator:
     def _pump(self, state: _Request, down: int) -> None:
         """Submit ready chunks to ``down`` in order while fewer than ``max_buffered`` run there."""
         feed = state.feeds[down]
-        limit = self._chunked[down].max_buffered
+        policy = self._chunked.get(down)
+        limit = (policy or STREAMING_INPUT_CHUNKING).max_buffered
         rid = state.msg.request_id
         stage = self.config.stage(down)
         while feed.ready and len(feed.outstanding) < limit:
             chunk = feed.ready.popleft()
-            src = stage.engine_input_source[0]
-            piece = StageOutput(request_id=rid, payload=Payload(text=chunk.text, tensors=chunk.tensors))
-            try:
-                prompt, inputs = self._stage_input(stage, state, {src: piece})
-            except Exception as e:
-                self._finish_with_error(rid, e, down)
-                return
-            inputs |= {**chunk.tensors, "chunk_index": chunk.index, "last_chunk": chunk.last}
+            if stage.engine_input_source:
+                src = stage.engine_input_source[0]
+                piece = StageOutput(request_id=rid, payload=Payload(text=chunk.text, tensors=chunk.tensors))
+                try:
+                    prompt, inputs = self._stage_input(stage, state, {src: piece})
+                except Exception as e:
+                    self._finish_with_error(rid, e, down)
+                    return
+            else:  # a source stage of a streaming-input request: the caller's text
+                prompt, inputs = chunk.text or "", {}
+            inputs |= {**feed.extras, **chunk.tensors, "chunk_index": chunk.index, "last_chunk": chunk.last}
+            feed.extras = {}
             sub = f"{rid}#chunk{chunk.index}"
             try:
                 self.pools[down].submit(
