@@ -181,7 +181,7 @@ def _concat(parts: list[Any]) -> Any:
 def join_outputs(pieces: list[Payload]) -> Payload:
     """A chunked stage's whole output from its chunks' outputs, in chunk order: the texts joined,
     each array concatenated along axis 0, and the audio clips joined into one clip (the chunks'
-    clips end to end; other media listed in order). Metrics are the last chunk's, with the
+    clips end to end; other media listed in order; a scalar, the last chunk's). Metrics are the last chunk's, with the
     counts summed over the chunks (``execution_ms``, tokens, ``audio_samples``) and ``chunks``."""
     texts = [p.text for p in pieces if p.text is not None]
     media: list[MediaItem] = [m for p in pieces for m in p.media]
@@ -189,8 +189,11 @@ def join_outputs(pieces: list[Payload]) -> Payload:
     if clips and len(clips) == len(media) and len({(c.sample_rate, c.channels) for c in clips}) == 1:
         data = np.concatenate([c.samples for c in clips], axis=1)
         media = [AudioItem(data=data, sample_rate=clips[0].sample_rate, seed=clips[0].seed)]
-    names = [n for p in pieces for n in p.tensors]
-    tensors = {n: _concat([np.asarray(p.tensors[n]) for p in pieces if n in p.tensors]) for n in dict.fromkeys(names)}
+    tensors: dict[str, Any] = {}
+    for name in dict.fromkeys(n for p in pieces for n in p.tensors):
+        values = [np.asarray(p.tensors[name]) for p in pieces if name in p.tensors]
+        # Arrays of items join along axis 0; a scalar (a chunk's ``chunk_index``) stays the last's.
+        tensors[name] = _concat(values) if all(v.ndim >= 1 for v in values) else values[-1]
     return Payload(
         text="".join(texts) if texts else None,
         media=media,

@@ -94,6 +94,8 @@ def test_the_join_of_chunk_outputs_is_their_concatenation():
     np.testing.assert_array_equal(whole.media[0].samples, [[1, 2, 3]])
     assert whole.tensors["t"].shape == (3, 3) and whole.metrics.execution_ms == 3.0
     assert whole.metrics.extra["chunks"] == 2 and whole.text is None
+    scalars = join_outputs([Payload(tensors={"chunk_index": np.int64(i)}) for i in range(3)])
+    assert scalars.tensors["chunk_index"] == 2  # not an array of items: the last chunk's
 
 
 TEXT = {
