@@ -44,6 +44,12 @@ SEED = 11
 #: A seed whose answer to PROMPT runs to 256 tokens (the random LM often ends early): a request
 #: that is still running when the test stops it.
 LONG = {"seed": 2, "max_tokens": 256}
+#: Chunks of one request may share a wave (``max_buffered: 2``) in one run and not in another:
+#: the speech runner's audio is the same up to float round-off, which VITS's flow and vocoder
+#: grow to about 1e-4 of full scale (the tiny random model's audio is near full scale). Tolerances
+#: 10x that: a different chunk or seed differs by a large fraction of full scale.
+ROUND_OFF = 2e-3
+PCM_ROUND_OFF = 64  # in 16-bit steps, the same 2e-3 of full scale
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +120,7 @@ def test_audio_deltas_come_in_chunk_order_and_equal_each_chunk_synthesised_alone
     alone = call(served, lambda: omni.collective_rpc("speak_alone", [prompts, params], stage_ids=[1]))[0]
     assert alone.error is None
     reference = np.concatenate([np.asarray(c, dtype=np.float32) for c in alone.result])[None, :]
-    np.testing.assert_allclose(whole, reference, atol=1e-5)
+    np.testing.assert_allclose(whole, reference, atol=ROUND_OFF)
 
 
 def test_chat_streams_audio_per_chunk_and_the_whole_answer_is_unchanged(served):
@@ -142,7 +148,7 @@ def test_chat_streams_audio_per_chunk_and_the_whole_answer_is_unchanged(served):
     whole = oai.chat.completions.create(**kwargs)
     streamed = np.frombuffer(b"".join(pieces), dtype="<i2")
     answered = np.frombuffer(base64.b64decode(whole.choices[0].message.audio.data), dtype="<i2")
-    assert streamed.shape == answered.shape and np.abs(streamed.astype(int) - answered).max() <= 1
+    assert streamed.shape == answered.shape and np.abs(streamed.astype(int) - answered).max() <= PCM_ROUND_OFF
     assert transcript == whole.choices[0].message.audio.transcript
     assert order.count("audio") >= 2 and order[-1] == "audio"
 
@@ -159,7 +165,7 @@ def test_the_speech_route_streams_each_chunk_as_sse_and_raw_pcm(served):
     raw = client.post("/v1/audio/speech", json=body)
     assert raw.status_code == 200 and raw.headers["content-type"].startswith("audio/")
     a, b = np.frombuffer(sse, dtype="<i2"), np.frombuffer(raw.content, dtype="<i2")
-    assert a.shape == b.shape and np.abs(a.astype(int) - b).max() <= 1
+    assert a.shape == b.shape and np.abs(a.astype(int) - b).max() <= PCM_ROUND_OFF
 
 
 def test_streaming_updates_feed_the_chain_and_refuse_what_they_cannot_take(served):
