@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.adaptive_batching
 	$(PY) -m benchmarks.video
 	$(PY) -m benchmarks.audio
+	$(PY) -m benchmarks.streaming --handoff
 	$(PY) -m benchmarks.transfer
 	$(PY) -m benchmarks.http
 	$(PY) -m benchmarks.multimodel

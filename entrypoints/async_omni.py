@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime.config import DeployConfig, load_config, with_engine_overrides, with_ray_address
-from omni_runtime.engine.async_engine import AsyncOmniEngine, EngineHealth, ValidRequest
+from omni_runtime.engine.async_engine import AsyncOmniEngine, EngineHealth, PendingRequest, ValidRequest
 from omni_runtime.exceptions import EngineDeadError
 from omni_runtime.messages import EngineOutput, RpcReplicaResult
 from omni_runtime.outputs import OmniRequestOutput, RequestProgress, StageResult
@@ -81,12 +81,39 @@ class AsyncOmni:
         request_id: str | None = None,
         *,
         modalities: Sequence[str] | None = None,
+        streaming_input: bool = False,
     ) -> AsyncGenerator[OmniRequestOutput, None]:
         """Yield an output each time a final stage delivers (or streams text); the last has
         ``finished=True``. A failed request raises its typed error (StageDeadError,
         RequestTimeoutError, RequestAbortedError, StageExecutionError...) after what it delivered.
-        Cancelling the consumer aborts the request."""
-        pending = self.engine.add_request(prompt, sampling_params, request_id, modalities)
+        Cancelling the consumer aborts the request.
+
+        With ``streaming_input`` the prompt is only the first piece of the input: the caller
+        appends more with :meth:`add_streaming_update` and ends it with ``final=True``; each source
+        stage takes the input a sentence at a time as it comes, and the chain goes on from there.
+        The request is admitted when the first output is awaited (as every ``generate``)."""
+        pending = self.engine.add_request(prompt, sampling_params, request_id, modalities, streaming_input)
+        outputs = self._outputs(pending)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
+
+    def open_streaming(
+        self,
+        prompt: str | ValidRequest,
+        sampling_params: Any = None,
+        request_id: str | None = None,
+        *,
+        modalities: Sequence[str] | None = None,
+    ) -> AsyncGenerator[OmniRequestOutput, None]:
+        """``generate(..., streaming_input=True)``, admitted now rather than when its first output
+        is awaited: :meth:`add_streaming_update` can be called at once. Admission errors raise
+        here."""
+        return self._outputs(self.engine.add_request(prompt, sampling_params, request_id, modalities, True))
+
+    async def _outputs(self, pending: PendingRequest) -> AsyncGenerator[OmniRequestOutput, None]:
         rid = pending.request_id
         out = OmniRequestOutput(request_id=rid, stage_id=-1)
         done = False
@@ -104,6 +131,16 @@ class AsyncOmni:
         finally:
             if not done:
                 self.engine.abort(rid)
+
+    def add_streaming_update(
+        self, request_id: str, text: str | None = None, *, inputs: dict[str, Any] | None = None, final: bool = False
+    ) -> None:
+        """Append ``text`` (and ``inputs``, which go with the next chunk) to a running request
+        opened with ``generate(..., streaming_input=True)``; ``final=True`` says the input is
+        complete. From any thread; never waits. Raises UnknownRequestError (not in flight, or not
+        streaming), StreamClosedError (after the final update), InvalidRequestError (a value no
+        message can carry) or QueueFullError."""
+        self.engine.add_streaming_update(request_id, text, inputs, final)
 
     def abort(self, request_id: str | Sequence[str], reason: BaseException | None = None) -> None:
         """Abort requests wherever they are, at once, from any thread; their ``generate`` raises
@@ -172,6 +209,7 @@ def apply_output(out: OmniRequestOutput, msg: EngineOutput) -> None:
     out.finished = msg.finished
     out.metrics = payload.metrics.as_dict()
     out.progress = None
+    out.media_delta = [] if msg.stage_finished else list(payload.media)
     if not msg.stage_finished and payload.text is None:
         if payload.progress is not None:
             p = payload.progress
@@ -194,7 +232,8 @@ def apply_output(out: OmniRequestOutput, msg: EngineOutput) -> None:
         )
         out.text_delta = None
     else:
-        result.text = (result.text or "") + (payload.text or "")
+        if payload.text is not None:  # a chunk of audio is no text: the stage keeps none
+            result.text = (result.text or "") + payload.text
         out.text_delta = payload.text
     out.media = [m for r in out.outputs_by_stage.values() for m in r.media]
     texts = [r.text for r in out.outputs_by_stage.values() if r.text is not None]

@@ -87,6 +87,8 @@ class Omni:
         use_tqdm: bool = True,
         *,
         modalities: Sequence[str] | None = None,
+        request_ids: Sequence[str] | None = None,
+        streaming_input: bool = False,
     ) -> list[OmniRequestOutput]:
         """Submit one request per prompt and wait for all; one output per prompt, in input order.
 
@@ -99,19 +101,39 @@ class Omni:
         ``request_id``); the others are unaffected. More prompts than ``max_pending`` are
         submitted as earlier ones finish. Invalid params raise InvalidRequestError before anything
         is submitted.
+
+        ``request_ids`` names the requests (one per prompt); with ``streaming_input`` each prompt
+        is only the first piece of its input: another thread appends more with
+        :meth:`add_streaming_update` and ends it with ``final=True``.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
         elif not isinstance(prompts, Sequence):
             raise TypeError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
-        return self._run("generate", self._generate(list(prompts), sampling_params_list, use_tqdm, modalities))
+        if request_ids is not None and len(request_ids) != len(prompts):
+            raise InvalidRequestError("request_ids needs one id per prompt", param="request_ids")
+        call = self._generate(list(prompts), sampling_params_list, use_tqdm, modalities, request_ids, streaming_input)
+        return self._run("generate", call)
+
+    def add_streaming_update(
+        self, request_id: str, text: str | None = None, *, inputs: dict[str, Any] | None = None, final: bool = False
+    ) -> None:
+        """Blocking twin of :meth:`AsyncOmni.add_streaming_update` (it never waits), for a request
+        that :meth:`generate` runs in another thread with ``streaming_input``."""
+        self._async.add_streaming_update(request_id, text, inputs=inputs, final=final)
 
     async def _generate(
-        self, prompts: list[str], params: Any, use_tqdm: bool, modalities: Sequence[str] | None
+        self,
+        prompts: list[str],
+        params: Any,
+        use_tqdm: bool,
+        modalities: Sequence[str] | None,
+        request_ids: Sequence[str] | None = None,
+        streaming_input: bool = False,
     ) -> list[OmniRequestOutput]:
         # Each request is validated once, all before the first is submitted: bad params or
         # modalities raise here; a bad prompt is that prompt's error output.
-        ids = [f"{self._id_prefix}-{next(self._ids)}" for _ in prompts]
+        ids = list(request_ids or ()) or [f"{self._id_prefix}-{next(self._ids)}" for _ in prompts]
         requests: list[ValidRequest | OmniError] = []
         for prompt, own in zip(prompts, self._per_prompt(prompts, params), strict=True):
             try:
@@ -132,7 +154,8 @@ class Omni:
                 if isinstance(request, OmniError):
                     raise request
                 async with self._slots:
-                    async for out in self._async.generate(request, request_id=request_id):
+                    agen = self._async.generate(request, request_id=request_id, streaming_input=streaming_input)
+                    async for out in agen:
                         if out.progress is None:  # progress notices carry nothing to return
                             last = out
             except OmniError as e:

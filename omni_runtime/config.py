@@ -270,6 +270,30 @@ class EngineArgs(msgspec.Struct, **_Struct):
             check_lora_path(path, f"loras.{name}")
 
 
+#: Most items / tokens / words one chunk may hold, and most chunks of one request outstanding
+#: downstream: past these a chunk policy is a mistake, not a tuning.
+MAX_CHUNK_SIZE = 65_536
+MAX_BUFFERED_CHUNKS = 1024
+
+
+class InputChunking(msgspec.Struct, **_Struct):
+    """``input_chunking``: this stage takes its upstream's streamed output in chunks, one
+    sub-request per chunk, instead of waiting for the upstream's whole output (see
+    docs/configuration.md "Chunked hand-off")."""
+
+    #: ``sentence``: upstream text, cut after a sentence end (``.``, ``!``, ``?``, ``;``, ``:``,
+    #: a newline) or once a chunk holds ``size`` words; ``tokens``: upstream text, ``size`` streamed
+    #: deltas (a text stage streams one per token); ``items``: upstream tensors, ``size`` items
+    #: along the first axis of each array (codes, frames).
+    policy: Literal["sentence", "tokens", "items"]
+    #: Words (``sentence``), deltas (``tokens``) or items (``items``) per chunk; the last chunk
+    #: holds what is left.
+    size: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNK_SIZE)] = 32
+    #: Most chunks of one request submitted to this stage and not yet done; further ready chunks
+    #: wait in the orchestrator until one is.
+    max_buffered: Annotated[int, msgspec.Meta(ge=1, le=MAX_BUFFERED_CHUNKS)] = 2
+
+
 class StageConfig(msgspec.Struct, **_Struct):
     """One entry of ``stage_args:``."""
 
@@ -292,6 +316,8 @@ class StageConfig(msgspec.Struct, **_Struct):
     default_sampling_params: dict[str, Any] = msgspec.field(default_factory=dict)
     #: Runner-specific options (e.g. ``{"role": "decoder"}`` for a split pipeline).
     runner_args: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: Take the one upstream stage's streamed output in chunks (None: its whole output, once).
+    input_chunking: InputChunking | None = None
 
 
 class DeployConfig(msgspec.Struct, **_Struct):
@@ -439,6 +465,7 @@ def validate_graph(config: DeployConfig, source: str = "<config>") -> None:
                 raise ConfigError(
                     "a stage cannot feed itself", path=f"stage_args[{i}].engine_input_source[{j}]", source=source
                 )
+    _check_chunking(config, known, source)
     # Cycles: depth-first search over upstream edges.
     state: dict[int, int] = {}  # 1 = on the stack, 2 = done
 
@@ -475,6 +502,31 @@ def validate_graph(config: DeployConfig, source: str = "<config>") -> None:
             todo.extend(downstream[cur])
         if not seen & finals:
             raise ConfigError(f"stage {sid} has no path to a final output", path=f"stage_args[{i}]", source=source)
+
+
+def _check_chunking(config: DeployConfig, known: dict[str, Any], source: str) -> None:
+    """A chunked stage has exactly one upstream, and that upstream streams: a text stage (or
+    another stage type that says it streams), a custom runner (which may), or a chunked stage
+    (whose output streams one delta per chunk)."""
+    for i, s in enumerate(config.stage_args):
+        if s.input_chunking is None:
+            continue
+        at = f"stage_args[{i}].input_chunking"
+        if len(s.engine_input_source) != 1:
+            have = "no upstream stage" if not s.engine_input_source else "several upstream stages"
+            raise ConfigError(
+                f"input_chunking needs exactly one upstream stage in engine_input_source; this stage has {have}",
+                path=at,
+                source=source,
+            )
+        up = config.stage(s.engine_input_source[0])
+        kind = known.get(up.stage_type)
+        if up.input_chunking is None and ":" not in up.stage_type and not (kind is not None and kind.streams):
+            raise ConfigError(
+                f"input_chunking: the upstream stage {up.stage_id} ({up.stage_type}) does not stream its output",
+                path=at,
+                source=source,
+            )
 
 
 def load_config(model: str | Path) -> DeployConfig:

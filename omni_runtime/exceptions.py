@@ -75,6 +75,15 @@ class DuplicateRequestError(InvalidRequestError):
     """A request id that is already in flight."""
 
 
+class UnknownRequestError(InvalidRequestError):
+    """A request id that is not in flight (never was, or has finished), or not open for
+    streaming updates."""
+
+
+class StreamClosedError(InvalidRequestError):
+    """A streaming update after the request's final one."""
+
+
 class QueueFullError(RequestError):
     """Admission is full; retry later. Raised at once, never after a wait."""
 

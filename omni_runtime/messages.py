@@ -321,6 +321,21 @@ class EngineRequest(msgspec.Struct, tag="request", **_Msg):
     deadline: float | None = None
     #: Higher is served first (every stage's scheduler).
     priority: int = 0
+    #: Open for streaming updates (:class:`EngineUpdate`): the prompt is the first piece of the
+    #: input, each source stage takes it chunk by chunk, and it ends with the final update.
+    streaming_input: bool = False
+
+
+class EngineUpdate(msgspec.Struct, tag="update", **_Msg):
+    """More input for a request opened with ``streaming_input`` (``add_streaming_update``)."""
+
+    request_id: str
+    #: Text appended to the request's input.
+    text: str | None = None
+    #: Named values that go with the next chunk the source stage gets (its ``inputs``).
+    inputs: dict[str, Any] = {}
+    #: The last update: the input is complete.
+    final: bool = False
 
 
 class EngineAbort(msgspec.Struct, tag="abort", **_Msg):
@@ -343,7 +358,7 @@ class EngineShutdown(msgspec.Struct, tag="shutdown", **_Msg):
     pass
 
 
-EngineInbound = EngineRequest | EngineAbort | EngineRpc | EngineShutdown
+EngineInbound = EngineRequest | EngineUpdate | EngineAbort | EngineRpc | EngineShutdown
 
 
 class EngineOutput(msgspec.Struct, tag="output", **_Msg):

@@ -70,6 +70,10 @@ class OmniRequestOutput:
     text: str | None = None
     #: The newest streamed piece of ``text`` (AsyncOmni streaming); None otherwise.
     text_delta: str | None = None
+    #: The media of the newest streamed piece of a chunked stage's output (AsyncOmni streaming:
+    #: one chunk's audio, in chunk order); empty otherwise. The stage's whole output, in
+    #: ``media``, comes once its last chunk is done.
+    media_delta: list[MediaItem] = field(default_factory=list)
     #: None, or the typed error that ended this request.
     error: OmniError | None = None
     #: Of the stage that delivered last: queue_wait_ms, admission_wait_ms, execution_ms,

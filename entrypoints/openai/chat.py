@@ -157,19 +157,26 @@ async def _audio_deltas(out: OmniRequestOutput, spoken: Spoken, audio_id: str) -
     (the text stages' answer)."""
     result = out.outputs_by_stage.get(out.stage_id)
     clips = [c for c in items_of(result.media, "audio") if isinstance(c, AudioItem)] if result else []
-    if not clips:
-        return []
-    clip, fmt = clips[0], spoken.format
-    if fmt == "pcm":
-        parts = [
-            AudioItem(data=clip.samples[:, start : start + PCM_CHUNK_SAMPLES], sample_rate=clip.sample_rate)
-            for start in range(0, clip.num_samples, PCM_CHUNK_SAMPLES)
-        ]
-    else:
-        parts = [clip]
-    blobs = await encoders.encode_all(parts, fmt)
+    return await _clip_deltas(clips[:1], spoken, spoken.transcript(out), audio_id)
+
+
+async def _clip_deltas(
+    clips: list[AudioItem], spoken: Spoken, transcript: str | None, audio_id: str
+) -> list[proto.DeltaMessage]:
+    """``clips`` as ``delta.audio`` pieces (``pcm`` cut in PCM_CHUNK_SAMPLES, another format a
+    whole file per clip); the first carries ``transcript`` when it is given."""
+    parts = []
+    for clip in clips:
+        if spoken.format == "pcm":
+            parts += [
+                AudioItem(data=clip.samples[:, start : start + PCM_CHUNK_SAMPLES], sample_rate=clip.sample_rate)
+                for start in range(0, clip.num_samples, PCM_CHUNK_SAMPLES)
+            ]
+        else:
+            parts.append(clip)
+    blobs = await encoders.encode_all(parts, spoken.format)
     return [
-        proto.DeltaMessage(audio=_audio_piece(blob, spoken.transcript(out) if i == 0 else None, audio_id))
+        proto.DeltaMessage(audio=_audio_piece(blob, transcript if i == 0 else None, audio_id))
         for i, blob in enumerate(blobs)
     ]
 
@@ -212,6 +219,7 @@ async def _stream_chat(
         sent: dict[int, int] = {}  # characters of each stage's text already streamed
         imaged: set[int] = set()
         voiced: set[int] = set()  # stages whose audio was sent
+        streamed: set[int] = set()  # stages whose audio came chunk by chunk
         audio_id = f"audio_{uuid.uuid4().hex}"
         finished = False
         try:
@@ -225,10 +233,19 @@ async def _stream_chat(
                 for delta in await _deltas(out, sent, imaged):
                     if not (spoken.hide_text and delta.images is None):
                         yield chunk(delta)
-                if out.progress is None and out.text_delta is None and out.stage_id not in voiced:
-                    voiced.add(out.stage_id)
-                    for delta in await _audio_deltas(out, spoken, audio_id):
+                if out.media_delta:
+                    # One chunk of a chunked speech stage: its audio now, in chunk order.
+                    clips = [c for c in items_of(out.media_delta, "audio") if isinstance(c, AudioItem)]
+                    streamed.add(out.stage_id)
+                    for delta in await _clip_deltas(clips, spoken, None, audio_id):
                         yield chunk(delta)
+                elif out.progress is None and out.text_delta is None and out.stage_id not in voiced:
+                    voiced.add(out.stage_id)
+                    if out.stage_id in streamed:  # its audio went chunk by chunk: the transcript now
+                        yield chunk(proto.DeltaMessage(audio=_audio_piece(b"", spoken.transcript(out), audio_id)))
+                    else:
+                        for delta in await _audio_deltas(out, spoken, audio_id):
+                            yield chunk(delta)
                 if out.finished:
                     break
                 out = await agen.__anext__()

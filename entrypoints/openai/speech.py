@@ -6,6 +6,11 @@ samples in chunks as each is encoded, with ``wav`` the encoded file in chunks (i
 the clip's true length, which is known by then); other formats are encoded whole, then sent.
 ``stream_format: sse`` sends the file's bytes as base64 ``speech.audio.delta`` events, then one
 ``speech.audio.done`` event with the usage. Encoding runs off the event loop (``encode_all``).
+
+When the speech stage is chunked (``input_chunking``: it speaks its upstream's answer sentence by
+sentence), ``stream_format: sse`` and ``stream_format: audio`` with ``pcm`` send each chunk's audio
+as soon as that chunk is spoken, before the rest exists: ``pcm`` as the samples, another format
+(sse) as one whole file per chunk.
 """
 
 from __future__ import annotations
@@ -20,15 +25,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from omni_runtime import encoders
-from omni_runtime.exceptions import InvalidRequestError
-from omni_runtime.media import AudioItem
+from omni_runtime.exceptions import InvalidRequestError, OmniError
+from omni_runtime.media import AudioItem, items_of
 from omni_runtime.params import SpeechSamplingParams
 
-from ..async_omni import AsyncOmni
+from ..async_omni import AsyncOmni, ValidRequest
 from . import protocol as proto
 from .dependencies import AUTH, JSON_BODY, State
 from .fields import FieldMap
-from .protocol import ApiError
+from .protocol import ApiError, error_body
 from .state import ServerState
 
 #: Request field -> speech param (and back, in errors); the text is the engine's prompt.
@@ -51,14 +56,26 @@ def speech_stage(state: ServerState) -> int:
     raise ApiError(400, f"the model `{state.model_name}` has no speech stage", param="model", code="no_speech")
 
 
-async def synthesise(state: ServerState, request: Request, body: proto.SpeechRequest) -> tuple[AudioItem, int, str]:
-    """Run the request: the clip, its input token count and the request id."""
+async def _validate(state: ServerState, body: proto.SpeechRequest) -> tuple[AsyncOmni, ValidRequest, int]:
     omni: AsyncOmni = await state.check_request(body.model)
     stage_id = speech_stage(state)
     try:
         valid = omni.validate(body.input, omni.sampling_params(shared=SPEECH_FIELDS.params(body)))
     except InvalidRequestError as e:
         raise SPEECH_FIELDS.rename(e) from None
+    return omni, valid, stage_id
+
+
+def _streams_chunks(state: ServerState, stage_id: int, body: proto.SpeechRequest) -> bool:
+    """Whether this answer goes out chunk by chunk: a chunked speech stage, and a stream that can
+    carry pieces (SSE, or raw PCM)."""
+    chunked = any(s.stage_id == stage_id and s.config.input_chunking is not None for s in state.resolved.stages)
+    return chunked and (body.stream_format == "sse" or body.response_format == "pcm")
+
+
+async def synthesise(state: ServerState, request: Request, body: proto.SpeechRequest) -> tuple[AudioItem, int, str]:
+    """Run the request: the clip, its input token count and the request id."""
+    omni, valid, stage_id = await _validate(state, body)
     rid = f"speech-{uuid.uuid4().hex}"
     try:
         out = await state.until_disconnect(request, [rid], state.collect(omni, valid, rid))
@@ -93,19 +110,76 @@ def _sse(event: dict[str, object]) -> str:
 router = APIRouter(prefix="/v1/audio", dependencies=[AUTH])
 
 
+def _usage(clip: AudioItem, input_tokens: int) -> dict[str, int]:
+    """Usage in OpenAI's shape; audio is counted in 20 ms frames."""
+    output_tokens = math.ceil(clip.duration_s * 50)
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens}
+
+
+async def _stream_chunked(
+    state: ServerState, request: Request, body: proto.SpeechRequest, headers: dict[str, str]
+) -> Response:
+    """Each chunk's audio as the speech stage makes it (see the module's docstring)."""
+    omni, valid, stage_id = await _validate(state, body)
+    rid = headers["X-Request-Id"] = f"speech-{uuid.uuid4().hex}"
+    fmt, sse = body.response_format, body.stream_format == "sse"
+    agen = omni.generate(valid, request_id=rid)
+    state.inflight.add(rid)
+    try:
+        # The first output before the headers: admission errors keep their status code.
+        first = await state.until_disconnect(request, [rid], agen.__anext__())
+    except InvalidRequestError as e:
+        state.inflight.discard(rid)
+        await agen.aclose()
+        raise SPEECH_FIELDS.rename(e) from None
+    except BaseException:
+        state.inflight.discard(rid)
+        await agen.aclose()
+        raise
+
+    async def pieces() -> AsyncIterator[str | bytes]:
+        finished = False
+        try:
+            out = first
+            while True:
+                clips = [c for c in items_of(out.media_delta, "audio") if isinstance(c, AudioItem)]
+                for clip in clips if out.stage_id == stage_id else []:
+                    async for blob in _chunks(clip, fmt):
+                        audio = base64.b64encode(blob).decode()
+                        yield _sse({"type": "speech.audio.delta", "audio": audio}) if sse else blob
+                if out.finished:
+                    break
+                out = await agen.__anext__()
+            finished = True
+            state.metrics.observe_output(out)
+            result = out.outputs_by_stage[stage_id]
+            if sse:
+                usage = _usage(result.audios[0], int(result.metrics.get("input_tokens") or 0))
+                yield _sse({"type": "speech.audio.done", "usage": usage})
+        except OmniError as e:
+            finished = True
+            if not sse:
+                raise  # a raw stream can only be cut short
+            yield _sse({"type": "error", **error_body(e)[1]})
+        finally:
+            state.inflight.discard(rid)
+            if not finished:
+                omni.abort(rid)
+            await agen.aclose()
+
+    media_type = "text/event-stream" if sse else encoders.media_type("audio", fmt)
+    return StreamingResponse(pieces(), media_type=media_type, headers=headers)
+
+
 @router.post("/speech", dependencies=[JSON_BODY], response_model=None)
 async def create_speech(body: proto.SpeechRequest, request: Request, state: State) -> Response:
+    if _streams_chunks(state, speech_stage(state), body):
+        return await _stream_chunked(state, request, body, {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     clip, input_tokens, rid = await synthesise(state, request, body)
     fmt = body.response_format
     headers = {"X-Request-Id": rid, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     if body.stream_format == "sse":
-        # Usage in OpenAI's shape; audio is counted in 20 ms frames.
-        output_tokens = math.ceil(clip.duration_s * 50)
-        usage = {
-            "input_tokens": input_tokens,
-            "output_tokens": output_tokens,
-            "total_tokens": input_tokens + output_tokens,
-        }
+        usage = _usage(clip, input_tokens)
 
         async def events() -> AsyncIterator[str]:
             async for chunk in _chunks(clip, fmt):

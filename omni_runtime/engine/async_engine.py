@@ -46,6 +46,8 @@ from omni_runtime.exceptions import (
     QueueFullError,
     RequestAbortedError,
     RequestTimeoutError,
+    StreamClosedError,
+    UnknownRequestError,
 )
 from omni_runtime.media import output_type
 from omni_runtime.messages import (
@@ -56,6 +58,7 @@ from omni_runtime.messages import (
     EngineRpc,
     EngineRpcResult,
     EngineShutdown,
+    EngineUpdate,
     ErrorInfo,
     RpcReplicaResult,
     StageConstraints,
@@ -108,10 +111,12 @@ class PendingRequest:
     """One admitted request: its outputs arrive on ``stream`` (an asyncio.Queue of EngineOutput)
     on the loop that admitted it; the last one has ``finished=True``."""
 
-    __slots__ = ("channel", "request_id", "stream", "timer", "wire_id")
+    __slots__ = ("channel", "open_input", "request_id", "stream", "timer", "wire_id")
 
-    def __init__(self, request_id: str, wire_id: str, channel: _Channel) -> None:
+    def __init__(self, request_id: str, wire_id: str, channel: _Channel, open_input: bool = False) -> None:
         self.request_id = request_id
+        #: Opened with ``streaming_input`` and its final update not sent yet.
+        self.open_input = open_input
         #: Its id inside the engine, unique per admission (see ``AsyncOmniEngine._pending``).
         self.wire_id = wire_id
         self.channel = channel
@@ -309,9 +314,12 @@ class AsyncOmniEngine:
         sampling_params: Any = None,
         request_id: str | None = None,
         modalities: Sequence[str] | None = None,
+        streaming_input: bool = False,
     ) -> PendingRequest:
         """Enqueue one request (a prompt, validated here, or a :class:`ValidRequest`); its outputs
-        arrive on the returned request's stream.
+        arrive on the returned request's stream. With ``streaming_input`` the prompt is only the
+        first piece of the input: :meth:`add_streaming_update` appends more, and the final one
+        ends it.
 
         Must be called on a running event loop (any loop: each gets its own output channel).
         Raises InvalidRequestError, DuplicateRequestError, QueueFullError, EngineClosedError or
@@ -354,17 +362,48 @@ class AsyncOmniEngine:
                 arrival_time=time.time(),
                 deadline=time.monotonic() + timeout if timeout else None,
                 priority=valid.priority,
+                streaming_input=streaming_input,
             )
             try:
                 self._orchestrator.request_queue.sync_q.put_nowait(msg)
             except (janus.SyncQueueFull, janus.SyncQueueShutDown):
                 raise QueueFullError("the engine's request queue is full; retry later") from None
-            pending = PendingRequest(request_id, wire_id, channel)
+            pending = PendingRequest(request_id, wire_id, channel, streaming_input)
             self._pending[request_id] = pending
         if timeout:
             # The backstop: released on this loop even if the engine never says a word.
             pending.timer = channel.loop.call_later(timeout + DEADLINE_GRACE_S, self._expire, pending)
         return pending
+
+    def add_streaming_update(
+        self, request_id: str, text: str | None = None, inputs: dict[str, Any] | None = None, final: bool = False
+    ) -> None:
+        """Append input to a request opened with ``streaming_input``, from any thread. Raises
+        UnknownRequestError (not in flight, or not opened for updates), StreamClosedError (after
+        its final update) or InvalidRequestError (a value no message can carry) at once."""
+        if text is not None and not isinstance(text, str):
+            raise InvalidRequestError(f"`text` must be a string, got {type(text).__name__}", param="text")
+        if inputs is not None and not isinstance(inputs, dict):
+            raise InvalidRequestError(f"`inputs` must be a mapping, got {type(inputs).__name__}", param="inputs")
+        check_encodable(text, "text")
+        check_encodable(inputs or {}, "inputs")
+        with self._lock:
+            pending = self._pending.get(request_id) if isinstance(request_id, str) else None
+            if pending is None:
+                raise UnknownRequestError(f"no request {request_id!r} in flight", param="request_id")
+            if not pending.open_input:
+                raise StreamClosedError(
+                    f"request {request_id!r} takes no more input (not opened with streaming_input, "
+                    "or its final update was sent)",
+                    param="request_id",
+                )
+            msg = EngineUpdate(request_id=pending.wire_id, text=text, inputs=dict(inputs or {}), final=bool(final))
+            try:
+                self._orchestrator.request_queue.sync_q.put_nowait(msg)
+            except (janus.SyncQueueFull, janus.SyncQueueShutDown):
+                raise QueueFullError("the engine's request queue is full; retry later") from None
+            if final:
+                pending.open_input = False
 
     def abort(self, request_ids: str | Sequence[str], reason: BaseException | None = None) -> None:
         """Abort requests wherever they are, from any thread or loop. Their streams end with

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
 import numpy as np
 import psutil
@@ -11,7 +13,7 @@ import yaml
 
 from omni_runtime import DiffusionSamplingParams, Omni
 from omni_runtime.config import parse_config
-from omni_runtime.exceptions import InvalidRequestError, StageAsleepError
+from omni_runtime.exceptions import InvalidRequestError, StageAsleepError, StreamClosedError, UnknownRequestError
 from tests.conftest import REPO, children, echo_stage, make_config, stage_processes
 
 
@@ -77,6 +79,30 @@ def test_sleep_refuses_requests_until_wake_up(sd):
     assert isinstance(out.error, StageAsleepError)
     assert sd.collective_rpc("wake_up")[0].ok
     assert sd.generate("awake", use_tqdm=False)[0].error is None
+
+
+def test_streaming_input_reaches_the_stage_a_sentence_at_a_time_until_the_final_update():
+    with Omni("echo") as omni:
+        result: list[Any] = []
+        runner = threading.Thread(
+            target=lambda: result.extend(
+                omni.generate(["One. "], use_tqdm=False, request_ids=["talk"], streaming_input=True)
+            )
+        )
+        runner.start()
+        for _ in range(600):  # until the request is admitted on the engine's own loop
+            try:
+                omni.add_streaming_update("talk", "Two, three. ")
+                break
+            except UnknownRequestError:
+                time.sleep(0.01)
+        omni.add_streaming_update("talk", "Four", final=True)
+        with pytest.raises(StreamClosedError):
+            omni.add_streaming_update("talk", "five")
+        runner.join(60)
+        [out] = result
+        assert out.error is None and out.text == "One. Two, three. Four"
+        assert out.metrics["chunks"] == 3  # the echo stage ran once per sentence
 
 
 def test_outputs_come_back_in_input_order():

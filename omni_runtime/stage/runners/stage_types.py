@@ -35,6 +35,9 @@ class StageType:
     params_cls: type[msgspec.Struct]
     needs_model: bool
     max_batch_size: int | None = None
+    #: Its runner streams partial outputs (text deltas, or tensors' new items along axis 0) that a
+    #: chunked downstream stage (``input_chunking``) can take as they come.
+    streams: bool = False
 
 
 #: The former name of :class:`StageType`.
@@ -45,7 +48,7 @@ BUILTIN_RUNNERS: dict[str, StageType] = {
     "diffusion": StageType(
         "omni_runtime.stage.runners.diffusion:DiffusionRunner", DiffusionSamplingParams, needs_model=True
     ),
-    "text": StageType("omni_runtime.stage.runners.text:TextRunner", TextSamplingParams, needs_model=True),
+    "text": StageType("omni_runtime.stage.runners.text:TextRunner", TextSamplingParams, needs_model=True, streams=True),
     "speech": StageType("omni_runtime.stage.runners.speech:SpeechRunner", SpeechSamplingParams, needs_model=True),
     "echo": StageType("omni_runtime.stage.runners.echo:EchoRunner", EchoSamplingParams, needs_model=False),
     # A Qwen-Omni speech pipeline's three parts (omni_runtime/stage/runners/qwen_omni.py).
