@@ -202,12 +202,17 @@ def join_outputs(pieces: list[Payload]) -> Payload:
     )
 
 
+#: Runner metrics that count what a chunk made (tokens, samples, codec codes, frames): a chunked
+#: stage's joined output reports their sum; any other runner metric is the last chunk's.
+SUMMED_METRICS = ("_tokens", "_samples", "codes", "frames")
+
+
 def _joined_metrics(all_metrics: list[StageMetrics]) -> StageMetrics:
     last = all_metrics[-1]
     extra = dict(last.extra)
     for key in {k for m in all_metrics for k in m.extra}:
         values = [m.extra.get(key) for m in all_metrics]
-        if (key.endswith("_tokens") or key.endswith("_samples")) and all(isinstance(v, int) for v in values):
+        if key.endswith(SUMMED_METRICS) and all(isinstance(v, int) for v in values):
             extra[key] = sum(cast(list[int], values))
     extra["chunks"] = len(all_metrics)
     executions = [m.execution_ms for m in all_metrics if m.execution_ms is not None]

@@ -53,10 +53,10 @@ BUILTIN_RUNNERS: dict[str, StageType] = {
     "echo": StageType("omni_runtime.stage.runners.echo:EchoRunner", EchoSamplingParams, needs_model=False),
     # A Qwen-Omni speech pipeline's three parts (omni_runtime/stage/runners/qwen_omni.py).
     "omni_thinker": StageType(
-        "omni_runtime.stage.runners.qwen_omni:ThinkerRunner", TextSamplingParams, needs_model=True
+        "omni_runtime.stage.runners.qwen_omni:ThinkerRunner", TextSamplingParams, needs_model=True, streams=True
     ),
     "omni_talker": StageType(
-        "omni_runtime.stage.runners.qwen_omni:TalkerRunner", TalkerSamplingParams, needs_model=True
+        "omni_runtime.stage.runners.qwen_omni:TalkerRunner", TalkerSamplingParams, needs_model=True, streams=True
     ),
     "omni_code2wav": StageType(
         "omni_runtime.stage.runners.qwen_omni:Code2WavRunner", Code2WavSamplingParams, needs_model=True
