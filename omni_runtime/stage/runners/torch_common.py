@@ -43,6 +43,10 @@ class TransformersRunner(StageRunner):
     model: Any = None
     tokenizer: Any = None
 
+    def profile_request(self) -> RunnerRequest:
+        """A short prompt at the stage's defaults (its every request shares one batch key)."""
+        return self._default_request("Hello, how are you today?")
+
     def sleep(self) -> dict[str, Any]:
         self.model = self.tokenizer = None
         return release_memory()
