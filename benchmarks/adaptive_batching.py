@@ -14,12 +14,18 @@ its requests cost one by one, and :class:`SleepRunner`, whose batch of n request
 ``fixed + 0.1 * n * per_item`` (a GPU's curve: a batch of 4 costs little more than 1).
 
     python -m benchmarks.adaptive_batching [--quick] [--only synthetic|tiny-sd] [--json out.json]
+
+The machine's load average is printed at the start and the end, and beside each row (``load1``,
+taken as the row ends): a CPU comparison is only as good as the quiet it was taken in. The full
+run (both runners, 20 steps, 24 tiny-sd requests per load) takes about 5 minutes on a quiet 2-core
+machine; ``--quick`` (8 tiny-sd and 24 synthetic requests per load) about a third of that.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Hashable
@@ -270,7 +276,10 @@ async def bench_runner(runner: str, loads: list[Load]) -> list[dict[str, Any]]:
             # Each load starts with another server: none always runs first (or last) in a load.
             for name in names[k % len(names) :] + names[: k % len(names)]:
                 submit = submits[name]
-                rows.append({"runner": runner, "load": load.name, "server": name, **await drive(load, submit)})
+                result = await drive(load, submit)
+                rows.append(
+                    {"runner": runner, "load": load.name, "server": name, **result, "load1": os.getloadavg()[0]}
+                )
                 print(rows[-1], flush=True)
         [stats] = await engines[0].collective_rpc("get_stats")
         print("learned cost model:", stats.result["cost_model"], flush=True)
@@ -318,6 +327,7 @@ def verdict(rows: list[dict[str, Any]], runner: str) -> str:
 
 async def main_async(args: argparse.Namespace) -> None:
     runners = [args.only] if args.only else ["synthetic", "tiny-sd"]
+    print("load average at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
     rows: list[dict[str, Any]] = []
     for runner in runners:
         cap = capacity(runner)
@@ -327,10 +337,11 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"{runner}: one at a time {cap:.2f} req/s", flush=True)
         rows += await bench_runner(runner, make_loads(cap, total, seed=args.seed))
     print()
-    print(table(rows, ["runner", "load", "server", "req_s", "p50_ms", "p99_ms", "mean_batch"]))
+    print(table(rows, ["runner", "load", "server", "req_s", "p50_ms", "p99_ms", "mean_batch", "load1"]))
     print()
     for runner in runners:
         print(verdict(rows, runner))
+    print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
     write_json(args.json, rows)
 
 
