@@ -14,12 +14,21 @@ its requests cost one by one, and :class:`SleepRunner`, whose batch of n request
 ``fixed + 0.1 * n * per_item`` (a GPU's curve: a batch of 4 costs little more than 1).
 
     python -m benchmarks.adaptive_batching [--quick] [--only synthetic|tiny-sd] [--json out.json]
+
+The machine's load average is printed at the start and the end, and beside each row (``load1``,
+taken as the row ends): a CPU comparison is only as good as the quiet it was taken in. On a shared
+machine use ``--threads 1``: with two threads per process, a descheduled thread stalls every
+operation of the other. The full run (both runners, 20 steps, 24 tiny-sd requests per load) took
+6.5 minutes for tiny-sd alone on 1 thread at load average 3 to 8, so both runners should take about
+7 minutes on a quiet machine; ``--quick`` (8 tiny-sd and 24 synthetic requests per load) takes
+about a third of that.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Hashable
@@ -33,6 +42,9 @@ from omni_runtime.config import DeployConfig, parse_config
 from omni_runtime.params import GenericSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
 
+#: Torch threads of every tiny-sd server (``--threads``). On a machine shared with other work, 1:
+#: two threads that wait on each other at every operation slow down many times over when one of
+#: them is descheduled, and which server that hits is chance.
 THREADS = 2
 #: Denoising steps of tiny-sd (``--steps``).
 STEPS = 20
@@ -270,7 +282,10 @@ async def bench_runner(runner: str, loads: list[Load]) -> list[dict[str, Any]]:
             # Each load starts with another server: none always runs first (or last) in a load.
             for name in names[k % len(names) :] + names[: k % len(names)]:
                 submit = submits[name]
-                rows.append({"runner": runner, "load": load.name, "server": name, **await drive(load, submit)})
+                result = await drive(load, submit)
+                rows.append(
+                    {"runner": runner, "load": load.name, "server": name, **result, "load1": os.getloadavg()[0]}
+                )
                 print(rows[-1], flush=True)
         [stats] = await engines[0].collective_rpc("get_stats")
         print("learned cost model:", stats.result["cost_model"], flush=True)
@@ -318,33 +333,37 @@ def verdict(rows: list[dict[str, Any]], runner: str) -> str:
 
 async def main_async(args: argparse.Namespace) -> None:
     runners = [args.only] if args.only else ["synthetic", "tiny-sd"]
+    print("load average at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
     rows: list[dict[str, Any]] = []
     for runner in runners:
         cap = capacity(runner)
         total = {"synthetic": 24 if args.quick else 64, "tiny-sd": 8 if args.quick else 24}[runner]
         if runner == "tiny-sd" and args.tiny_total:
             total = args.tiny_total
-        print(f"{runner}: one at a time {cap:.2f} req/s", flush=True)
+        how = f" ({STEPS} steps, {THREADS} torch threads)" if runner == "tiny-sd" else ""
+        print(f"{runner}: one at a time {cap:.2f} req/s{how}", flush=True)
         rows += await bench_runner(runner, make_loads(cap, total, seed=args.seed))
     print()
-    print(table(rows, ["runner", "load", "server", "req_s", "p50_ms", "p99_ms", "mean_batch"]))
+    print(table(rows, ["runner", "load", "server", "req_s", "p50_ms", "p99_ms", "mean_batch", "load1"]))
     print()
     for runner in runners:
         print(verdict(rows, runner))
+    print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
     write_json(args.json, rows)
 
 
 def main() -> None:
-    global STEPS
+    global STEPS, THREADS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer requests per load (a smoke run)")
     ap.add_argument("--only", choices=["synthetic", "tiny-sd"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=STEPS, help="tiny-sd denoising steps")
     ap.add_argument("--tiny-total", type=int, help="tiny-sd requests per load (default 24, --quick 8)")
+    ap.add_argument("--threads", type=int, default=THREADS, help="torch threads per tiny-sd server")
     ap.add_argument("--json")
     args = ap.parse_args()
-    STEPS = args.steps
+    STEPS, THREADS = args.steps, args.threads
     asyncio.run(main_async(args))
 
 

@@ -99,6 +99,8 @@ REQUEST_BOUNDS: dict[str, Bounds] = {
     #: Higher is served first (see docs/configuration.md, "Priority").
     "priority": Bounds(ge=-1_000_000, le=1_000_000),
     "seed": Bounds(ge=0, le=2**63 - 1),
+    #: A per-request latency target (ms) for learned batching; at most an hour, as ``engine_args.slo_ms``.
+    "slo_ms": Bounds(gt=0, le=3_600_000),
     # Diffusion.
     "height": Bounds(ge=MIN_SIDE, le=MAX_SIDE),
     "width": Bounds(ge=MIN_SIDE, le=MAX_SIDE),

@@ -176,6 +176,23 @@ class TorchCompile(msgspec.Struct, **_Struct):
     warmup: bool = False
 
 
+class BatchProfile(msgspec.Struct, **_Struct):
+    """``engine_args.batch_profile``: before READY, time forwards of the runner's representative
+    request at a few batch sizes and seed the learned cost of a batch with them, so the learned
+    policy acts from the first request. The seconds it took and the fit are in READY and
+    ``get_stats`` (``batch_profile``)."""
+
+    #: Batch sizes timed, in order (those above ``max_num_seqs`` or the runner's cap are skipped).
+    sizes: Annotated[list[Annotated[int, msgspec.Meta(ge=1, le=1024)]], msgspec.Meta(min_length=1, max_length=16)] = (
+        msgspec.field(default_factory=lambda: [1, 2, 4])
+    )
+    #: Forwards per size.
+    repeats: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    #: A bound on the whole profile (s): past it, the running forward is aborted at its next step
+    #: and the profile stops, keeping what it measured.
+    max_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 20.0
+
+
 class EngineArgs(msgspec.Struct, **_Struct):
     """Scheduling knobs of one stage, and how a diffusion stage runs its model."""
 
@@ -215,6 +232,8 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: With ``slo_ms``: refuse (429 with ``Retry-After``) a request the learned cost says would
     #: finish later than ``slo_ms``, instead of serving it late.
     slo_shed: bool = False
+    #: A short profile at start-up that seeds the learned cost of a batch (off by default).
+    batch_profile: BatchProfile | None = None
     #: ``torch.compile`` the denoiser (``true`` for the defaults, or ``{backend, mode, fullgraph,
     #: dynamic}``). Off by default: worth it on a GPU for a long-running server.
     torch_compile: bool | TorchCompile = False

@@ -162,12 +162,29 @@ class StageConstraints(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     voices: tuple[str, ...] = ()
 
 
+class BatchProfileReport(msgspec.Struct, **_Msg):
+    """The start-up profile of one replica: what it timed, how long it took, and the fit it gave."""
+
+    #: The profiled key, summarised (as the cost model's metrics label); "" when nothing was timed.
+    key: str
+    seconds: float
+    #: Forwards timed, per batch size (in the order timed).
+    forwards: dict[int, int]
+    #: The fitted line (ms), or None when the profile gave too little evidence for one.
+    fixed_ms: float | None = None
+    per_item_ms: float | None = None
+    #: Why the profile stopped short or did not run (``max_s``, no representative request...).
+    note: str | None = None
+
+
 class StageReady(msgspec.Struct, tag="ready", **_Msg):
     stage_id: int
     replica_id: int
     pid: int
     #: Checks the caller makes before enqueue (``size_multiple``, ``max_pixels``...).
     constraints: StageConstraints = msgspec.field(default_factory=StageConstraints)
+    #: What the start-up profile of the cost of a batch measured (``engine_args.batch_profile``).
+    batch_profile: BatchProfileReport | None = None
 
 
 class Progress(msgspec.Struct, **_Msg):

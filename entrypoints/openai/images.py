@@ -36,6 +36,7 @@ GENERATION_FIELDS = FieldMap(
         "num_inference_steps": "num_inference_steps",
         "guidance_scale": "guidance_scale",
         "timeout": "timeout",
+        "slo_ms": "slo_ms",
         "lora": "lora",
         "priority": "priority",
         "size": ("width", "height"),
@@ -51,6 +52,7 @@ INPUT_IMAGE_FIELDS = FieldMap(
         "num_inference_steps": "num_inference_steps",
         "guidance_scale": "guidance_scale",
         "timeout": "timeout",
+        "slo_ms": "slo_ms",
     },
     computed={
         "image": "image",

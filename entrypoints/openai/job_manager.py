@@ -88,7 +88,8 @@ JOB_IMAGE_FIELDS = FieldMap(
     computed={"inputs.prompt": "prompt", "inputs.image": "image"},
 )
 JOB_SHARED_FIELDS = FieldMap(
-    {"config.timeout": "timeout", "priority": "priority"}, read={"priority": lambda body: body.priority or None}
+    {"config.timeout": "timeout", "config.slo_ms": "slo_ms", "priority": "priority"},
+    read={"priority": lambda body: body.priority or None},
 )
 #: Task ``text2speech``: its fields go to the speech stage (the prompt is the text to speak).
 JOB_SPEECH_FIELDS = FieldMap({"inputs.voice": "voice", "inputs.speed": "speed", "inputs.seed": "seed"})

@@ -59,6 +59,8 @@ Seed = Annotated[int, Field(**bounds("seed"))]
 Timeout = Annotated[float, Field(**bounds("timeout"))]
 #: Higher is served first (an extension); see docs/configuration.md, "Priority".
 Priority = Annotated[int, Field(**bounds("priority"))]
+#: A latency target (ms) at stages with ``batch_policy: learned`` (an extension).
+SloMs = Annotated[float, Field(**bounds("slo_ms"))]
 
 
 def _image_format(value: str) -> str:
@@ -191,6 +193,7 @@ class _ImagesRequest(_SizedRequest):
     #: Seed of the first image; image i gets ``seed + i``.
     seed: Seed | None = None
     timeout: Timeout | None = None
+    slo_ms: SloMs | None = None
 
 
 class ImageGenerationRequest(_ImagesRequest):
@@ -318,6 +321,7 @@ class GenerateConfig(_Request):
     output_compression: int | None = Field(None, ge=0, le=100)
     #: The engine's deadline for the generation (seconds), as ``timeout`` on the other routes.
     timeout: Timeout | None = None
+    slo_ms: SloMs | None = None
 
 
 class GenerateRequest(_Request):
@@ -392,6 +396,7 @@ class VideoCreateRequest(_SizedRequest):
     guidance_scale: Annotated[float, Field(**bounds("guidance_scale"))] | None = None
     seed: Seed | None = None
     timeout: Timeout | None = None
+    slo_ms: SloMs | None = None
     priority: Priority = 0
     #: The first frame (image to video): OpenAI's reference object in JSON; a multipart upload
     #: (the openai client's file) is read by the route and never reaches this model.

@@ -52,6 +52,7 @@ VIDEO_FIELDS = FieldMap(
         "guidance_scale": "inputs.guidance_scale",
         "seed": "inputs.seed",
         "timeout": "config.timeout",
+        "slo_ms": "config.slo_ms",
         "priority": "priority",
     },
     computed={
@@ -115,7 +116,7 @@ def _generate_request(body: VideoCreateRequest, omni: AsyncOmni) -> GenerateRequ
             "task": "text2video" if inputs["image"] is None else "image2video",
             "model": body.model,
             "inputs": inputs,
-            "config": {"timeout": body.timeout},
+            "config": {"timeout": body.timeout, "slo_ms": body.slo_ms},
             "priority": body.priority,
         }
     )

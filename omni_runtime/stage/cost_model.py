@@ -18,6 +18,13 @@ follows drift (a warmed-up cache, a busier machine). The fit is made monotone: a
 (a superlinear curve, or noise) is clamped to 0 and the slope refitted through the origin, and a
 negative slope to 0, so ``t`` never falls as ``n`` grows.
 
+Old points step aside. The fit uses the sizes fed within the key's last ``_FRESH`` samples, and,
+when fewer than two are, the two most recently fed. A size no longer run (a cap at 1 after a flat
+curve) thus stops pulling the line once fresher evidence exists, yet the line never loses its
+second point: the scheduler's rare re-exploration at 2 refreshes that size, the cap can rise again
+once the curve has changed, and the next size's point is refreshed in turn. A stale size fed again
+starts its mean afresh from that sample.
+
 Evidence first. With fewer than ``min_samples`` samples, or points at a single batch size (the
 intercept is then unknowable), :meth:`CostModel.fit` is None and the schedulers keep today's policy.
 """
@@ -35,6 +42,8 @@ import msgspec
 _EWMA_ALPHA = 0.3
 #: A size's weight in the fit stops growing at this many samples.
 _WEIGHT_CAP = 8
+#: A size's point takes part in the fit while it was fed within this many samples of its key.
+_FRESH = 32
 #: Samples outside these bounds (a clock jump, a bogus size) are ignored.
 _MAX_N = 4096
 _MAX_MS = 1e8
@@ -105,6 +114,8 @@ class CostSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 class _Point:
     mean_ms: float
     count: int
+    #: The key's sample count when this point was last fed.
+    seen_at: int = 0
 
 
 class CostModel:
@@ -131,11 +142,13 @@ class CostModel:
         else:
             self._points.move_to_end(key)
         p = points.get(n)
-        if p is None:
-            points[n] = _Point(elapsed_ms, 1)
+        seen = 1 + sum(q.count for q in points.values())
+        if p is None or seen - p.seen_at > _FRESH:  # a stale mean is old evidence: start again
+            points[n] = _Point(elapsed_ms, 1, seen)
         else:
             p.mean_ms += _EWMA_ALPHA * (elapsed_ms - p.mean_ms)
             p.count += 1
+            p.seen_at = seen
         self._fits[key] = _fit(points, self.min_samples)
 
     def fit(self, key: Hashable) -> CostFit | None:
@@ -178,6 +191,10 @@ def _fit(points: dict[int, _Point], min_samples: int) -> CostFit | None:
     samples = sum(p.count for p in points.values())
     if samples < min_samples or len(points) < 2:
         return None
+    fresh = {n: p for n, p in points.items() if samples - p.seen_at < _FRESH}
+    if len(fresh) < 2:
+        fresh = dict(sorted(points.items(), key=lambda item: item[1].seen_at)[-2:])
+    points = fresh
     w = {n: float(min(p.count, _WEIGHT_CAP)) for n, p in points.items()}
     sw = sum(w.values())
     mx = sum(w[n] * n for n in points) / sw

@@ -87,7 +87,8 @@ class RequestExecutor(Executor):
         self.scheduler: RequestScheduler = scheduler
 
     def add(self, req: RunnerRequest) -> None:
-        self.scheduler.add(req.request_id, self.worker.runner.batch_key(req), req, priority=req.priority)
+        slo_ms = req.params.get("slo_ms")
+        self.scheduler.add(req.request_id, self.worker.runner.batch_key(req), req, priority=req.priority, slo_ms=slo_ms)
 
     def abort(self, rid: str) -> None:
         where = self.scheduler.abort(rid)

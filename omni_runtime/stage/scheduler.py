@@ -47,12 +47,21 @@ worse, so it cannot feed on itself). A hold ends once it has lasted as long as t
 ``max_wait_ms``, which stays the upper bound. When per-item cost is flat or rising the saving is
 zero, and a lone request goes at once. Until the model has a fit for a key, the window above holds.
 
-Latency target (``slo_ms``, with a cost model). A hold never lasts past the moment the head could
-still finish within ``slo_ms`` of its arrival (its wait so far plus the model's time for the wave it
-would run in). With ``slo_shed``, :meth:`~RequestScheduler.add` refuses (QueueFullError, whose
-``retry_after_s`` is the expected backlog) a request the model expects to finish later than
-``slo_ms``: the rest of the running wave, the waiting requests at their per-item cost, and its own
-wave. A key the model does not know yet counts as free: a request is never refused without evidence.
+Re-exploration. Once the model caps a key at 1 (flat per-item cost), that key never runs a bigger
+wave again, and a change in the curve (a warmed cache, other load leaving the machine) would never be
+learned. So when a key has been capped at 1 for ``explore_every`` waves that had a second request of
+it waiting, or for ``explore_after_s`` seconds since the first of them, its next such wave runs at 2
+(counted as ``explored_waves``). That is at most one wave in ``explore_every`` run at a size the
+model thinks costs as much as two single ones: bounded, and never a hold.
+
+Latency target (``slo_ms``, with a cost model): the stage's, and a request's own (``add(slo_ms=)``);
+a request is held to the tighter of the two. A hold never lasts past the moment every member of
+the wave could still finish within its target of its arrival (its wait so far plus the model's time
+for the wave it would run in). With ``slo_shed``, :meth:`~RequestScheduler.add` refuses
+(QueueFullError, whose ``retry_after_s`` is the expected backlog) a request the model expects to
+finish later than its target: the rest of the running wave, the waiting requests at their per-item
+cost, and its own wave. A key the model does not know yet counts as free: a request is never
+refused without evidence.
 """
 
 from __future__ import annotations
@@ -76,6 +85,8 @@ _DUE_SLACK_S = 1e-6
 _GAP_HISTORY = 32
 #: The adaptive stable window is this many times the longest recent gap inside a burst.
 _GAP_MARGIN = 3.0
+#: Keys whose capped waves the re-exploration counts; the least recently capped is forgotten first.
+_EXPLORE_KEYS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +121,8 @@ class _Pending:
     payload: Any
     arrival: float
     priority: int = 0
+    #: The tighter of the stage's and the request's latency target (ms), or None.
+    slo_ms: float | None = None
 
 
 class BatchSize:
@@ -158,6 +171,8 @@ class RequestScheduler(BatchSize):
         cost_model: CostModel | None = None,
         slo_ms: float | None = None,
         slo_shed: bool = False,
+        explore_every: int = 16,
+        explore_after_s: float = 30.0,
     ) -> None:
         if not isinstance(priority_aging_s, int | float) or not 0 < priority_aging_s < math.inf:
             raise ConfigError(f"expected a finite number of seconds > 0, got {priority_aging_s!r}", path="aging")
@@ -195,29 +210,43 @@ class RequestScheduler(BatchSize):
         self._slo_shed = slo_shed
         self._running_since = 0.0
         self._shed = 0
+        _check_int("explore_every", explore_every)
+        if isinstance(explore_after_s, bool) or not isinstance(explore_after_s, int | float) or explore_after_s <= 0:
+            raise ConfigError(f"expected a number of seconds > 0, got {explore_after_s!r}", path="explore_after_s")
+        self._explore_every = explore_every
+        self._explore_after_s = float(explore_after_s)
+        #: Per key capped at 1 by the model: waves capped while a second request waited, and when
+        #: the first of them ran (see "Re-exploration" in the module docstring).
+        self._capped: dict[Hashable, tuple[int, float]] = {}
+        self._explored = 0
         #: A wave finished since the latest arrival: the next gap spans our own hold and forward.
         self._finished_since_arrival = False
         self._next_batch_id = 1
         self._requests_scheduled = 0
         self._histogram: dict[int, int] = {}
 
-    def add(self, request_id: str, key: Hashable, payload: Any = None, *, priority: int = 0) -> None:
+    def add(
+        self, request_id: str, key: Hashable, payload: Any = None, *, priority: int = 0, slo_ms: float | None = None
+    ) -> None:
         """Queue a request. ``key`` groups requests that may share a ``forward()``; higher
-        ``priority`` goes first (aged: see the module docstring)."""
+        ``priority`` goes first (aged: see the module docstring); ``slo_ms`` is its own latency
+        target, tightening the stage's."""
         if request_id in self._waiting or self._is_running(request_id):
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight", param="request_id")
         if self._max_queue_len is not None and len(self._waiting) >= self._max_queue_len:
             raise QueueFullError(f"{len(self._waiting)} requests already wait (max_queue_len)")
         now = self._clock()
-        if self._slo_shed and self._slo_ms is not None:
+        target = self._slo_ms if slo_ms is None else slo_ms if self._slo_ms is None else min(slo_ms, self._slo_ms)
+        if self._slo_shed and target is not None:
             expected_ms = self._expected_finish_ms(key, now)
-            if expected_ms > self._slo_ms:
+            if expected_ms > target:
                 self._shed += 1
+                whose = "this stage's" if target == self._slo_ms else "the request's"
                 raise QueueFullError(
-                    f"expected to finish in {expected_ms:.0f} ms, past this stage's slo_ms {self._slo_ms:g}",
+                    f"expected to finish in {expected_ms:.0f} ms, past {whose} slo_ms {target:g}",
                     retry_after_s=expected_ms / 1000.0,
                 )
-        pending = _Pending(request_id, key, payload, now, int(priority))
+        pending = _Pending(request_id, key, payload, now, int(priority), target)
         self._waiting[request_id] = pending
         self._priorities[pending.priority] = self._priorities.get(pending.priority, 0) + 1
         self._by_key.setdefault(key, {})[request_id] = pending
@@ -255,8 +284,12 @@ class RequestScheduler(BatchSize):
         head = self._head()
         fit = None if self._cost_model is None else self._cost_model.fit(head.key)
         limit = self._max_num_seqs if fit is None else fit.best_batch(self._max_num_seqs, self._margin())
-        members, closed = self._select(head, limit)
         now = self._clock()
+        if limit == 1 and fit is not None and self._max_num_seqs > 1 and len(self._by_key[head.key]) > 1:
+            limit = self._explore_limit(head.key, now)
+        elif limit > 1:
+            self._capped.pop(head.key, None)
+        members, closed = self._select(head, limit)
         # 3) Go at once when holding cannot grow the wave (full, or a fifo run already cut off by an
         #    incompatible request), when no added latency is wanted, or when the head queued behind a
         #    running wave and so has already waited its turn.
@@ -274,8 +307,9 @@ class RequestScheduler(BatchSize):
                 return self._dispatch(head.key, members, now)
             start = max(head.arrival, self._idle_since, self._last_arrival)
             wake_at = min(deadline, start + hold_s)
-            if self._slo_ms is not None:  # the head must still make its target in a bigger wave
-                wake_at = min(wake_at, head.arrival + (self._slo_ms - fit.time_ms(len(members) + 1)) / 1000.0)
+            targets = [p.arrival + p.slo_ms / 1000.0 for p in members if p.slo_ms is not None]
+            if targets:  # every member must still make its target in a bigger wave
+                wake_at = min(wake_at, min(targets) - fit.time_ms(len(members) + 1) / 1000.0)
         if now >= wake_at - _DUE_SLACK_S:
             return self._dispatch(head.key, members, now)
         # 5) Not yet: tell the worker when to ask again.
@@ -299,6 +333,18 @@ class RequestScheduler(BatchSize):
         if own is not None:
             total += own.time_ms(1)
         return total
+
+    def _explore_limit(self, key: Hashable, now: float) -> int:
+        """The cap of a wave of ``key``, which the model caps at 1 while a second request of it
+        waits: 2 when re-exploration is due, else 1 (and this wave counts towards it)."""
+        count, since = self._capped.pop(key, (0, now))
+        if count >= self._explore_every or (count and now - since >= self._explore_after_s):
+            self._explored += 1
+            return 2
+        self._capped[key] = (count + 1, since)  # re-inserted: the least recently capped go first
+        if len(self._capped) > _EXPLORE_KEYS:
+            del self._capped[next(iter(self._capped))]
+        return 1
 
     def _margin(self) -> float:
         return 0.05 if self._cost_model is None else self._cost_model.margin
@@ -358,6 +404,8 @@ class RequestScheduler(BatchSize):
         }
         if self._slo_shed:
             stats["slo_shed"] = self._shed
+        if self._cost_model is not None:
+            stats["explored_waves"] = self._explored
         return stats
 
     def _is_running(self, request_id: str) -> bool:

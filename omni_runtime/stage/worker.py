@@ -34,6 +34,7 @@ from omni_runtime.exceptions import (
     StageExecutionError,
 )
 from omni_runtime.messages import (
+    BatchProfileReport,
     ErrorInfo,
     Payload,
     StageAbort,
@@ -50,6 +51,7 @@ from omni_runtime.messages import (
 )
 from omni_runtime.stage.cost_model import CostModel
 from omni_runtime.stage.executors import Executor, RequestExecutor, StepExecutor
+from omni_runtime.stage.profile import profile_batches
 from omni_runtime.stage.runners.base import RunnerOutput, RunnerRequest, runner_class
 from omni_runtime.stage.scheduler import RequestScheduler
 from omni_runtime.stage.step_scheduler import ProgressThrottle, StepScheduler
@@ -116,6 +118,8 @@ class StageWorker:
         #: When the running forward last made progress (``time.monotonic()``, written by the
         #: forward thread); None while no forward runs. Reported in every pong.
         self.progress_at: float | None = None
+        #: What the start-up profile measured (``engine_args.batch_profile``), or None.
+        self.batch_profile: BatchProfileReport | None = None
 
     @property
     def scheduler(self) -> RequestScheduler | StepScheduler:
@@ -150,9 +154,27 @@ class StageWorker:
                 )
         # A hard cap: neither the config nor a later set_batching can lift it.
         self.scheduler.set_batch_cap(self.runner.max_batch_size)
+        if args.batch_profile is not None:
+            if isinstance(self.executor, StepExecutor):
+                # The model of a step executor learns the time of a step, which a whole forward is not.
+                self.batch_profile = BatchProfileReport(
+                    key="", seconds=0.0, forwards={}, note="not run: step execution learns per-step costs"
+                )
+            else:
+                spec = args.batch_profile
+                self.batch_profile = await loop.run_in_executor(
+                    self.forward_thread, lambda: profile_batches(self.runner, self.cost_model, spec)
+                )
+            logger.info("stage %d: batch profile %s", self.stage_id, self.batch_profile)
         self._loop_task = asyncio.create_task(self.executor.run(), name=f"stage{self.stage_id}-loop")
         self._loop_task.add_done_callback(self._on_loop_done)
-        return StageReady(stage_id=self.stage_id, replica_id=self.replica_id, pid=os.getpid(), constraints=constraints)
+        return StageReady(
+            stage_id=self.stage_id,
+            replica_id=self.replica_id,
+            pid=os.getpid(),
+            constraints=constraints,
+            batch_profile=self.batch_profile,
+        )
 
     def _constraints(self) -> StageConstraints:
         """The runner's constraints as the READY struct. A runner written against the older dict
@@ -341,6 +363,11 @@ class StageWorker:
             "max_batch_size": self.runner.max_batch_size,
         }
 
+    @staticmethod
+    def _profile_stats(report: BatchProfileReport) -> dict[str, Any]:
+        # The wire struct is array-like; stats are named fields, with string keys for JSON.
+        return {**msgspec.structs.asdict(report), "forwards": {str(n): c for n, c in report.forwards.items()}}
+
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()
         return {
@@ -353,9 +380,12 @@ class StageWorker:
             "running": s.get("num_running", 0),
             "batch_size_histogram": {str(k): v for k, v in s.get("batch_size_histogram", {}).items()},
             "waves": s.get("waves", 0),
+            # Learned batching: requests refused for their latency target, waves run to re-explore.
+            **{k: s[k] for k in ("slo_shed", "explored_waves") if k in s},
             "asleep": self.asleep,
             # What torch really runs with (OMP_NUM_THREADS set by the stage process); None if unused.
             "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
             **self.executor.stats(),
             **self.runner.stats(),
+            **({} if self.batch_profile is None else {"batch_profile": self._profile_stats(self.batch_profile)}),
         }

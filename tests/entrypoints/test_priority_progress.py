@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from omni_runtime import AsyncOmni, Omni
-from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.exceptions import InvalidRequestError, QueueFullError
 from omni_runtime.params import DiffusionSamplingParams, EchoSamplingParams
 from tests.conftest import echo_stage, eventually, has_progress, make_config
 
@@ -18,7 +18,9 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 async def echo():
-    engine = AsyncOmni(make_config([echo_stage(engine_args={"max_num_seqs": 1})]))
+    # Learned batching, seeded by a start-up profile; a request's own slo_ms may shed it.
+    engine_args = {"max_num_seqs": 1, "batch_policy": "learned", "slo_shed": True, "batch_profile": {"max_s": 10}}
+    engine = AsyncOmni(make_config([echo_stage(engine_args=engine_args)]))
     yield engine
     await asyncio.get_running_loop().run_in_executor(None, engine.close)
 
@@ -143,9 +145,33 @@ async def test_get_stats_reports_the_learned_cost_of_a_batch(echo: AsyncOmni) ->
             )
         [stats] = await echo.collective_rpc("get_stats")
         cost = stats.result["cost_model"]
-        assert cost["policy"] == "window" and cost["num_keys"] >= 1  # learned and reported under any policy
+        assert cost["policy"] == "learned" and cost["num_keys"] >= 1
         [key] = cost["keys"]
         assert key["samples"] >= 3 and key["fixed_ms"] >= 0 and key["per_item_ms"] >= 0
         assert 1 <= key["best_batch"] <= 4
     finally:
         await echo.collective_rpc("set_batching", kwargs={"max_num_seqs": 1})
+
+
+async def test_the_start_up_profile_gave_a_fit_before_any_request(echo: AsyncOmni) -> None:
+    [stats] = await echo.collective_rpc("get_stats")
+    profile = stats.result["batch_profile"]
+    # Timed at 1, 2 and 4 though max_num_seqs is 1: a later set_batching may raise it.
+    assert profile["forwards"] == {"1": 1, "2": 1, "4": 1} and profile["note"] is None
+    assert profile["fixed_ms"] >= 0 and profile["per_item_ms"] >= 0 and profile["seconds"] <= 10
+
+
+async def test_a_request_that_cannot_meet_its_own_slo_is_shed_with_a_retry_after(echo: AsyncOmni) -> None:
+    order: list[str] = []
+    for i in range(3):  # the model learns that a forward here takes about 100 ms
+        await finish(echo, f"learn-{i}", EchoSamplingParams(delay_ms=100), order)
+    hog = asyncio.create_task(finish(echo, "hog", EchoSamplingParams(delay_ms=300), order))
+    await eventually(lambda: running(echo), what="the hog running")
+    with pytest.raises(QueueFullError) as e:
+        await finish(echo, "hurried", EchoSamplingParams(slo_ms=1), order)
+    assert e.value.retry_after_s > 0 and "slo_ms" in str(e.value)
+    await finish(echo, "patient", EchoSamplingParams(slo_ms=600_000), order)
+    await hog
+    assert order[-2:] == ["hog", "patient"]
+    [stats] = await echo.collective_rpc("get_stats")
+    assert stats.result["slo_shed"] >= 1

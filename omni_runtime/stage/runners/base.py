@@ -129,6 +129,18 @@ class StageRunner(ABC):
         """Requests with equal keys may run in one ``execute()``. The default fuses everything."""
         return ()
 
+    def profile_request(self) -> RunnerRequest | None:
+        """A representative request for the start-up profile of the cost of a batch
+        (``engine_args.batch_profile``): the key most requests are expected to have. None: this
+        runner is not profiled."""
+        return None
+
+    def _default_request(self, prompt: str, **params: Any) -> RunnerRequest:
+        """``prompt`` with the stage's default sampling params, and ``params`` over them."""
+        return RunnerRequest(
+            request_id="batch-profile", prompt=prompt, params={**self.stage.default_sampling_params, **params}
+        )
+
     def runs_inline(self, batch: list[RunnerRequest]) -> bool:
         """True if ``execute(batch)`` is so cheap (microseconds, no blocking) that the worker may
         run it on its event loop instead of the forward thread. Models never are."""

@@ -386,6 +386,11 @@ class DiffusionRunner(StageRunner):
             return fallback
         return param.default
 
+    def profile_request(self) -> RunnerRequest:
+        """A prompt at the stage's defaults: the key of every request that sets no size, steps or
+        guidance of its own, the one the learned policy most needs from the start."""
+        return self._default_request("a red bicycle in a sunny park", seed=0)
+
     def batch_key(self, request: RunnerRequest) -> Hashable:
         """Shape- and guidance-sensitive params with defaults resolved; never prompt or seed."""
         p = request.params

@@ -17,6 +17,9 @@ from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, Runner
 class EchoRunner(StageRunner):
     params_cls = EchoSamplingParams
 
+    def profile_request(self) -> RunnerRequest:
+        return self._default_request("profile")
+
     def runs_inline(self, batch: list[RunnerRequest]) -> bool:
         return not any(r.params.get("delay_ms") for r in batch)
 

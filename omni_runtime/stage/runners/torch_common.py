@@ -58,6 +58,10 @@ class TransformersRunner(StageRunner):
     def preload(cls, stage: StageConfig) -> None:
         import_model_libraries(diffusers=False)
 
+    def profile_request(self) -> RunnerRequest:
+        """A short prompt at the stage's defaults (its every request shares one batch key)."""
+        return self._default_request("Hello, how are you today?")
+
     def sleep(self) -> dict[str, Any]:
         self.model = self.tokenizer = None
         return release_memory()

@@ -122,8 +122,10 @@ def test_chat_stream_sends_progress_comments_while_the_image_is_drawn(http):
     assert lines.index(comments[0]) < first_image and lines[-1] == "data: [DONE]"
 
 
-def test_images_take_a_priority_extension_field(client):
-    resp = client.images.generate(prompt="x", size="64x64", extra_body={"priority": -5, "seed": 1})
+def test_images_take_priority_and_slo_ms_extension_fields(client):
+    # slo_ms is a target for learned batching; this stage batches by the window, so it is only carried.
+    extra = {"priority": -5, "seed": 1, "slo_ms": 60_000}
+    resp = client.images.generate(prompt="x", size="64x64", extra_body=extra)
     assert len(resp.data) == 1 and resp.data[0].b64_json
 
 
@@ -176,6 +178,8 @@ def test_unknown_model_is_404(client):
         ({"prompt": "x", "style_preset": "anime"}, "style_preset"),
         ({"prompt": "x", "priority": 10**7}, "priority"),
         ({"prompt": "x", "priority": "urgent"}, "priority"),
+        ({"prompt": "x", "slo_ms": 0}, "slo_ms"),
+        ({"prompt": "x", "slo_ms": 3_600_001}, "slo_ms"),
         ({}, "prompt"),
     ],
 )

@@ -167,7 +167,7 @@ def test_generate_takes_text2video(http: httpx.Client) -> None:
 #: Every field ``POST /v1/videos`` takes (``input_reference`` aside: a file).
 FIELDS = [
     "prompt", "model", "negative_prompt", "num_frames", "fps", "num_inference_steps", "guidance_scale",
-    "seconds", "size", "seed",
+    "seconds", "size", "seed", "slo_ms",
 ]  # fmt: skip
 #: Text that no UTF-8 encodes (lone surrogates), next to ordinary text.
 UNENCODABLE = st.text(st.characters(codec=None, categories=["Cs", "Lu", "Nd"]), min_size=1, max_size=8)

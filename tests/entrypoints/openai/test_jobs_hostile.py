@@ -64,7 +64,12 @@ valid_bodies = st.fixed_dictionaries(
         "priority": st.integers(-5, 5) | EDGE_INTS,
         "response_format": st.sampled_from(["url", "b64_json", "URL", ""]),
         "config": st.fixed_dictionaries(
-            {}, optional={"output_format": st.sampled_from(["png", "jpeg", "gif"]), "timeout": JSON_VALUES}
+            {},
+            optional={
+                "output_format": st.sampled_from(["png", "jpeg", "gif"]),
+                "timeout": JSON_VALUES,
+                "slo_ms": JSON_VALUES,
+            },
         ),
         "model": st.sampled_from(["tiny-sd", "other", ""]),
     },

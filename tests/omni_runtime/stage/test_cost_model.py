@@ -120,3 +120,15 @@ def test_any_samples_give_a_sane_fit(key: object, samples: list[tuple[int, float
         assert 1 <= f.best_batch(16, 0.05) <= 16
     assert len(key_label(key)) <= 48  # type: ignore[arg-type]
     m.snapshot()
+
+
+def test_stale_sizes_step_aside_once_fresher_sizes_exist() -> None:
+    m = CostModel()
+    feed(m, lambda n: 100.0 * n)  # flat: sizes 1..4
+    for _ in range(40):  # since then only 1 and 2 ran, on a curve that turned fixed-dominated
+        m.observe("k", 1, 110.0)
+        m.observe("k", 2, 120.0)
+    f = m.fit("k")
+    assert f is not None and (f.fixed_ms, f.per_item_ms) == pytest.approx((100.0, 10.0), abs=0.5)
+    m.observe("k", 4, 140.0)  # a stale size fed again starts afresh, not from its old 400 ms
+    assert m.fit("k").time_ms(4) == pytest.approx(140.0, abs=0.5)  # type: ignore[union-attr]

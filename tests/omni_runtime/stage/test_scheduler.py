@@ -926,3 +926,78 @@ def test_slo_shed_refuses_what_would_finish_late_with_a_retry_after(clock: FakeC
     assert isinstance(wave, Wave) and wave.request_ids == ["a"]
     clock.advance(60)  # the running wave has 40 ms left: 40 + 100 (b) + 100 own = 240
     s.add("d", "k")
+
+
+def test_a_requests_own_slo_tightens_the_stages(clock: FakeClock) -> None:
+    # One more request saves 100 ms; the stage's target (1 s) allows the hold, b's own (105 ms) does not.
+    s = learned(clock, lambda n: 100.0 + 1.0 * n, max_wait_ms=50.0, slo_ms=1000.0)
+    s.add("a", "k")
+    clock.advance(1)
+    s.add("b", "k", slo_ms=105.0)
+    due = s.schedule()  # b must start by 1 + 105 - 103 ms (a wave of 3 takes 103 ms)
+    assert isinstance(due, float) and due * 1000.0 == pytest.approx(3.0)
+    clock.advance(2)
+    assert run(s) == ["a", "b"]
+
+
+def test_a_requests_own_slo_holds_without_a_stage_target(clock: FakeClock) -> None:
+    s = learned(clock, lambda n: 100.0 + 1.0 * n, max_wait_ms=50.0)
+    s.add("a", "k", slo_ms=102.5)  # a wave of 2 takes 102 ms: no time to wait for a second request
+    clock.advance(0.1)
+    s.add("b", "k", slo_ms=10_000.0)
+    assert isinstance(s.schedule(), Wave)
+
+
+def test_a_requests_own_slo_sheds_with_slo_shed(clock: FakeClock) -> None:
+    from omni_runtime.stage.cost_model import CostModel
+
+    model = CostModel()
+    for n in (1, 2, 3, 4):
+        model.observe("k", n, 100.0 * n)
+    s = make(clock, max_num_seqs=4, cost_model=model, slo_shed=True)
+    s.add("a", "k")  # no target: never refused
+    s.add("b", "k", slo_ms=210.0)  # 100 ahead + 100 own
+    with pytest.raises(QueueFullError) as e:
+        s.add("c", "k", slo_ms=250.0)  # 200 ahead + 100 own
+    assert e.value.retry_after_s == pytest.approx(0.3) and "request's slo_ms" in str(e.value)
+    s.add("d", "k")
+    assert s.stats()["slo_shed"] == 1
+
+
+@pytest.mark.parametrize("policy", ["waves", "seconds"])
+def test_re_exploration_learns_a_curve_that_turned_fixed_dominated(clock: FakeClock, policy: str) -> None:
+    from omni_runtime.stage.cost_model import CostModel
+
+    model = CostModel()
+    curve: Callable[[int], float] = lambda n: 100.0 * n  # noqa: E731 - flat: capped at 1
+    for n in (1, 2, 3, 4):
+        for _ in range(4):
+            model.observe("k", n, curve(n))
+    kw = {"explore_every": 8} if policy == "waves" else {"explore_every": 1000, "explore_after_s": 1.0}
+    s = make(clock, max_num_seqs=4, cost_model=model, **kw)
+    curve = lambda n: 100.0 + 10.0 * n  # noqa: E731 - the machine changed: a batch now pays
+    sizes = []
+    for i in range(40):
+        for j in range(4 - s.num_waiting):
+            s.add(f"r{i}-{j}", "k")
+        wave = s.schedule()
+        assert isinstance(wave, Wave)
+        sizes.append(len(wave))
+        clock.advance(curve(len(wave)))
+        model.observe("k", len(wave), curve(len(wave)))
+        s.finish(wave.batch_id)
+    first_two = sizes.index(2)
+    assert set(sizes[:first_two]) == {1} and first_two <= 10
+    assert s.stats()["explored_waves"] >= 1
+    # Within the sizes' freshness (32 samples) and an exploration: the cap is back at max_num_seqs.
+    assert model.best_batch("k", 4) == 4 and sizes[-4:] == [4] * 4
+
+
+def test_re_exploration_is_rare_while_the_curve_stays_flat(clock: FakeClock) -> None:
+    s = learned(clock, lambda n: 100.0 * n, explore_every=8, explore_after_s=3600.0)
+    sizes = []
+    for i in range(81):
+        s.add(f"a{i}", "k")
+        s.add(f"b{i}", "k")
+        sizes += [len(w) for w in drain(s)]
+    assert sizes.count(2) == s.stats()["explored_waves"] <= 81 * 2 // 9 + 1
