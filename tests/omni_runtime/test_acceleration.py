@@ -55,7 +55,8 @@ def test_options_decode() -> None:
         ({"cache": {"type": "faster"}}, "cpu", "engine_args.cache.type", "FasterCache"),
         ({"cache": {"type": "first_block", "threshold": -1}}, "cpu", "engine_args.cache.threshold", ">= 0"),
         ({"cache": {"type": "pab", "radius": 3}}, "cpu", "engine_args.cache.radius", "unknown key"),
-        ({"cache": {"type": "first_block"}, "step_execution": True}, "cpu", "engine_args.cache", "step execution"),
+        ({"cache": {"type": "mag"}, "step_execution": True}, "cpu", "engine_args.cache.type", "per request"),
+        ({"cache": {"type": "pab"}, "step_execution": True}, "cpu", "engine_args.cache.type", "first_block"),
         ({"quantization": {"backend": "bnb"}}, "cpu", "engine_args.quantization.backend", "Invalid enum"),
         ({"quantization": {"quant_type": "float8wo"}}, "cpu", "engine_args.quantization.quant_type", "GPU"),
         ({"quantization": {}, "layerwise_casting": {}}, "cpu", "engine_args.layerwise_casting", "choose one"),
@@ -73,6 +74,11 @@ def test_refused_combinations_name_the_yaml_path(
         config(engine_args, devices)
     assert e.value.path == f"stage_args[0].{path}"
     assert str(e.value).startswith(f"accel.yaml: stage_args[0].{path}: ")
+
+
+def test_first_block_cache_runs_in_step_execution() -> None:
+    args = config({"cache": {"type": "first_block"}, "step_execution": True}).stage_args[0].engine_args
+    assert args.step_execution and args.cache == FirstBlockCache()
 
 
 def test_quantizing_another_component_leaves_the_denoiser_to_casting() -> None:

@@ -1,7 +1,8 @@
 """The acceleration options of ``engine_args`` (:mod:`omni_runtime.acceleration`) applied to a
 loaded diffusers pipeline, in the stage worker: quantization arguments for ``from_pretrained``,
 layerwise casting and offload after it, and :class:`StepCacheControl`, which switches the
-denoiser's cache hooks between waves and counts the blocks it really ran.
+denoiser's cache hooks between waves (or, in step execution, gives each request its own first-block
+cache state, :mod:`omni_runtime.stage.runners.row_cache`) and counts the blocks it really ran.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from omni_runtime.acceleration import (
 )
 from omni_runtime.config import EngineArgs
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
+from omni_runtime.stage.runners.row_cache import RowCacheState, RowFirstBlockCache
 from omni_runtime.stage.runners.sizes import denoiser
 
 logger = logging.getLogger(__name__)
@@ -164,6 +166,45 @@ class StepCacheControl:
         self.blocks_called = 0
         self.blocks_run = 0
         self._counting = False
+        #: Per-request first-block caching for step execution (made by :meth:`row_cache`).
+        self._rows: RowFirstBlockCache | None = None
+
+    def row_cache(self) -> RowFirstBlockCache | None:
+        """The denoiser's per-request first-block cache for step execution (None where it has no cache
+        hooks: such requests are refused by :meth:`step_cache`). ConfigError when the stage's default
+        cache cannot run step by step."""
+        if self.unsupported is None:
+            reason = RowFirstBlockCache.unsupported(self.module)
+            if reason is not None:
+                self.unsupported = f"step execution caches per request and {reason}"
+        if self.unsupported is not None:
+            if self.default is not None:
+                raise ConfigError(self.unsupported, path="engine_args.cache.type")
+            return None
+        self._rows = RowFirstBlockCache(self.module, self.count)
+        return self._rows
+
+    def step_cache(self, value: Any) -> RowCacheState | None:
+        """A step-execution request's own cache state from its ``cache`` param (or the stage's
+        default); InvalidRequestError for a cache it cannot run step by step."""
+        cache = self.resolve(value)
+        if cache is None:
+            return None
+        if not isinstance(cache, FirstBlockCache):
+            raise InvalidRequestError(
+                f"invalid sampling param `cache.type`: {cache_type(cache)!r} keeps its state per module "
+                "(diffusers' hooks), which a step-execution batch shares between requests; this stage "
+                "caches per request with first_block",
+                param="cache",
+            )
+        if self._rows is None:  # resolve refused an unsupported denoiser already
+            raise InvalidRequestError("invalid sampling param `cache`: this stage runs no step caching", param="cache")
+        return RowCacheState(threshold=cache.threshold)
+
+    def count(self, called: int, run: int) -> None:
+        """Blocks called and really run, counted by the per-request cache (one per request a block served)."""
+        self.blocks_called += called
+        self.blocks_run += run
 
     def _count_blocks(self) -> None:
         """Counting hooks on the denoiser's blocks, from the first wave that caches on (a stage that

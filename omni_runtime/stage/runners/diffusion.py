@@ -288,6 +288,8 @@ class DiffusionRunner(StageRunner):
         self.cache = StepCacheControl(pipe, args.cache, spec.name if spec is not None else type(pipe).__name__)
         self._weight_bytes = weight_bytes(pipe)
         self._step_family, self._step_reason = step_family(pipe, self.device)
+        if self._step_family is not None and args.step_execution:
+            self._step_family.row_cache = self.cache.row_cache()
         if self._step_family is not None and "image" in self._forms.forms:
             self._step_family.image_pipe = self._forms.forms["image"].pipe
 
@@ -670,8 +672,7 @@ class DiffusionRunner(StageRunner):
         steps = p.get("num_inference_steps") or self._default("num_inference_steps")
         if not steps:
             raise ValueError("num_inference_steps is not set and the pipeline has no default")
-        if p.get("cache") not in (None, "off"):
-            raise ValueError("a request's `cache` does not run in step execution yet; send it without `cache`")
+        cache = self.cache.step_cache(p.get("cache")) if self.cache is not None else None
         if p.get("mask_image") is not None or (p.get("image") is not None and not self._family.takes_images):
             # Refused before the queue (constraints); a direct call still gets a clear error.
             raise ValueError("this input image request does not run step by step (see the stage's image_inputs)")
@@ -698,6 +699,7 @@ class DiffusionRunner(StageRunner):
             lora=self.loras.pin(p.get("lora")),
             num_frames=self._frames(p),
             fps=int(p.get("fps") or self._fps) if self._video else None,
+            cache=cache,
         )
 
     def step_admit(self, requests: list[RunnerRequest], ctx: ExecuteContext) -> dict[str, RunnerOutput]:
@@ -733,6 +735,8 @@ class DiffusionRunner(StageRunner):
         # Aborted since the plan was made: skipped now, dropped at the next boundary.
         states = [self._states[rid] for rid in request_ids if rid in self._states and not ctx.is_aborted(rid)]
         failed: dict[str, RunnerOutput] = {}
+        if self.cache is not None:  # a wave's diffusers hooks hold one state for all: off here
+            self.cache.use(None, 0)
         with torch.inference_mode():
             # 1) One batched denoiser call (per adapter: a step's requests share one, it is in the
             #    key); if it raises, each request alone, so only the culprit fails.
