@@ -160,6 +160,10 @@ class StageConstraints(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     #: The voices a speech stage takes (its speakers' names and the aliases mapped onto them);
     #: empty: any (the stage checks).
     voices: tuple[str, ...] = ()
+    #: The step-cache types a request's ``cache`` may name (empty: none); None: not checked here.
+    cache_types: tuple[str, ...] | None = None
+    #: Why other types are refused, for the error.
+    cache_note: str | None = None
 
 
 class StageReady(msgspec.Struct, tag="ready", **_Msg):

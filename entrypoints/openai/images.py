@@ -38,6 +38,7 @@ GENERATION_FIELDS = FieldMap(
         "timeout": "timeout",
         "lora": "lora",
         "priority": "priority",
+        "cache": "cache",
         "size": ("width", "height"),
     },
     read={"lora": lambda body: body.lora.params() if body.lora else None, "size": lambda body: body.dimensions()},
@@ -51,6 +52,7 @@ INPUT_IMAGE_FIELDS = FieldMap(
         "num_inference_steps": "num_inference_steps",
         "guidance_scale": "guidance_scale",
         "timeout": "timeout",
+        "cache": "cache",
     },
     computed={
         "image": "image",

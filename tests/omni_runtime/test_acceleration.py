@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from omni_runtime.acceleration import FirstBlockCache, MagCache, cache_key, parse_cache
 from omni_runtime.config import parse_config
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
-from omni_runtime.params import DiffusionSamplingParams, resolve_params
+from omni_runtime.messages import StageConstraints
+from omni_runtime.params import DiffusionSamplingParams, check_constraints, resolve_params
 
 pytestmark = pytest.mark.unit
 
@@ -118,3 +119,13 @@ def test_hostile_cache_params_are_400s_or_valid(value: Any) -> None:
         return
     cache = resolved.get("cache")
     assert cache is None or cache == "off" or isinstance(cache_key(cache), str)
+
+
+def test_a_stage_names_the_cache_types_it_runs() -> None:
+    step = StageConstraints(cache_types=("first_block",), cache_note="step execution caches with first_block")
+    check_constraints({"cache": {"type": "first_block", "threshold": 0.2}}, step)
+    check_constraints({"cache": "off"}, StageConstraints(cache_types=(), cache_note="no hooks"))
+    with pytest.raises(InvalidRequestError, match="step execution caches") as e:
+        check_constraints({"cache": MagCache()}, step)
+    assert e.value.param == "cache"
+    check_constraints({"cache": {"type": "mag"}}, StageConstraints())  # unreported: the stage checks

@@ -184,6 +184,19 @@ class StepCacheControl:
         self._rows = RowFirstBlockCache(self.module, self.count)
         return self._rows
 
+    def served(self) -> tuple[tuple[str, ...], str]:
+        """The cache types a request may name here, and why others are refused (StageConstraints)."""
+        if self.unsupported is not None:
+            return (), self.unsupported
+        if self._rows is not None:
+            return ("first_block",), (
+                "this stage runs with engine_args.step_execution, where each request caches on its own "
+                "with first_block (taylorseer, mag and pab keep diffusers' per-module state)"
+            )
+        return tuple(t for t in ("first_block", "taylorseer", "mag", "pab") if t not in REFUSED_CACHE_TYPES), (
+            REFUSED_CACHE_TYPES["faster"]
+        )
+
     def step_cache(self, value: Any) -> RowCacheState | None:
         """A step-execution request's own cache state from its ``cache`` param (or the stage's
         default); InvalidRequestError for a cache it cannot run step by step."""

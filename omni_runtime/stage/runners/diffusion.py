@@ -349,6 +349,9 @@ class DiffusionRunner(StageRunner):
             max_audio_s=self._max_audio_s,
             audio_reason=self._audio_reason,
         )
+        if self.cache is not None:
+            types, note = self.cache.served()
+            out = msgspec.structs.replace(out, cache_types=types, cache_note=note)
         if self.stage.engine_args.step_execution and self._step_reason is None and out.image_inputs:
             # The worker runs every request of this stage in the step loop: what it cannot run
             # (inpainting; img2img outside the SD family) is refused before it is queued.
