@@ -172,6 +172,9 @@ class StageReady(msgspec.Struct, tag="ready", **_Msg):
     pid: int
     #: Checks the caller makes before enqueue (``size_multiple``, ``max_pixels``...).
     constraints: StageConstraints = msgspec.field(default_factory=StageConstraints)
+    #: Seconds the load spent compiling (``torch_compile: {warmup: true}``), paid before READY
+    #: rather than by the first request; None: no compile warm-up ran.
+    compile_s: float | None = None
 
 
 class Progress(msgspec.Struct, **_Msg):

@@ -152,7 +152,14 @@ class StageWorker:
         self.scheduler.set_batch_cap(self.runner.max_batch_size)
         self._loop_task = asyncio.create_task(self.executor.run(), name=f"stage{self.stage_id}-loop")
         self._loop_task.add_done_callback(self._on_loop_done)
-        return StageReady(stage_id=self.stage_id, replica_id=self.replica_id, pid=os.getpid(), constraints=constraints)
+        compile_s = self.runner.stats().get("compile_warmup_s")
+        return StageReady(
+            stage_id=self.stage_id,
+            replica_id=self.replica_id,
+            pid=os.getpid(),
+            constraints=constraints,
+            compile_s=float(compile_s) if compile_s is not None else None,
+        )
 
     def _constraints(self) -> StageConstraints:
         """The runner's constraints as the READY struct. A runner written against the older dict
