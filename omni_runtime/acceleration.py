@@ -131,11 +131,11 @@ def check_acceleration(
         if cache_type(cache) in REFUSED_CACHE_TYPES:
             reason = REFUSED_CACHE_TYPES[cache_type(cache)]
             raise ConfigError(reason, path=f"{at}.engine_args.cache.type", source=source)
-        if step_execution and not isinstance(cache, FirstBlockCache):
+        if step_execution and not isinstance(cache, FirstBlockCache | MagCache):
             raise ConfigError(
-                f"step execution caches per request with first_block; {cache_type(cache)} keeps its state per "
-                "module (diffusers' hooks), which a step batch would share between requests; use "
-                "type: first_block or drop engine_args.step_execution",
+                f"step execution caches per request with first_block or mag; {cache_type(cache)} keeps its "
+                "state per module (diffusers' hooks), which a step batch would share between requests; use "
+                "type: first_block or mag, or drop engine_args.step_execution",
                 path=f"{at}.engine_args.cache.type",
                 source=source,
             )

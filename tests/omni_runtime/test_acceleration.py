@@ -56,7 +56,7 @@ def test_options_decode() -> None:
         ({"cache": {"type": "faster"}}, "cpu", "engine_args.cache.type", "FasterCache"),
         ({"cache": {"type": "first_block", "threshold": -1}}, "cpu", "engine_args.cache.threshold", ">= 0"),
         ({"cache": {"type": "pab", "radius": 3}}, "cpu", "engine_args.cache.radius", "unknown key"),
-        ({"cache": {"type": "mag"}, "step_execution": True}, "cpu", "engine_args.cache.type", "per request"),
+        ({"cache": {"type": "taylorseer"}, "step_execution": True}, "cpu", "engine_args.cache.type", "per request"),
         ({"cache": {"type": "pab"}, "step_execution": True}, "cpu", "engine_args.cache.type", "first_block"),
         ({"quantization": {"backend": "bnb"}}, "cpu", "engine_args.quantization.backend", "Invalid enum"),
         ({"quantization": {"quant_type": "float8wo"}}, "cpu", "engine_args.quantization.quant_type", "GPU"),

@@ -24,7 +24,7 @@ from omni_runtime.acceleration import (
 )
 from omni_runtime.config import EngineArgs
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
-from omni_runtime.stage.runners.row_cache import RowCacheState, RowFirstBlockCache
+from omni_runtime.stage.runners.row_cache import RowCacheState, RowFirstBlockCache, RowMagState, RowState
 from omni_runtime.stage.runners.sizes import denoiser
 
 logger = logging.getLogger(__name__)
@@ -189,30 +189,39 @@ class StepCacheControl:
         if self.unsupported is not None:
             return (), self.unsupported
         if self._rows is not None:
-            return ("first_block",), (
+            return ("first_block", "mag"), (
                 "this stage runs with engine_args.step_execution, where each request caches on its own "
-                "with first_block (taylorseer, mag and pab keep diffusers' per-module state)"
+                "with first_block or mag (taylorseer and pab keep diffusers' per-module state)"
             )
         return tuple(t for t in ("first_block", "taylorseer", "mag", "pab") if t not in REFUSED_CACHE_TYPES), (
             REFUSED_CACHE_TYPES["faster"]
         )
 
-    def step_cache(self, value: Any) -> RowCacheState | None:
+    def step_cache(self, value: Any, steps: int) -> RowState | None:
         """A step-execution request's own cache state from its ``cache`` param (or the stage's
-        default); InvalidRequestError for a cache it cannot run step by step."""
+        default), for its ``steps`` steps; InvalidRequestError for a cache it cannot run step by step."""
         cache = self.resolve(value)
         if cache is None:
             return None
-        if not isinstance(cache, FirstBlockCache):
+        if not isinstance(cache, FirstBlockCache | MagCache):
             raise InvalidRequestError(
                 f"invalid sampling param `cache.type`: {cache_type(cache)!r} keeps its state per module "
                 "(diffusers' hooks), which a step-execution batch shares between requests; this stage "
-                "caches per request with first_block",
+                "caches per request with first_block or mag",
                 param="cache",
             )
         if self._rows is None:  # resolve refused an unsupported denoiser already
             raise InvalidRequestError("invalid sampling param `cache`: this stage runs no step caching", param="cache")
-        return RowCacheState(threshold=cache.threshold)
+        if isinstance(cache, FirstBlockCache):
+            return RowCacheState(threshold=cache.threshold)
+        # diffusers' own config interpolates the ratios to the step count, as its hook would.
+        config = self._diffusers_config(cache, steps)
+        return RowMagState(
+            threshold=cache.threshold,
+            max_skip_steps=cache.max_skip_steps,
+            retention_steps=int(cache.retention_ratio * steps + 0.5),
+            mag_ratios=[float(r) for r in config.mag_ratios],
+        )
 
     def count(self, called: int, run: int) -> None:
         """Blocks called and really run, counted by the per-request cache (one per request a block served)."""
@@ -228,10 +237,16 @@ class StepCacheControl:
             _probe(block).register_forward_pre_hook(self._ran)
 
     def _called(self, module: torch.nn.Module, args: Any) -> None:
-        self.blocks_called += 1
+        if not self._per_request():
+            self.blocks_called += 1
 
     def _ran(self, module: torch.nn.Module, args: Any) -> None:
-        self.blocks_run += 1
+        if not self._per_request():
+            self.blocks_run += 1
+
+    def _per_request(self) -> bool:
+        """Whether the per-request cache is counting this call itself (a step of cached requests)."""
+        return self._rows is not None and self._rows.active
 
     def resolve(self, value: Any) -> StepCache | None:
         """The cache a request runs with: its own ``cache`` param, else the stage's default.

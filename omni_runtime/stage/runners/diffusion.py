@@ -675,13 +675,13 @@ class DiffusionRunner(StageRunner):
         steps = p.get("num_inference_steps") or self._default("num_inference_steps")
         if not steps:
             raise ValueError("num_inference_steps is not set and the pipeline has no default")
-        cache = self.cache.step_cache(p.get("cache")) if self.cache is not None else None
         if p.get("mask_image") is not None or (p.get("image") is not None and not self._family.takes_images):
             # Refused before the queue (constraints); a direct call still gets a clear error.
             raise ValueError("this input image request does not run step by step (see the stage's image_inputs)")
         height, width = p.get("height") or self._native_size[0], p.get("width") or self._native_size[1]
         if height is None or width is None:
             raise ValueError("height and width are not set and the pipeline has no native size")
+        cache = self.cache.step_cache(p.get("cache"), int(steps)) if self.cache is not None else None
         return StepState(
             request_id=request.request_id,
             prompt=request.prompt,

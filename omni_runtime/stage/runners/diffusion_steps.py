@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from omni_runtime.stage.runners.row_cache import RowCacheState, RowFirstBlockCache
+from omni_runtime.stage.runners.row_cache import RowFirstBlockCache, RowState
 
 
 @dataclass(eq=False)
@@ -67,8 +67,8 @@ class StepState:
     #: A video request's frame count (shapes its latents) and frame rate (its items'); None for images.
     num_frames: int | None = None
     fps: int | None = None
-    #: The request's first-block cache state (None: it runs uncached).
-    cache: RowCacheState | None = None
+    #: The request's own step-cache state (first block or MagCache; None: it runs uncached).
+    cache: RowState | None = None
 
     @property
     def steps(self) -> int:
@@ -213,10 +213,11 @@ class StepFamily:
             offset += s.rows
         return preds
 
-    def _cache_groups(self, states: list[StepState], cfg: bool) -> list[tuple[RowCacheState | None, torch.Tensor]]:
+    def _cache_groups(self, states: list[StepState], cfg: bool) -> list[tuple[RowState | None, torch.Tensor]]:
         """Each request's rows of the denoiser batch (under cfg, its unconditional and conditional rows)."""
         total = sum(s.rows for s in states)
-        groups, offset = [], 0
+        groups: list[tuple[RowState | None, torch.Tensor]] = []
+        offset = 0
         for s in states:
             rows = list(range(offset, offset + s.rows))
             if cfg:

@@ -1,19 +1,23 @@
-"""First-block caching per request inside one batched denoiser call, for step execution.
+"""Step caching per request inside one batched denoiser call, for step execution: first-block
+caching and MagCache.
 
-diffusers' cache hooks (``enable_cache`` with ``FirstBlockCacheConfig``) hold one state per module:
-one previous residual and one skip decision for the whole batch. In step execution a batch mixes
-requests at different steps, with different settings or none, so that state would be shared between
-strangers. diffusers offers no per-row state; this module keeps it per request instead, with the
-same rule as diffusers' first-block cache:
+diffusers' cache hooks (``enable_cache`` with ``FirstBlockCacheConfig`` / ``MagCacheConfig``) hold
+one state per module: one previous residual and one skip decision for the whole batch. In step
+execution a batch mixes requests at different steps, with different settings or none, so that
+state would be shared between strangers. diffusers offers no per-row state; this module keeps it
+per request instead, with diffusers' own rules:
 
-1) every row runs the denoiser's first block;
-2) each cached request compares its rows' first-block residual with its own from its last full step
-   (mean absolute change over the mean absolute previous residual) against its own threshold;
-3) only the rows that must recompute run the other blocks, as a sub-batch; a request under its
-   threshold adds its own cached tail residual to its first block's output instead.
+0) MagCache: each request's accumulated error from its magnitude ratios decides, before any block
+   runs, whether it skips the whole step (:class:`RowMagState`);
+1) the rows of the requests that do not skip it run the denoiser's first block;
+2) each first-block request compares its rows' first-block residual with its own from its last
+   full step (mean absolute change over the mean absolute previous residual) against its own
+   threshold (:class:`RowCacheState`);
+3) only the rows that must recompute run the other blocks, as a sub-batch; the others add what
+   the blocks added at their own last full step.
 
 A request's decision depends on its own rows only, so it takes the same steps alone as in any
-batch. The state (:class:`RowCacheState`) lives in the request's step state and goes with it.
+batch. The state lives in the request's step state and goes with it.
 
 Runs in the stage worker's forward thread, inside the step loop of
 :mod:`omni_runtime.stage.runners.diffusion_steps`.
@@ -25,7 +29,7 @@ import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -48,12 +52,62 @@ class RowCacheState:
 
 
 @dataclass(eq=False)
-class _Group:
-    """One request's rows of a denoiser call; ``state`` None: uncached, always runs."""
+class RowMagState:
+    """One request's MagCache between its steps: whole steps skipped (every block, the first too)
+    while the change its magnitude ratios predict stays small; diffusers' ``MagCacheConfig`` rule,
+    its accumulators kept per request."""
 
-    state: RowCacheState | None
+    threshold: float
+    max_skip_steps: int
+    #: Steps run in full first (diffusers: ``int(retention_ratio * steps + 0.5)``).
+    retention_steps: int
+    #: The ratio of each of the request's steps (diffusers interpolates them to the step count).
+    mag_ratios: list[float]
+    step_index: int = 0
+    accumulated_ratio: float = 1.0
+    accumulated_err: float = 0.0
+    accumulated_steps: int = 0
+    #: What the blocks added to the first block's input at the last step they ran.
+    residual: torch.Tensor | None = None
+    steps_run: int = 0
+    steps_skipped: int = 0
+
+    def decide(self) -> bool:
+        """Whether this step runs the blocks (before any block runs)."""
+        compute = True
+        if self.step_index >= self.retention_steps:
+            scale = self.mag_ratios[self.step_index] if self.step_index < len(self.mag_ratios) else 1.0
+            self.accumulated_ratio *= scale
+            self.accumulated_steps += 1
+            self.accumulated_err += abs(1.0 - self.accumulated_ratio)
+            if (
+                self.residual is not None
+                and self.accumulated_err <= self.threshold
+                and self.accumulated_steps <= self.max_skip_steps
+            ):
+                compute = False
+            else:
+                self.accumulated_ratio, self.accumulated_steps, self.accumulated_err = 1.0, 0, 0.0
+        self.step_index += 1
+        if compute:
+            self.steps_run += 1
+        else:
+            self.steps_skipped += 1
+        return compute
+
+
+RowState = RowCacheState | RowMagState
+
+
+@dataclass(eq=False)
+class _Group:
+    """One request's rows of a denoiser call; ``state`` None: uncached, always runs. ``whole``:
+    the request skips this step's every block (MagCache), its first block too."""
+
+    state: RowState | None
     rows: torch.Tensor
     run: bool = True
+    whole: bool = False
 
 
 class _Call:
@@ -63,6 +117,7 @@ class _Call:
         self.groups = groups
         self.batch = batch
         self.run_rows: torch.Tensor | None = None
+        self.head_in: torch.Tensor | None = None
         self.head_out: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
@@ -117,7 +172,8 @@ def _relative_change(now: torch.Tensor, before: torch.Tensor) -> float:
 
 
 class RowFirstBlockCache:
-    """Per-request first-block caching on one denoiser (a transformer with a registered block list).
+    """Per-request first-block caching and MagCache on one denoiser (a transformer with a
+    registered block list).
 
     The blocks' forwards are wrapped at the first cached call and pass through untouched outside
     :meth:`call`. ``count(called, run)`` receives, per block call, how many requests it served and
@@ -132,6 +188,11 @@ class RowFirstBlockCache:
         ]
         self._installed = False
         self._call: _Call | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether a cached denoiser call is under way (its blocks are counted here)."""
+        return self._call is not None
 
     @staticmethod
     def unsupported(module: torch.nn.Module) -> str | None:
@@ -158,11 +219,16 @@ class RowFirstBlockCache:
         self._installed = True
 
     @contextmanager
-    def call(self, groups: list[tuple[RowCacheState | None, torch.Tensor]], batch: int) -> Iterator[None]:
+    def call(self, groups: list[tuple[RowState | None, torch.Tensor]], batch: int) -> Iterator[None]:
         """One denoiser call of ``batch`` rows whose groups (a request's rows each) are given."""
         if not self._installed:
             self._install()
-        self._call = _Call([_Group(state, rows) for state, rows in groups], batch)
+        call = _Call([_Group(state, rows) for state, rows in groups], batch)
+        for g in call.groups:  # MagCache decides before any block runs
+            if isinstance(g.state, RowMagState):
+                g.run = g.state.decide()
+                g.whole = not g.run
+        self._call = call
         try:
             yield
         finally:
@@ -181,14 +247,17 @@ class RowFirstBlockCache:
 
     def _head(self, call: _Call, block: _Block, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         arguments = block.bind(args, kwargs)
-        hidden_in = arguments["hidden_states"]
-        output = block.forward(*args, **kwargs)
-        hidden, encoder = block.states(output)
+        hidden_in: torch.Tensor = arguments["hidden_states"]
+        # 1) The first block, for every row but those of requests that skip the whole step.
+        whole = [g for g in call.groups if g.whole]
+        active = [g.rows for g in call.groups if not g.whole]
+        rows = torch.cat(active) if whole and active else None
+        hidden, encoder = self._run(call, block, arguments, rows if active else False)
         residual = hidden - hidden_in
-        # 2) Each cached request decides on its own rows, against its own last full step.
+        # 2) Each first-block request decides on its own rows, against its own last full step.
         for g in call.groups:
             s = g.state
-            if s is None:
+            if not isinstance(s, RowCacheState):
                 continue
             mine = residual.index_select(0, g.rows)
             before = s.head_residual
@@ -200,29 +269,40 @@ class RowFirstBlockCache:
                 s.steps_skipped += 1
         run = [g.rows for g in call.groups if g.run]
         call.run_rows = torch.cat(run) if run else None
+        call.head_in = hidden_in
         call.head_out = (hidden, encoder)
-        self.count(len(call.groups), len(call.groups))
-        return output
+        self.count(len(call.groups), len(call.groups) - len(whole))
+        return block.output(hidden, encoder)
 
-    def _rest(self, call: _Call, block: _Block, tail: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        arguments = block.bind(args, kwargs)
+    @staticmethod
+    def _run(
+        call: _Call, block: _Block, arguments: dict[str, Any], rows: torch.Tensor | Literal[False] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block on ``rows`` (None: every row; False: none), the other rows passed through."""
         hidden_in: torch.Tensor = arguments["hidden_states"]
         encoder_in: torch.Tensor | None = None
         if block.encoder_index is not None:  # blocks that update the text states too (Flux)
             encoder_in = arguments["encoder_hidden_states"]
+        if rows is False:
+            return hidden_in, encoder_in
+        if rows is None:
+            return block.states(block.forward(**arguments))
+        part_h, part_e = block.states(block.forward(**_rows_of(arguments, rows, call.batch)))
+        hidden = _scatter(hidden_in, rows, part_h)
+        encoder = None if part_e is None or encoder_in is None else _scatter(encoder_in, rows, part_e)
+        return hidden, encoder
+
+    def _rest(self, call: _Call, block: _Block, tail: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        arguments = block.bind(args, kwargs)
         rows = call.run_rows
         running = sum(1 for g in call.groups if g.run)
         self.count(len(call.groups), running)
         # 3) The rows that recompute run the block (as a sub-batch when some rows skip); the others
-        #    pass through and take their cached tail residual after the last block.
+        #    pass through and take their cached residual after the last block.
         if rows is None:
-            hidden, encoder = hidden_in, encoder_in
-        elif rows.numel() == call.batch:
-            hidden, encoder = block.states(block.forward(**arguments))
+            hidden, encoder = self._run(call, block, arguments, False)
         else:
-            part_h, part_e = block.states(block.forward(**_rows_of(arguments, rows, call.batch)))
-            hidden = _scatter(hidden_in, rows, part_h)
-            encoder = None if part_e is None or encoder_in is None else _scatter(encoder_in, rows, part_e)
+            hidden, encoder = self._run(call, block, arguments, None if rows.numel() == call.batch else rows)
         if tail:
             hidden, encoder = self._finish(call, hidden, encoder)
         return block.output(hidden, encoder)
@@ -233,10 +313,17 @@ class RowFirstBlockCache:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """After the last block: cached requests that ran keep what the blocks added; those that
         skipped add what they kept to their first block's output."""
-        assert call.head_out is not None
+        assert call.head_out is not None and call.head_in is not None
         head_h, head_e = call.head_out
         for g in call.groups:
             s = g.state
+            if isinstance(s, RowMagState):
+                if g.run:
+                    s.residual = hidden.index_select(0, g.rows) - call.head_in.index_select(0, g.rows)
+                else:  # the step's input plus what the blocks added last time; text states as they came
+                    assert s.residual is not None  # a request skips only once it has one
+                    hidden = _scatter(hidden, g.rows, call.head_in.index_select(0, g.rows) + s.residual)
+                continue
             if s is None:
                 continue
             if g.run:

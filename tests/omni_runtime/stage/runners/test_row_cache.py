@@ -1,4 +1,4 @@
-"""First-block caching per request in step execution, on tiny-flux in-process: a cached request's
+"""Step caching per request in step execution (first block, MagCache), on tiny-flux in-process: a cached request's
 image is the same alone as when it joins a running batch of uncached and differently cached
 requests, it runs fewer blocks than uncached, and abort and preemption keep or free its state."""
 
@@ -25,6 +25,8 @@ DEFAULTS = {"height": 64, "width": 64, "num_inference_steps": 8, "guidance_scale
 #: Surely skips on random weights (their first-block residuals change by far more than 0.05).
 SKIPPING = {"type": "first_block", "threshold": 1.0}
 OTHER = {"type": "first_block", "threshold": 0.3}
+#: Uncalibrated (ratios of 1): skips up to max_skip_steps in a row after the retained steps.
+MAG = {"type": "mag", "max_skip_steps": 2}
 #: A request alone vs in a batch: batched kernels are not bitwise batch-1 ones, and the skip
 #: decisions are the request's own, so only float noise is left (seen: ~1e-6).
 BATCH_TOLERANCE = 1e-3
@@ -113,7 +115,7 @@ def test_a_cached_request_is_the_same_alone_and_in_a_mixed_batch(flux: Diffusion
     np.testing.assert_allclose(wave.tensors["images"], solo, rtol=0, atol=BATCH_TOLERANCE)
     # Joins a running batch of an uncached request and a differently cached one, two steps in.
     d = Driver(flux)
-    d.admit(req("u", 1, cache="off"), req("o", 2, cache=OTHER, num_inference_steps=12))
+    d.admit(req("u", 1, cache="off"), req("o", 2, cache=OTHER, num_inference_steps=12), req("m", 4, cache=MAG))
     d.step()
     d.step()
     d.admit(cached)
@@ -127,6 +129,21 @@ def test_a_cached_request_is_the_same_alone_and_in_a_mixed_batch(flux: Diffusion
     np.testing.assert_allclose(d.outputs["u"].tensors["images"], plain_u, rtol=0, atol=BATCH_TOLERANCE)
     assert d.states["u"] is None
     assert flux.stats()["cache"]["hit_rate"] > 0
+
+
+def test_mag_cache_per_request_skips_whole_steps_as_diffusers_does(flux: DiffusionRunner) -> None:
+    cached = req("m", 4, cache=MAG)
+    solo, state, called, run = alone(flux, cached)
+    assert state is not None and state.steps_skipped > 0
+    assert run < called == 8 * 3  # a skipped step runs no block, the first one neither
+    (wave,) = flux.execute([cached], CTX)  # diffusers' own MagCache hooks, request-level
+    np.testing.assert_allclose(wave.tensors["images"], solo, rtol=0, atol=BATCH_TOLERANCE)
+    d = Driver(flux)
+    d.admit(req("c", 3, cache=SKIPPING), req("u", 1, cache="off"))
+    d.step()
+    d.admit(cached)
+    d.finish()
+    np.testing.assert_allclose(d.outputs["m"].tensors["images"], solo, rtol=0, atol=BATCH_TOLERANCE)
 
 
 def test_preemption_keeps_the_state_and_abort_frees_it(flux: DiffusionRunner) -> None:
@@ -175,7 +192,7 @@ def test_video_rows_under_guidance_decide_per_request() -> None:
     np.testing.assert_allclose(d.outputs["c"].tensors["videos"], solo, rtol=0, atol=BATCH_TOLERANCE)
 
 
-def test_step_caches_other_than_first_block_fail_their_own_admission(flux: DiffusionRunner) -> None:
+def test_step_caches_other_than_first_block_and_mag_fail_their_own_admission(flux: DiffusionRunner) -> None:
     failed = flux.step_admit([req("t", 1, cache={"type": "taylorseer"}), req("ok", 2, cache=SKIPPING)], CTX)
     assert set(failed) == {"t"}
     error = failed["t"].error
