@@ -24,7 +24,7 @@ from omni_runtime.acceleration import (
 )
 from omni_runtime.config import EngineArgs
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
-from omni_runtime.stage.runners.row_cache import RowCacheState, RowFirstBlockCache, RowMagState, RowState
+from omni_runtime.stage.runners.row_cache import RowCacheState, RowMagState, RowState, RowStepCache
 from omni_runtime.stage.runners.sizes import denoiser
 
 logger = logging.getLogger(__name__)
@@ -167,21 +167,21 @@ class StepCacheControl:
         self.blocks_run = 0
         self._counting = False
         #: Per-request first-block caching for step execution (made by :meth:`row_cache`).
-        self._rows: RowFirstBlockCache | None = None
+        self._rows: RowStepCache | None = None
 
-    def row_cache(self) -> RowFirstBlockCache | None:
+    def row_cache(self) -> RowStepCache | None:
         """The denoiser's per-request first-block cache for step execution (None where it has no cache
         hooks: such requests are refused by :meth:`step_cache`). ConfigError when the stage's default
         cache cannot run step by step."""
         if self.unsupported is None:
-            reason = RowFirstBlockCache.unsupported(self.module)
+            reason = RowStepCache.unsupported(self.module)
             if reason is not None:
                 self.unsupported = f"step execution caches per request and {reason}"
         if self.unsupported is not None:
             if self.default is not None:
                 raise ConfigError(self.unsupported, path="engine_args.cache.type")
             return None
-        self._rows = RowFirstBlockCache(self.module, self.count)
+        self._rows = RowStepCache(self.module, self.count)
         return self._rows
 
     def served(self) -> tuple[tuple[str, ...], str]:

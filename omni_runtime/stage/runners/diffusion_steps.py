@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from omni_runtime.stage.runners.row_cache import RowFirstBlockCache, RowState
+from omni_runtime.stage.runners.row_cache import RowState, RowStepCache
 
 
 @dataclass(eq=False)
@@ -101,7 +101,7 @@ class StepFamily:
         #: The img2img form of ``pipe`` (shared components), set by the runner where it has one.
         self.image_pipe: Any = None
         #: Per-request first-block caching on the denoiser, set by the runner where it serves it.
-        self.row_cache: RowFirstBlockCache | None = None
+        self.row_cache: RowStepCache | None = None
 
     # ------------------------------------------------------------------ what subclasses provide
 

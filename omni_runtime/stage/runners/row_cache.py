@@ -25,6 +25,7 @@ Runs in the stage worker's forward thread, inside the step loop of
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -171,7 +172,7 @@ def _relative_change(now: torch.Tensor, before: torch.Tensor) -> float:
     return float((now - before).abs().mean() / before.abs().mean())
 
 
-class RowFirstBlockCache:
+class RowStepCache:
     """Per-request first-block caching and MagCache on one denoiser (a transformer with a
     registered block list).
 
@@ -224,6 +225,9 @@ class RowFirstBlockCache:
         if not self._installed:
             self._install()
         call = _Call([_Group(state, rows) for state, rows in groups], batch)
+        # The states as they were: a call that raises is retried request by request (the step
+        # loop's isolation), which must start from them, not from a half-taken step.
+        saved = [(g.state, copy.copy(g.state)) for g in call.groups if g.state is not None]
         for g in call.groups:  # MagCache decides before any block runs
             if isinstance(g.state, RowMagState):
                 g.run = g.state.decide()
@@ -231,6 +235,10 @@ class RowFirstBlockCache:
         self._call = call
         try:
             yield
+        except BaseException:
+            for state, before in saved:
+                vars(state).update(vars(before))
+            raise
         finally:
             self._call = None
 
