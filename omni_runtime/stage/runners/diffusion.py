@@ -842,6 +842,10 @@ class DiffusionRunner(StageRunner):
                 else:
                     out.media.extend(image_items(floats, seed=s.seed))
                 outputs[s.request_id] = out
+        for s in done:  # the request's own cache blocks (/metrics counts them per request)
+            if s.cache is not None and s.request_id in outputs:
+                outputs[s.request_id].metrics["request_cache_blocks_called"] = s.cache.blocks_called
+                outputs[s.request_id].metrics["request_cache_blocks_run"] = s.cache.blocks_run
         for rid, out in outputs.items():
             out.metrics["seed"] = self._states[rid].seed
             if rid in decode_ms:

@@ -50,6 +50,9 @@ class RowCacheState:
     #: Steps taken with and without the other blocks.
     steps_run: int = 0
     steps_skipped: int = 0
+    #: Denoiser blocks called for this request, and those that really ran on its rows.
+    blocks_called: int = 0
+    blocks_run: int = 0
 
 
 @dataclass(eq=False)
@@ -72,6 +75,8 @@ class RowMagState:
     residual: torch.Tensor | None = None
     steps_run: int = 0
     steps_skipped: int = 0
+    blocks_called: int = 0
+    blocks_run: int = 0
 
     def decide(self) -> bool:
         """Whether this step runs the blocks (before any block runs)."""
@@ -279,8 +284,16 @@ class RowStepCache:
         call.run_rows = torch.cat(run) if run else None
         call.head_in = hidden_in
         call.head_out = (hidden, encoder)
-        self.count(len(call.groups), len(call.groups) - len(whole))
+        self._tally(call, [not g.whole for g in call.groups])
         return block.output(hidden, encoder)
+
+    def _tally(self, call: _Call, ran: list[bool]) -> None:
+        """One block call: counted for the stage and for each cached request it served."""
+        for g, r in zip(call.groups, ran, strict=True):
+            if g.state is not None:
+                g.state.blocks_called += 1
+                g.state.blocks_run += r
+        self.count(len(ran), sum(ran))
 
     @staticmethod
     def _run(
@@ -303,8 +316,7 @@ class RowStepCache:
     def _rest(self, call: _Call, block: _Block, tail: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         arguments = block.bind(args, kwargs)
         rows = call.run_rows
-        running = sum(1 for g in call.groups if g.run)
-        self.count(len(call.groups), running)
+        self._tally(call, [g.run for g in call.groups])
         # 3) The rows that recompute run the block (as a sub-batch when some rows skip); the others
         #    pass through and take their cached residual after the last block.
         if rows is None:

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from omni_runtime.acceleration import cache_type, parse_cache
 from tests.strategies import ANY_FLOAT, JSON_VALUES
@@ -85,6 +86,9 @@ def test_a_request_cache_over_http(client: openai.OpenAI, http: httpx.Client) ->
     before = skipped(http)
     cached = image(client, cache=SKIPPING)
     assert skipped(http) > before  # the stage ran fewer blocks for it
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    outcomes = {s.labels["outcome"]: s.value for s in families["omni_stage_cache_blocks"].samples}
+    assert outcomes["skipped"] > 0 and outcomes["run"] > 0
     # 8-bit pixels: within 0.05 of the [0, 1] range, as the in-process tests bound it.
     assert 0 < np.abs(cached - plain).max() <= 13
     assert np.array_equal(image(client, cache=SKIPPING), cached)

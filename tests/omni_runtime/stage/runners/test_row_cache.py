@@ -101,7 +101,10 @@ def alone(runner: DiffusionRunner, request: RunnerRequest) -> tuple[np.ndarray, 
     d.admit(request)
     d.finish()
     called, run = runner.cache.blocks_called - before[0], runner.cache.blocks_run - before[1]
-    return d.outputs[request.request_id].tensors["images"], d.states[request.request_id], called, run
+    out = d.outputs[request.request_id]
+    if d.states[request.request_id] is not None:  # its own count, for /metrics: alone, the stage's
+        assert (out.metrics["request_cache_blocks_called"], out.metrics["request_cache_blocks_run"]) == (called, run)
+    return out.tensors["images"], d.states[request.request_id], called, run
 
 
 def test_a_cached_request_is_the_same_alone_and_in_a_mixed_batch(flux: DiffusionRunner) -> None:
