@@ -9,7 +9,16 @@ option 1, option 2..., then again) and the fastest round kept: on a shared machi
 changes over minutes, and only ever adds time. Random-weight models: the deviation says how far
 an option moves the output, not what it does to visual quality.
 
-    python -m benchmarks.acceleration [--steps 20] [--rounds 3] [--json out.json]
+With ``--step-execution``: instead, tiny-flux in step execution, four requests joining a running
+batch, each with its own ``cache`` or none (per-request caching): total time, blocks skipped,
+deviation from the uncached images.
+
+With ``--compile``: instead, per family, regional ``torch.compile`` (inductor) with the warm-up at
+load (``torch_compile: {regional: true, warmup: true}``), each family in a fresh process with an
+empty inductor cache: the seconds the load spent compiling, the first request's time after it
+(the compile already paid) and the steady time per image beside the uncompiled one.
+
+    python -m benchmarks.acceleration [--steps 20] [--rounds 3] [--json out.json] [--compile | --step-execution]
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import subprocess
 import sys
@@ -48,18 +58,34 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def runner_for(family: str, option: str) -> Any:
+#: What ``--compile`` asks for: diffusers' regional compilation, paid at load.
+COMPILE = {"regional": True, "warmup": True, "backend": "inductor"}
+
+
+def runner_for(family: str, option: str, steps: int | None = None) -> Any:
     import msgspec
 
     from omni_runtime.config import StageConfig
     from omni_runtime.stage.runners.diffusion import DiffusionRunner
 
     spec = FAMILIES[family]
-    engine_args = dict(OPTIONS[option])
+    engine_args = dict(OPTIONS.get(option, {}))
     if "quantization" in engine_args:
         engine_args["quantization"] = {**engine_args["quantization"], "components": [spec["denoiser"]]}
+    defaults: dict[str, Any] = {}
+    if option == "compile":
+        # The warm-up runs the stage's defaults: the size and step count timed here.
+        engine_args = {"torch_compile": COMPILE}
+        defaults = {"height": spec["size"], "width": spec["size"], "num_inference_steps": steps}
     stage = msgspec.convert(
-        {"stage_id": 0, "stage_type": "diffusion", "model": spec["model"], "engine_args": engine_args}, StageConfig
+        {
+            "stage_id": 0,
+            "stage_type": "diffusion",
+            "model": spec["model"],
+            "engine_args": engine_args,
+            "default_sampling_params": defaults,
+        },
+        StageConfig,
     )
     runner = DiffusionRunner(stage)
     runner.load()
@@ -115,14 +141,124 @@ def timed(family: str, options: list[str], steps: int, rounds: int) -> dict[str,
     return best
 
 
+def compiled(family: str, steps: int, rounds: int) -> dict[str, Any]:
+    """In one fresh process (an empty inductor cache): the plain runner timed, then the compiled
+    one loaded (its compile seconds), its first request and its steady time per image."""
+    import torch
+
+    torch.set_num_threads(1)
+    plain = runner_for(family, "plain")
+    image, _, _ = generate(plain, family, steps)  # warm-up
+    plain_s = min(generate(plain, family, steps)[1] for _ in range(rounds))
+    start = time.perf_counter()
+    runner = runner_for(family, "compile", steps)
+    load_s = time.perf_counter() - start
+    first, first_s, _ = generate(runner, family, steps)
+    compiled_s = min(generate(runner, family, steps)[1] for _ in range(rounds))
+    return {
+        "family": family,
+        "compile_s": runner.stats()["compile_warmup_s"],
+        "load_s": load_s,
+        "first_request_s": first_s,
+        "s_per_image": compiled_s,
+        "plain_s_per_image": plain_s,
+        "speedup": plain_s / compiled_s,
+        "max_abs_diff": float(np.abs(first - image).max()),
+    }
+
+
+def compile_main(args: argparse.Namespace) -> None:
+    rows = []
+    for family in args.families.split(","):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {"TORCHINDUCTOR_CACHE_DIR": cache}
+            rows.append(_child(["--steps", str(args.steps), "--rounds", str(args.rounds), "--compiled", family], env))
+        print(f"{family}: compiled in {rows[-1]['compile_s']:.1f} s", file=sys.stderr)
+    columns = ["family", "compile_s", "load_s", "first_request_s", "s_per_image", "plain_s_per_image", "speedup"]
+    print(f"regional torch.compile (inductor), warm-up at load, {args.steps} steps, 1 torch thread, cold cache")
+    print(table(rows, [*columns, "max_abs_diff"]))
+    write_json(args.json, rows)
+
+
+#: ``--step-execution``: what each of the four requests asks for, per run.
+STEP_MIXES: dict[str, list[Any]] = {
+    "none cached": ["off"] * 4,
+    "half cached": [{"type": "first_block", "threshold": 1.0}, "off"] * 2,
+    "all first_block": [{"type": "first_block", "threshold": 1.0}] * 4,
+    "all mag": [{"type": "mag"}] * 4,
+}
+
+
+def step_mixes(steps: int, rounds: int) -> list[dict[str, Any]]:
+    """tiny-flux in step execution: four requests joining a running batch every few steps, each
+    with its own cache setting (or none), driven as the worker drives them; the fastest of
+    ``rounds`` per mix, and each request's largest difference from its uncached image."""
+    import msgspec
+    import torch
+
+    from omni_runtime.config import StageConfig
+    from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
+    from omni_runtime.stage.runners.diffusion import DiffusionRunner
+
+    torch.set_num_threads(1)
+    size = FAMILIES["flux"]["size"]
+    stage = {"stage_id": 0, "stage_type": "diffusion", "model": "builtin:tiny-flux"}
+    runner = DiffusionRunner(msgspec.convert({**stage, "engine_args": {"step_execution": True}}, StageConfig))
+    runner.load()
+    ctx = ExecuteContext(lambda rid: False)
+
+    def run(mix: list[Any]) -> tuple[float, dict[str, np.ndarray]]:
+        params = {"height": size, "width": size, "num_inference_steps": steps, "output_type": "np"}
+        requests = [
+            RunnerRequest(request_id=f"r{i}", prompt=f"a lighthouse {i}", params={**params, "seed": i, "cache": c})
+            for i, c in enumerate(mix)
+        ]
+        running: list[str] = []
+        images: dict[str, np.ndarray] = {}
+        start = time.perf_counter()
+        for i, request in enumerate(requests):  # one joins every steps // 4 steps
+            assert not runner.step_admit([request], ctx)
+            running.append(request.request_id)
+            for _ in range(steps // 4 if i < len(requests) - 1 else 0):
+                for rid, result in runner.step_run(list(running), ctx).items():
+                    if result.output is not None:
+                        images[rid] = result.output.tensors["images"]
+                        running.remove(rid)
+        while running:
+            for rid, result in runner.step_run(list(running), ctx).items():
+                if result.output is not None:
+                    images[rid] = result.output.tensors["images"]
+                    running.remove(rid)
+        return time.perf_counter() - start, images
+
+    run(STEP_MIXES["none cached"])  # warm-up
+    rows, plain_images = [], run(STEP_MIXES["none cached"])[1]
+    for name, mix in STEP_MIXES.items():
+        assert runner.cache is not None
+        called, ran = runner.cache.blocks_called, runner.cache.blocks_run
+        best = math.inf
+        for _ in range(rounds):
+            wall, images = run(mix)
+            best = min(best, wall)
+        called, ran = runner.cache.blocks_called - called, runner.cache.blocks_run - ran
+        diff = max(float(np.abs(images[k] - plain_images[k]).max()) for k in images)
+        rows.append(
+            {"mix": name, "s_total": best, "blocks_skipped": 1 - ran / called if called else 0.0, "max_abs_diff": diff}
+        )
+    for row in rows:
+        row["speedup"] = rows[0]["s_total"] / row["s_total"]
+    return rows
+
+
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
     return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
 
 
-def _child(args: list[str]) -> Any:
+def _child(args: list[str], env: dict[str, str] | None = None) -> Any:
     cmd = [sys.executable, "-m", "benchmarks.acceleration", *args]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    environ = {**os.environ, **(env or {})}
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False, env=environ)
     if done.returncode != 0:
         print(done.stderr[-3000:], file=sys.stderr)
         raise SystemExit(f"{' '.join(args)} failed")
@@ -137,7 +273,22 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--one", nargs=3, metavar=("FAMILY", "OPTION", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--timed", metavar="FAMILY", help=argparse.SUPPRESS)
+    ap.add_argument("--compile", action="store_true", help="time regional torch.compile paid at load instead")
+    ap.add_argument("--compiled", metavar="FAMILY", help=argparse.SUPPRESS)
+    ap.add_argument("--step-execution", action="store_true", help="time per-request caching in step execution instead")
     args = ap.parse_args()
+    if args.step_execution:
+        rows = step_mixes(args.steps, args.rounds)
+        print(f"tiny-flux, step execution, 4 requests joining every {args.steps // 4} steps, {args.steps} steps each")
+        print(table(rows, ["mix", "s_total", "speedup", "blocks_skipped", "max_abs_diff"]))
+        write_json(args.json, rows)
+        return
+    if args.compiled:
+        print(json.dumps(compiled(args.compiled, args.steps, args.rounds)))
+        return
+    if args.compile:
+        compile_main(args)
+        return
     if args.one:
         family, option, out = args.one
         print(json.dumps(one(family, option, args.steps, out)))

@@ -131,11 +131,12 @@ def check_acceleration(
         if cache_type(cache) in REFUSED_CACHE_TYPES:
             reason = REFUSED_CACHE_TYPES[cache_type(cache)]
             raise ConfigError(reason, path=f"{at}.engine_args.cache.type", source=source)
-        if step_execution:
+        if step_execution and not isinstance(cache, FirstBlockCache | MagCache):
             raise ConfigError(
-                "step caching does not run in step execution yet (a request's cache state would be "
-                "shared with its batch-mates); drop engine_args.step_execution or the cache",
-                path=f"{at}.engine_args.cache",
+                f"step execution caches per request with first_block or mag; {cache_type(cache)} keeps its "
+                "state per module (diffusers' hooks), which a step batch would share between requests; use "
+                "type: first_block or mag, or drop engine_args.step_execution",
+                path=f"{at}.engine_args.cache.type",
                 source=source,
             )
     quant: Quantization | None = engine_args.quantization

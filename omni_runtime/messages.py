@@ -160,6 +160,10 @@ class StageConstraints(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     #: The voices a speech stage takes (its speakers' names and the aliases mapped onto them);
     #: empty: any (the stage checks).
     voices: tuple[str, ...] = ()
+    #: The step-cache types a request's ``cache`` may name (empty: none); None: not checked here.
+    cache_types: tuple[str, ...] | None = None
+    #: Why other types are refused, for the error.
+    cache_note: str | None = None
 
 
 class BatchProfileReport(msgspec.Struct, **_Msg):
@@ -185,6 +189,9 @@ class StageReady(msgspec.Struct, tag="ready", **_Msg):
     constraints: StageConstraints = msgspec.field(default_factory=StageConstraints)
     #: What the start-up profile of the cost of a batch measured (``engine_args.batch_profile``).
     batch_profile: BatchProfileReport | None = None
+    #: Seconds the load spent compiling (``torch_compile: {warmup: true}``), paid before READY
+    #: rather than by the first request; None: no compile warm-up ran.
+    compile_s: float | None = None
 
 
 class Progress(msgspec.Struct, **_Msg):

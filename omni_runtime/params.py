@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 import numpy as np
 
-from omni_runtime.acceleration import StepCache
+from omni_runtime.acceleration import StepCache, cache_type, parse_cache
 from omni_runtime.bounds import LORA_NAME_PATTERN as LORA_NAME_PATTERN
 from omni_runtime.bounds import MAX_LORA_SCALE as MAX_LORA_SCALE
 from omni_runtime.bounds import MAX_PROMPT_CHARS as MAX_PROMPT_CHARS
@@ -383,6 +383,7 @@ def check_constraints(params: dict[str, Any], constraints: StageConstraints) -> 
     check_frames(params, constraints)
     check_audio(params, constraints)
     check_voice(params, constraints)
+    check_cache(params, constraints)
     check_step_range(params.get("num_inference_steps"), constraints)
     h = params.get("height")
     w = params.get("width")
@@ -463,6 +464,19 @@ def check_video_pixels(params: dict[str, Any], constraints: StageConstraints) ->
 
 #: The params only an audio model takes.
 AUDIO_PARAMS = ("audio_end_in_s", "audio_start_in_s", "num_waveforms_per_prompt")
+
+
+def check_cache(params: dict[str, Any], constraints: StageConstraints) -> None:
+    """A request's ``cache`` names a type the stage runs (``cache_types``)."""
+    value = params.get("cache")
+    if value is None or value == "off" or constraints.cache_types is None:
+        return
+    name = cache_type(parse_cache(value))  # type: ignore[arg-type]  # neither None nor "off" here
+    if name not in constraints.cache_types:
+        raise InvalidRequestError(
+            f"invalid sampling param `cache`: {constraints.cache_note or f'this stage runs no {name} cache'}",
+            param="cache",
+        )
 
 
 def check_voice(params: dict[str, Any], constraints: StageConstraints) -> None:

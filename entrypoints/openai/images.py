@@ -39,6 +39,7 @@ GENERATION_FIELDS = FieldMap(
         "slo_ms": "slo_ms",
         "lora": "lora",
         "priority": "priority",
+        "cache": "cache",
         "size": ("width", "height"),
     },
     read={"lora": lambda body: body.lora.params() if body.lora else None, "size": lambda body: body.dimensions()},
@@ -53,6 +54,7 @@ INPUT_IMAGE_FIELDS = FieldMap(
         "guidance_scale": "guidance_scale",
         "timeout": "timeout",
         "slo_ms": "slo_ms",
+        "cache": "cache",
     },
     computed={
         "image": "image",

@@ -83,6 +83,7 @@ JOB_IMAGE_FIELDS = FieldMap(
         "inputs.seconds": "audio_end_in_s",
         "inputs.audio_start_in_s": "audio_start_in_s",
         "inputs.num_waveforms_per_prompt": "num_waveforms_per_prompt",
+        "inputs.cache": "cache",
     },
     read={"inputs.size": lambda body: body.inputs.dimensions()},
     computed={"inputs.prompt": "prompt", "inputs.image": "image"},

@@ -162,7 +162,8 @@ class ServerMetrics:
         self.cache_blocks = Counter(
             "omni_stage_cache_blocks",
             "Denoiser transformer blocks called per stage, by outcome: run, or skipped by a step cache "
-            "(output metrics cache_blocks_called / cache_blocks_run, once per wave).",
+            "(output metrics cache_blocks_called / cache_blocks_run, once per wave; in step execution, "
+            "each cached request's own request_cache_blocks_called / request_cache_blocks_run).",
             [*m, "stage", "outcome"],
             registry=r,
         )
@@ -209,6 +210,11 @@ class ServerMetrics:
     def observe_stage(self, sid: int, metrics: dict[str, Any]) -> None:
         """The wave histogram and cost gauges, from one stage's output metrics (each wave counted once)."""
         self._observe_cost(str(sid), metrics)
+        # Step execution: each cached request's own blocks, counted per request (not per wave).
+        called, ran = metrics.get("request_cache_blocks_called"), metrics.get("request_cache_blocks_run")
+        if isinstance(called, int) and isinstance(ran, int) and called >= ran >= 0:
+            self.cache_blocks.labels(str(sid), "run").inc(ran)
+            self.cache_blocks.labels(str(sid), "skipped").inc(called - ran)
         execution, batch = metrics.get("execution_ms"), metrics.get("batch_id")
         if not isinstance(execution, int | float):
             return

@@ -17,17 +17,20 @@ the OpenAI error shape ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
+import msgspec
 from fastapi.exceptions import RequestValidationError
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
 from omni_runtime import encoders
+from omni_runtime.acceleration import parse_cache
 from omni_runtime.bounds import MAX_PROMPT_CHARS, MAX_SIDE, MAX_SPEECH_CHARS, MIN_SIDE
 from omni_runtime.bounds import pydantic as bounds
 from omni_runtime.exceptions import (
@@ -92,6 +95,36 @@ def _job_formats_schema(schema: dict[str, Any]) -> None:
 #: A job's file format: an image format (image tasks) or an audio one (audio tasks); which kind
 #: the task takes is checked with the task (entrypoints/openai/job_manager.py).
 JobFormat = Annotated[str, AfterValidator(_job_format), Field(json_schema_extra=_job_formats_schema)]
+
+
+def _form_json(value: Any) -> Any:
+    """A multipart form carries an object as its JSON text (``cache={"type": ...}``)."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise ValueError("not valid JSON") from None
+    return value
+
+
+def _step_cache(value: Any) -> dict[str, Any] | Literal["off"]:
+    """The ``cache`` extension: checked as the Python param is (types, fields and bounds of
+    omni_runtime/acceleration.py), passed on as plain data."""
+    if value == "off":
+        return "off"
+    if not isinstance(value, dict):
+        raise ValueError('expected "off" or an object with `type` (first_block, taylorseer, mag, pab)')
+    try:
+        parsed = parse_cache(value)
+    except (msgspec.ValidationError, TypeError) as e:
+        raise ValueError(f"invalid step cache: {e}") from None
+    builtins: dict[str, Any] = msgspec.to_builtins(parsed)
+    return builtins
+
+
+#: Step caching for the request (an extension): ``{"type": "first_block", "threshold": 0.1}``, the
+#: fields of ``engine_args.cache``, or ``"off"``; unset: the stage's own.
+StepCacheField = Annotated[Any, BeforeValidator(_form_json), AfterValidator(_step_cache)]
 
 
 class UnencodableValue(ValueError):
@@ -194,6 +227,7 @@ class _ImagesRequest(_SizedRequest):
     seed: Seed | None = None
     timeout: Timeout | None = None
     slo_ms: SloMs | None = None
+    cache: StepCacheField | None = None
 
 
 class ImageGenerationRequest(_ImagesRequest):
@@ -298,6 +332,8 @@ class GenerateInputs(_SizedRequest):
     voice: Annotated[str, Field(**bounds("voice"))] | None = None
     #: How fast to speak (task ``text2speech``).
     speed: Annotated[float, Field(**bounds("speed"))] | None = None
+    #: Step caching of a diffusion task (as ``cache`` on the images routes).
+    cache: StepCacheField | None = None
 
     @model_validator(mode="after")
     def _one_size(self) -> GenerateInputs:

@@ -117,6 +117,9 @@ class StagePool:
 
         async def start_one(client: StageClient) -> StageReady:
             ready = await client.start()
+            if ready.compile_s is not None:
+                sid, rid = self.stage_id, client.replica_id
+                logger.info("stage %d replica %d: compiled in %.1f s before READY", sid, rid, ready.compile_s)
             self.replicas[client.replica_id] = client
             self._pong_at[client.replica_id] = time.monotonic()
             if self._heartbeat is None:

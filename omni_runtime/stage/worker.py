@@ -168,12 +168,14 @@ class StageWorker:
             logger.info("stage %d: batch profile %s", self.stage_id, self.batch_profile)
         self._loop_task = asyncio.create_task(self.executor.run(), name=f"stage{self.stage_id}-loop")
         self._loop_task.add_done_callback(self._on_loop_done)
+        compile_s = self.runner.stats().get("compile_warmup_s")
         return StageReady(
             stage_id=self.stage_id,
             replica_id=self.replica_id,
             pid=os.getpid(),
             constraints=constraints,
             batch_profile=self.batch_profile,
+            compile_s=float(compile_s) if compile_s is not None else None,
         )
 
     def _constraints(self) -> StageConstraints:

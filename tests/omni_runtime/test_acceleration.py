@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from omni_runtime.acceleration import FirstBlockCache, MagCache, cache_key, parse_cache
 from omni_runtime.config import parse_config
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
-from omni_runtime.params import DiffusionSamplingParams, resolve_params
+from omni_runtime.messages import StageConstraints
+from omni_runtime.params import DiffusionSamplingParams, check_constraints, resolve_params
 
 pytestmark = pytest.mark.unit
 
@@ -55,7 +56,8 @@ def test_options_decode() -> None:
         ({"cache": {"type": "faster"}}, "cpu", "engine_args.cache.type", "FasterCache"),
         ({"cache": {"type": "first_block", "threshold": -1}}, "cpu", "engine_args.cache.threshold", ">= 0"),
         ({"cache": {"type": "pab", "radius": 3}}, "cpu", "engine_args.cache.radius", "unknown key"),
-        ({"cache": {"type": "first_block"}, "step_execution": True}, "cpu", "engine_args.cache", "step execution"),
+        ({"cache": {"type": "taylorseer"}, "step_execution": True}, "cpu", "engine_args.cache.type", "per request"),
+        ({"cache": {"type": "pab"}, "step_execution": True}, "cpu", "engine_args.cache.type", "first_block"),
         ({"quantization": {"backend": "bnb"}}, "cpu", "engine_args.quantization.backend", "Invalid enum"),
         ({"quantization": {"quant_type": "float8wo"}}, "cpu", "engine_args.quantization.quant_type", "GPU"),
         ({"quantization": {}, "layerwise_casting": {}}, "cpu", "engine_args.layerwise_casting", "choose one"),
@@ -73,6 +75,11 @@ def test_refused_combinations_name_the_yaml_path(
         config(engine_args, devices)
     assert e.value.path == f"stage_args[0].{path}"
     assert str(e.value).startswith(f"accel.yaml: stage_args[0].{path}: ")
+
+
+def test_first_block_cache_runs_in_step_execution() -> None:
+    args = config({"cache": {"type": "first_block"}, "step_execution": True}).stage_args[0].engine_args
+    assert args.step_execution and args.cache == FirstBlockCache()
 
 
 def test_quantizing_another_component_leaves_the_denoiser_to_casting() -> None:
@@ -112,3 +119,13 @@ def test_hostile_cache_params_are_400s_or_valid(value: Any) -> None:
         return
     cache = resolved.get("cache")
     assert cache is None or cache == "off" or isinstance(cache_key(cache), str)
+
+
+def test_a_stage_names_the_cache_types_it_runs() -> None:
+    step = StageConstraints(cache_types=("first_block",), cache_note="step execution caches with first_block")
+    check_constraints({"cache": {"type": "first_block", "threshold": 0.2}}, step)
+    check_constraints({"cache": "off"}, StageConstraints(cache_types=(), cache_note="no hooks"))
+    with pytest.raises(InvalidRequestError, match="step execution caches") as e:
+        check_constraints({"cache": MagCache()}, step)
+    assert e.value.param == "cache"
+    check_constraints({"cache": {"type": "mag"}}, StageConstraints())  # unreported: the stage checks

@@ -1,7 +1,8 @@
 """The acceleration options of ``engine_args`` (:mod:`omni_runtime.acceleration`) applied to a
 loaded diffusers pipeline, in the stage worker: quantization arguments for ``from_pretrained``,
 layerwise casting and offload after it, and :class:`StepCacheControl`, which switches the
-denoiser's cache hooks between waves and counts the blocks it really ran.
+denoiser's cache hooks between waves (or, in step execution, gives each request its own first-block
+cache state, :mod:`omni_runtime.stage.runners.row_cache`) and counts the blocks it really ran.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from omni_runtime.acceleration import (
 )
 from omni_runtime.config import EngineArgs
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
+from omni_runtime.stage.runners.row_cache import RowCacheState, RowMagState, RowState, RowStepCache
 from omni_runtime.stage.runners.sizes import denoiser
 
 logger = logging.getLogger(__name__)
@@ -164,6 +166,67 @@ class StepCacheControl:
         self.blocks_called = 0
         self.blocks_run = 0
         self._counting = False
+        #: Per-request first-block caching for step execution (made by :meth:`row_cache`).
+        self._rows: RowStepCache | None = None
+
+    def row_cache(self) -> RowStepCache | None:
+        """The denoiser's per-request first-block cache for step execution (None where it has no cache
+        hooks: such requests are refused by :meth:`step_cache`). ConfigError when the stage's default
+        cache cannot run step by step."""
+        if self.unsupported is None:
+            reason = RowStepCache.unsupported(self.module)
+            if reason is not None:
+                self.unsupported = f"step execution caches per request and {reason}"
+        if self.unsupported is not None:
+            if self.default is not None:
+                raise ConfigError(self.unsupported, path="engine_args.cache.type")
+            return None
+        self._rows = RowStepCache(self.module, self.count)
+        return self._rows
+
+    def served(self) -> tuple[tuple[str, ...], str]:
+        """The cache types a request may name here, and why others are refused (StageConstraints)."""
+        if self.unsupported is not None:
+            return (), self.unsupported
+        if self._rows is not None:
+            return ("first_block", "mag"), (
+                "this stage runs with engine_args.step_execution, where each request caches on its own "
+                "with first_block or mag (taylorseer and pab keep diffusers' per-module state)"
+            )
+        return tuple(t for t in ("first_block", "taylorseer", "mag", "pab") if t not in REFUSED_CACHE_TYPES), (
+            REFUSED_CACHE_TYPES["faster"]
+        )
+
+    def step_cache(self, value: Any, steps: int) -> RowState | None:
+        """A step-execution request's own cache state from its ``cache`` param (or the stage's
+        default), for its ``steps`` steps; InvalidRequestError for a cache it cannot run step by step."""
+        cache = self.resolve(value)
+        if cache is None:
+            return None
+        if not isinstance(cache, FirstBlockCache | MagCache):
+            raise InvalidRequestError(
+                f"invalid sampling param `cache.type`: {cache_type(cache)!r} keeps its state per module "
+                "(diffusers' hooks), which a step-execution batch shares between requests; this stage "
+                "caches per request with first_block or mag",
+                param="cache",
+            )
+        if self._rows is None:  # resolve refused an unsupported denoiser already
+            raise InvalidRequestError("invalid sampling param `cache`: this stage runs no step caching", param="cache")
+        if isinstance(cache, FirstBlockCache):
+            return RowCacheState(threshold=cache.threshold)
+        # diffusers' own config interpolates the ratios to the step count, as its hook would.
+        config = self._diffusers_config(cache, steps)
+        return RowMagState(
+            threshold=cache.threshold,
+            max_skip_steps=cache.max_skip_steps,
+            retention_steps=int(cache.retention_ratio * steps + 0.5),
+            mag_ratios=[float(r) for r in config.mag_ratios],
+        )
+
+    def count(self, called: int, run: int) -> None:
+        """Blocks called and really run, counted by the per-request cache (one per request a block served)."""
+        self.blocks_called += called
+        self.blocks_run += run
 
     def _count_blocks(self) -> None:
         """Counting hooks on the denoiser's blocks, from the first wave that caches on (a stage that
@@ -174,10 +237,16 @@ class StepCacheControl:
             _probe(block).register_forward_pre_hook(self._ran)
 
     def _called(self, module: torch.nn.Module, args: Any) -> None:
-        self.blocks_called += 1
+        if not self._per_request():
+            self.blocks_called += 1
 
     def _ran(self, module: torch.nn.Module, args: Any) -> None:
-        self.blocks_run += 1
+        if not self._per_request():
+            self.blocks_run += 1
+
+    def _per_request(self) -> bool:
+        """Whether the per-request cache is counting this call itself (a step of cached requests)."""
+        return self._rows is not None and self._rows.active
 
     def resolve(self, value: Any) -> StepCache | None:
         """The cache a request runs with: its own ``cache`` param, else the stage's default.

@@ -298,6 +298,8 @@ class DiffusionRunner(StageRunner):
         self.cache = StepCacheControl(pipe, args.cache, spec.name if spec is not None else type(pipe).__name__)
         self._weight_bytes = weight_bytes(pipe)
         self._step_family, self._step_reason = step_family(pipe, self.device)
+        if self._step_family is not None and args.step_execution:
+            self._step_family.row_cache = self.cache.row_cache()
         if self._step_family is not None and "image" in self._forms.forms:
             self._step_family.image_pipe = self._forms.forms["image"].pipe
 
@@ -357,6 +359,9 @@ class DiffusionRunner(StageRunner):
             max_audio_s=self._max_audio_s,
             audio_reason=self._audio_reason,
         )
+        if self.cache is not None:
+            types, note = self.cache.served()
+            out = msgspec.structs.replace(out, cache_types=types, cache_note=note)
         if self.stage.engine_args.step_execution and self._step_reason is None and out.image_inputs:
             # The worker runs every request of this stage in the step loop: what it cannot run
             # (inpainting; img2img outside the SD family) is refused before it is queued.
@@ -685,14 +690,13 @@ class DiffusionRunner(StageRunner):
         steps = p.get("num_inference_steps") or self._default("num_inference_steps")
         if not steps:
             raise ValueError("num_inference_steps is not set and the pipeline has no default")
-        if p.get("cache") not in (None, "off"):
-            raise ValueError("a request's `cache` does not run in step execution yet; send it without `cache`")
         if p.get("mask_image") is not None or (p.get("image") is not None and not self._family.takes_images):
             # Refused before the queue (constraints); a direct call still gets a clear error.
             raise ValueError("this input image request does not run step by step (see the stage's image_inputs)")
         height, width = p.get("height") or self._native_size[0], p.get("width") or self._native_size[1]
         if height is None or width is None:
             raise ValueError("height and width are not set and the pipeline has no native size")
+        cache = self.cache.step_cache(p.get("cache"), int(steps)) if self.cache is not None else None
         return StepState(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -713,6 +717,7 @@ class DiffusionRunner(StageRunner):
             lora=self.loras.pin(p.get("lora")),
             num_frames=self._frames(p),
             fps=int(p.get("fps") or self._fps) if self._video else None,
+            cache=cache,
         )
 
     def step_admit(self, requests: list[RunnerRequest], ctx: ExecuteContext) -> dict[str, RunnerOutput]:
@@ -748,6 +753,8 @@ class DiffusionRunner(StageRunner):
         # Aborted since the plan was made: skipped now, dropped at the next boundary.
         states = [self._states[rid] for rid in request_ids if rid in self._states and not ctx.is_aborted(rid)]
         failed: dict[str, RunnerOutput] = {}
+        if self.cache is not None:  # a wave's diffusers hooks hold one state for all: off here
+            self.cache.use(None, 0)
         with torch.inference_mode():
             # 1) One batched denoiser call (per adapter: a step's requests share one, it is in the
             #    key); if it raises, each request alone, so only the culprit fails.
@@ -850,6 +857,10 @@ class DiffusionRunner(StageRunner):
                 else:
                     out.media.extend(image_items(floats, seed=s.seed))
                 outputs[s.request_id] = out
+        for s in done:  # the request's own cache blocks (/metrics counts them per request)
+            if s.cache is not None and s.request_id in outputs:
+                outputs[s.request_id].metrics["request_cache_blocks_called"] = s.cache.blocks_called
+                outputs[s.request_id].metrics["request_cache_blocks_run"] = s.cache.blocks_run
         for rid, out in outputs.items():
             out.metrics["seed"] = self._states[rid].seed
             if rid in decode_ms:

@@ -27,6 +27,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from omni_runtime.stage.runners.row_cache import RowState, RowStepCache
+
 
 @dataclass(eq=False)
 class StepState:
@@ -65,6 +67,8 @@ class StepState:
     #: A video request's frame count (shapes its latents) and frame rate (its items'); None for images.
     num_frames: int | None = None
     fps: int | None = None
+    #: The request's own step-cache state (first block or MagCache; None: it runs uncached).
+    cache: RowState | None = None
 
     @property
     def steps(self) -> int:
@@ -96,6 +100,8 @@ class StepFamily:
         self.module = importlib.import_module(type(pipe).__module__)
         #: The img2img form of ``pipe`` (shared components), set by the runner where it has one.
         self.image_pipe: Any = None
+        #: Per-request first-block caching on the denoiser, set by the runner where it serves it.
+        self.row_cache: RowStepCache | None = None
 
     # ------------------------------------------------------------------ what subclasses provide
 
@@ -186,7 +192,11 @@ class StepFamily:
             cond = {
                 name: torch.cat([torch.cat([s.uncond[name] for s in states]), value]) for name, value in cond.items()
             }
-        out = self.call_denoiser(x, t, cond, states)
+        if self.row_cache is not None and any(s.cache is not None for s in states):
+            with self.row_cache.call(self._cache_groups(states, cfg), x.shape[0]):
+                out = self.call_denoiser(x, t, cond, states)
+        else:
+            out = self.call_denoiser(x, t, cond, states)
         # 3) Split back per request and guide each with its own scale.
         preds = []
         half = out.shape[0] // 2
@@ -202,6 +212,19 @@ class StepFamily:
             preds.append(self.finish_prediction(pred))
             offset += s.rows
         return preds
+
+    def _cache_groups(self, states: list[StepState], cfg: bool) -> list[tuple[RowState | None, torch.Tensor]]:
+        """Each request's rows of the denoiser batch (under cfg, its unconditional and conditional rows)."""
+        total = sum(s.rows for s in states)
+        groups: list[tuple[RowState | None, torch.Tensor]] = []
+        offset = 0
+        for s in states:
+            rows = list(range(offset, offset + s.rows))
+            if cfg:
+                rows += [total + r for r in rows]
+            groups.append((s.cache, torch.tensor(rows, dtype=torch.long, device=self.device)))
+            offset += s.rows
+        return groups
 
     def finish_prediction(self, pred: torch.Tensor) -> torch.Tensor:
         return pred

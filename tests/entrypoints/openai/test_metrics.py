@@ -55,14 +55,18 @@ def test_cache_blocks_and_weight_bytes_per_stage_once_per_wave():
     for _ in range(2):  # a wave of two requests: both outputs carry the wave's counts
         metrics.observe_stage(0, {**wave, "cache_blocks_called": 36, "cache_blocks_run": 14})
     metrics.observe_stage(0, {**wave, "batch_id": 2, "cache_blocks_called": 36, "cache_blocks_run": 36})
+    # Step execution: two cached requests that joined at one step (one batch id) each count their own.
+    step = {"execution_ms": 5.0, "batch_id": 3, "replica_id": 0}
+    metrics.observe_stage(0, {**step, "request_cache_blocks_called": 12, "request_cache_blocks_run": 5})
+    metrics.observe_stage(0, {**step, "request_cache_blocks_called": 12, "request_cache_blocks_run": 7})
     text = metrics.render().decode()
     got = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
-    assert got[("omni_stage_cache_blocks_total", (("outcome", "run"), ("stage", "0")))] == 50
-    assert got[("omni_stage_cache_blocks_total", (("outcome", "skipped"), ("stage", "0")))] == 22
+    assert got[("omni_stage_cache_blocks_total", (("outcome", "run"), ("stage", "0")))] == 50 + 12
+    assert got[("omni_stage_cache_blocks_total", (("outcome", "skipped"), ("stage", "0")))] == 22 + 12
     assert got[("omni_stage_weight_bytes", (("stage", "0"),))] == 1234
 
 

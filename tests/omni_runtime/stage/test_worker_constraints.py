@@ -32,6 +32,11 @@ class DictRunner(_Runner):
         return {"size_multiple": 8, "image_inputs": ["image"], "default_strength": {"image": 0.5}}
 
 
+class CompiledRunner(_Runner):
+    def stats(self) -> dict[str, Any]:
+        return {"compile_warmup_s": 1.5}
+
+
 class MisspeltRunner(_Runner):
     def constraints(self) -> Any:
         return {"size_multple": 8}
@@ -52,6 +57,11 @@ async def ready(runner: type[StageRunner]) -> StageReady:
 async def test_a_typed_runner_reports_its_struct() -> None:
     msg = await ready(TypedRunner)
     assert msg.constraints == StageConstraints(size_multiple=16, max_pixels=4096, native_size=(32, 64))
+
+
+async def test_the_compile_time_of_the_load_travels_in_ready() -> None:
+    assert (await ready(CompiledRunner)).compile_s == 1.5
+    assert (await ready(TypedRunner)).compile_s is None
 
 
 async def test_the_dict_form_is_converted() -> None:

@@ -146,3 +146,10 @@ def test_int8_weights_and_layerwise_casting(flux: DiffusionRunner, plain: np.nda
 def test_cache_refused_for_unet_family() -> None:
     with pytest.raises(ConfigError, match=r"engine_args\.cache\.type.*sd family's UNet2DConditionModel"):
         load("builtin:tiny-sd", cache={"type": "first_block"})
+
+
+def test_quantizing_a_component_the_pipeline_lacks_is_refused() -> None:
+    pytest.importorskip("torchao", reason="quantization needs the accel extra (make installs it)")
+    with pytest.raises(ConfigError, match=r"FluxPipeline has no model component 'unet'; it has .*transformer") as e:
+        load("builtin:tiny-flux", quantization={"quant_type": "int8wo", "components": ["unet"]})
+    assert e.value.path == "engine_args.quantization.components[0]"
