@@ -455,7 +455,7 @@ class MultiOmni:
         """The model ``name``, loaded, held by the caller until :meth:`release` (the budget does
         not evict it meanwhile). An unloaded or asleep model is brought back first, waiting at
         most ``timeout`` seconds (default ``load_timeout``); ModelUnavailableError when it cannot
-        serve (failed, dead, closed, or not back in time)."""
+        serve (failed, dead, closed, unplaced, or not back in time)."""
         model = self.model(name)
         limit = timeout if timeout is not None else self.load_timeout
         deadline = time.monotonic() + limit if limit is not None else None
@@ -473,7 +473,10 @@ class MultiOmni:
                     raise ModelUnavailableError(model.name, "loading", f"not loaded within {limit:g} s") from None
         finally:
             model.waiters -= 1
-        # No await between the check above and this: the budget cannot evict it in between.
+        unplaced = model.unplaced()
+        if unplaced is not None:  # loaded, but no node can host one of its stages now: fail at once
+            raise ModelUnavailableError(model.name, "unplaced", unplaced)
+        # No await between the checks above and this: the budget cannot evict it in between.
         model.leases += 1
         model.last_used = time.monotonic()
         return model

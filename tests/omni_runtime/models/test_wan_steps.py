@@ -54,7 +54,9 @@ async def first_progress(engine: AsyncOmni, prompt: str, rid: str, **params: Any
     """Start a request and return a task for all its outputs once its first step is done."""
     stream = engine.generate(prompt, params, rid)
     first = await stream.__anext__()
-    assert first.progress.step >= 1 and not first.finished
+    assert first.progress is not None and first.progress.step >= 1 and not first.finished, (
+        f"first output: error {first.error!r}, finished {first.finished}, stage {first.stage_id}"
+    )
 
     async def rest() -> list:
         return [first] + [out async for out in stream]
