@@ -308,6 +308,9 @@ class InputChunking(msgspec.Struct, **_Struct):
     #: Words (``sentence``), deltas (``tokens``) or items (``items``) per chunk; the last chunk
     #: holds what is left.
     size: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNK_SIZE)] = 32
+    #: The first chunk's size (None: ``size``): a smaller first chunk brings the downstream's first
+    #: output sooner (the first audio of a speech stage), and later chunks stay ``size``.
+    first_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNK_SIZE)] | None = None
     #: Most chunks of one request submitted to this stage and not yet done; further ready chunks
     #: wait in the orchestrator until one is.
     max_buffered: Annotated[int, msgspec.Meta(ge=1, le=MAX_BUFFERED_CHUNKS)] = 2

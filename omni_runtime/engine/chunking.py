@@ -51,8 +51,14 @@ class Chunker:
         self._deltas = 0  # text deltas in ``_text`` (``tokens``)
         self._tensors: dict[str, list[Any]] = {}  # per name: deltas not yet cut
         self._held: Chunk | None = None  # the newest cut, until something follows it
+        self._cuts = 0  # cuts made (held or handed on): the first is ``first_size``
         self._count = 0
         self.finished = False
+
+    def _size(self) -> int:
+        """Words, deltas or items of the next cut."""
+        first = self.policy.first_size
+        return first if first is not None and self._cuts == 0 else self.policy.size
 
     @property
     def chunks_made(self) -> int:
@@ -120,15 +126,14 @@ class Chunker:
 
     def _cut_text(self) -> list[Chunk]:
         out: list[Chunk] = []
-        size = self.policy.size
         if self.policy.policy == "tokens":
             # Every ``size`` deltas, with something speakable in it (punctuation or spaces alone
             # wait for the next words).
-            if self._deltas >= size and _speakable(self._text):
+            if self._deltas >= self._size() and _speakable(self._text):
                 out.append(self._take_text(len(self._text)))
             return out
         while True:
-            cut = self._sentence_cut(size)
+            cut = self._sentence_cut(self._size())
             if cut is None:
                 return out
             out.append(self._take_text(cut))
@@ -147,20 +152,22 @@ class Chunker:
     def _take_text(self, end: int) -> Chunk:
         text, self._text = self._text[:end], self._text[end:]
         self._deltas = 0
+        self._cuts += 1
         return Chunk(0, False, text=text)
 
     # ------------------------------------------------------------------ tensors
 
     def _cut_items(self) -> list[Chunk]:
         out: list[Chunk] = []
-        size = self.policy.size
-        while self._tensors and all(_items(parts) >= size for parts in self._tensors.values()):
+        while self._tensors and all(_items(parts) >= self._size() for parts in self._tensors.values()):
+            size = self._size()
             tensors = {}
             for name, parts in self._tensors.items():
                 whole = _concat(parts)
                 tensors[name] = whole[:size]
                 self._tensors[name] = [whole[size:]] if len(whole) > size else []
             out.append(Chunk(0, False, tensors=tensors))
+            self._cuts += 1
         return out
 
 

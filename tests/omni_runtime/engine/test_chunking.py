@@ -30,9 +30,14 @@ def run(policy: InputChunking, deltas: list[str]):
 
 
 @settings(max_examples=200, deadline=None, database=None)
-@given(deltas=WORDS, policy=st.sampled_from(["sentence", "tokens"]), size=st.integers(1, 6))
-def test_text_chunks_are_in_order_complete_and_only_the_last_says_so(deltas, policy, size):
-    chunks = run(InputChunking(policy=policy, size=size), deltas)
+@given(
+    deltas=WORDS,
+    policy=st.sampled_from(["sentence", "tokens"]),
+    size=st.integers(1, 6),
+    first=st.one_of(st.none(), st.integers(1, 6)),
+)
+def test_text_chunks_are_in_order_complete_and_only_the_last_says_so(deltas, policy, size, first):
+    chunks = run(InputChunking(policy=policy, size=size, first_size=first), deltas)
     assert [c.index for c in chunks] == list(range(len(chunks)))
     assert "".join(c.text or "" for c in chunks) == "".join(deltas)
     assert [c.last for c in chunks] == [False] * (len(chunks) - 1) + [True]
@@ -51,6 +56,15 @@ def test_sentences_go_as_they_end_and_long_ones_are_cut_by_words():
     assert [(c.text, c.last) for c in chunker.finish()] == [("four!", True)]
 
 
+def test_a_small_first_chunk_goes_first_then_chunks_of_size():
+    chunker = Chunker(InputChunking(policy="sentence", size=4, first_size=2))
+    out = []
+    for delta in ["One", " two", " three", " four", " five", " six", " seven", " eight"]:
+        out += chunker.feed(delta)
+    assert [c.text for c in out] == ["One two ", "three four five six "]
+    assert [(c.text, c.last) for c in chunker.finish()] == [("seven eight", True)]
+
+
 def test_a_cut_waits_for_what_follows_it_so_last_is_exact():
     chunker = Chunker(InputChunking(policy="tokens", size=2))
     assert chunker.feed("a") == [] and chunker.feed("b") == []  # cut, held: it may be the last
@@ -63,9 +77,13 @@ def test_a_cut_waits_for_what_follows_it_so_last_is_exact():
 
 
 @settings(max_examples=100, deadline=None, database=None)
-@given(lengths=st.lists(st.integers(0, 7), max_size=12), size=st.integers(1, 5))
-def test_item_chunks_cut_every_array_along_the_first_axis(lengths, size):
-    chunker = Chunker(InputChunking(policy="items", size=size))
+@given(
+    lengths=st.lists(st.integers(0, 7), max_size=12),
+    size=st.integers(1, 5),
+    first=st.one_of(st.none(), st.integers(1, 5)),
+)
+def test_item_chunks_cut_every_array_along_the_first_axis(lengths, size, first):
+    chunker = Chunker(InputChunking(policy="items", size=size, first_size=first))
     start, chunks = 0, []
     for n in lengths:  # deltas: only the new items, as a streaming upstream sends them
         codes = np.arange(start, start + n)
@@ -74,7 +92,9 @@ def test_item_chunks_cut_every_array_along_the_first_axis(lengths, size):
     chunks += chunker.finish()
     assert [c.index for c in chunks] == list(range(len(chunks)))
     assert [c.last for c in chunks] == [False] * (len(chunks) - 1) + [True]
-    assert all(len(c.tensors["codes"]) == size for c in chunks[:-1])
+    # The first chunk is first_size items (size when unset), every later one but the last size.
+    expected = [first or size] + [size] * (len(chunks) - 2)
+    assert [len(c.tensors["codes"]) for c in chunks[:-1]] == expected[: len(chunks) - 1]
     if start:
         got = np.concatenate([c.tensors["codes"] for c in chunks])
         np.testing.assert_array_equal(got, np.arange(start))
