@@ -1,5 +1,5 @@
 """A private Ray cluster for the ray backend's tests: a head and two worker nodes, each with a
-resource of its own, started once per session (about 5-10 s) and stopped by its own handle, never
+resource of its own, started once per test module (about 5-10 s) and stopped by its own handle, never
 by ``ray stop`` (which stops every Ray process on the machine)."""
 
 from __future__ import annotations
@@ -33,8 +33,11 @@ class RayCluster:
         return node
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
+    """A private Ray cluster (a head and two nodes) for one test module. Module-scoped: its head,
+    raylets and this process's driver threads would otherwise stay up, using CPU, for the rest of
+    the worker's session, under every later test (one that measures an idle engine's CPU saw them)."""
     # A short private temp dir: Ray puts its sockets there (unix socket paths are short), and its
     # current-cluster file, which would otherwise go to the machine-wide /tmp/ray.
     tmp = tempfile.mkdtemp(prefix="omr-")
