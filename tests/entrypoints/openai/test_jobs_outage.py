@@ -16,11 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import yaml
 
 from tests.redis_server import RedisServer
 
 from .jobs_client import first_step, job_body, read_sse, submit, wait_status
-from .server_process import start_server, start_servers, stop_server, stop_servers, wait_for
+from .server_process import REPO, start_server, start_servers, stop_server, stop_servers, wait_for, write_config
 
 BUDGET = 8
 TERMINAL = {"completed", "failed", "cancelled"}
@@ -33,16 +34,25 @@ def redis_aof():
     server.stop()
 
 
+def every_step_sd(tmp) -> str:
+    """tiny-sd with progress after every step: the tests wait for a job's first step before the
+    fault, and a short job must not end before the progress throttle lets one through."""
+    config = yaml.safe_load((REPO / "stage_configs" / "tiny-sd.yaml").read_text())
+    config["stage_args"][0]["engine_args"]["progress_interval_s"] = 0
+    return str(write_config(tmp / "tiny-sd.yaml", config))
+
+
 @pytest.fixture(scope="module")
 def gateways(tmp_path_factory, redis_aof):
     """The gateway under test and a second one on the same store (what every gateway sees, and
     cancel across gateways), started together."""
     tmp = tmp_path_factory.mktemp("outage")
+    sd = every_step_sd(tmp)
     servers = start_servers(
-        (("tiny-sd", "--step-execution", "--max-num-seqs", "4", "--redis-url", redis_aof.url,
+        ((sd, "--step-execution", "--max-num-seqs", "4", "--redis-url", redis_aof.url,
           "--job-streams", str(BUDGET), "--redis-connections", "4", "--redis-timeout", "1", "--job-lease", "2"),
          tmp / "gw.log"),
-        (("tiny-sd", "--step-execution", "--redis-url", redis_aof.url, "--redis-timeout", "1", "--job-lease", "2"),
+        ((sd, "--step-execution", "--redis-url", redis_aof.url, "--redis-timeout", "1", "--job-lease", "2"),
          tmp / "gw-b.log"),
     )  # fmt: skip
     yield servers
@@ -198,7 +208,7 @@ def test_redis_stopped_calls_are_503_within_seconds_and_jobs_end_once_after(http
 
 def test_a_paused_gateway_past_its_lease_does_not_end_a_job_twice(tmp_path, redis_server):
     url = redis_server.url.rsplit("/", 1)[0] + "/4"
-    common = ("tiny-sd", "--step-execution", "--redis-url", url, "--job-lease", "1")
+    common = (every_step_sd(tmp_path), "--step-execution", "--redis-url", url, "--job-lease", "1")
     a, b = start_servers((common, tmp_path / "a.log"), (common, tmp_path / "b.log"))
     try:
         with httpx.Client(base_url=a.url, timeout=60) as ca, httpx.Client(base_url=b.url, timeout=60) as cb:
