@@ -327,8 +327,6 @@ class ProcessStageClient(StageClient):
             self._exited(proc, proc.wait())  # reaps it: no zombie
 
     def _exited(self, proc: subprocess.Popen | LaunchedProcess, code: int) -> None:
-        if proc is not self._proc:
-            return  # reported after this client moved on (it cannot: one process per client)
         was_alive, self.alive = self.alive, False
         reason = f"stage {self.stage_id} replica {self.replica_id} (pid {proc.pid}) exited with code {code}"
         if self._ready_fut is not None and not self._ready_fut.done() and self._reader is not None:

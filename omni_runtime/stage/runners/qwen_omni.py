@@ -119,15 +119,7 @@ class ThinkerRunner(TextRunner):
         thinker_cls = modeling.Qwen2_5OmniThinkerForConditionalGeneration
         model = thinker_cls.from_pretrained(path, local_files_only=True, dtype=dtype)
         self.model = model.to(self.device).eval()
-        # The text runner's decoding settings, read from the thinker's generation config.
-        gen = self.model.generation_config
-        eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
-        bos = self.tokenizer.bos_token_id
-        self.start_id = bos if bos is not None else min(self.eos_ids, default=self.pad_id)
-        self.suppress = torch.tensor(list(gen.suppress_tokens or []), dtype=torch.long, device=self.device)
+        self._read_decoding_settings()  # the text runner's, from the thinker's generation config
         self.max_positions = self.model.config.text_config.max_position_embeddings
         talker_cfg = Path(part_dir(self.stage.model, "talker")) / "config.json"
         self.marker_ids = self._marker_ids(talker_cfg)

@@ -33,7 +33,7 @@ from omni_runtime.messages import StageConstraints
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import SpeechSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
-from omni_runtime.stage.runners.torch_common import TransformersRunner
+from omni_runtime.stage.runners.torch_common import TransformersRunner, wave_rows
 
 #: OpenAI's voice names, in the order they are mapped onto a model's speakers: the ``i``-th is
 #: the model's speaker ``i mod num_speakers`` (so the stock client's voices all work, and differ
@@ -98,13 +98,7 @@ class SpeechRunner(TransformersRunner):
         started = time.perf_counter()
         if self.model is None:
             return [RunnerOutput(error=StageAsleepError("the speech stage is asleep")) for _ in batch]
-        outputs: list[RunnerOutput | None] = [None] * len(batch)
-        rows: list[_Row] = []
-        for i, req in enumerate(batch):
-            try:
-                rows.append(self._new_row(i, req))
-            except InvalidRequestError as e:  # this request alone fails; the wave goes on
-                outputs[i] = RunnerOutput(error=e)
+        outputs, rows = wave_rows(batch, self._new_row)
         clips = self._synthesise(rows) if rows else []
         elapsed_ms = (time.perf_counter() - started) * 1000
         for row, clip in zip(rows, clips, strict=True):

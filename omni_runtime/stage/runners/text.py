@@ -25,7 +25,7 @@ from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import TextSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StepResult
 from omni_runtime.stage.runners.text_steps import TextSteps
-from omni_runtime.stage.runners.torch_common import TransformersRunner
+from omni_runtime.stage.runners.torch_common import TransformersRunner, wave_rows
 
 DEFAULTS: dict[str, Any] = {"max_tokens": 32, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop": []}
 
@@ -120,6 +120,12 @@ class TextRunner(TransformersRunner):
         dtype = getattr(torch, self.stage.engine_args.dtype)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         self.model = model.to(self.device).eval()
+        self._read_decoding_settings()
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+
+    def _read_decoding_settings(self) -> None:
+        """End, pad and start ids and the suppressed tokens, from the loaded model's generation
+        config and tokenizer."""
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
@@ -129,7 +135,6 @@ class TextRunner(TransformersRunner):
         bos = self.tokenizer.bos_token_id
         self.start_id = bos if bos is not None else min(self.eos_ids, default=self.pad_id)
         self.suppress = torch.tensor(list(gen.suppress_tokens or []), dtype=torch.long, device=self.device)
-        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
 
     def batch_key(self, request: RunnerRequest) -> tuple[()]:
         return ()  # params are applied per row, so every text request can join a wave
@@ -138,13 +143,7 @@ class TextRunner(TransformersRunner):
         started = time.perf_counter()
         if self.model is None:
             return [RunnerOutput(error=StageAsleepError("the text stage is asleep")) for _ in batch]
-        outputs: list[RunnerOutput | None] = [None] * len(batch)
-        rows: list[_Row] = []
-        for i, req in enumerate(batch):
-            try:
-                rows.append(self._new_row(i, req))
-            except InvalidRequestError as e:  # this request alone fails; the wave goes on
-                outputs[i] = RunnerOutput(error=e)
+        outputs, rows = wave_rows(batch, self._new_row)
         if rows:
             self._generate(rows, ctx)
         elapsed_ms = (time.perf_counter() - started) * 1000

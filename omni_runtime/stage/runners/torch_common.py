@@ -1,17 +1,19 @@
 """What the torch runners share: per-request seeds and generators, leaving a wave early, and
-giving memory back on ``sleep``. Imported by runners only (it imports torch)."""
+giving memory back on ``sleep``, a wave's per-request rows. Imported by runners only (it imports torch)."""
 
 from __future__ import annotations
 
 import gc
 import importlib
 import secrets
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from omni_runtime.config import StageConfig
-from omni_runtime.stage.runners.base import RunnerRequest, StageRunner
+from omni_runtime.exceptions import InvalidRequestError
+from omni_runtime.stage.runners.base import RunnerOutput, RunnerRequest, StageRunner
 
 
 class WaveAborted(Exception):
@@ -45,6 +47,23 @@ def import_model_libraries(diffusers: bool) -> None:
     if diffusers:
         importlib.import_module("diffusers.models.modeling_utils")
         importlib.import_module("diffusers.pipelines.pipeline_utils")
+
+
+R = TypeVar("R")
+
+
+def wave_rows(batch: list[RunnerRequest], new_row: Callable[[int, RunnerRequest], R]) -> tuple[list[Any], list[R]]:
+    """Each request's decoding row (``new_row(index, request)``), and an output list with the
+    error of each request whose row was refused (InvalidRequestError): that request alone fails,
+    the wave goes on. The other slots are None, for the caller to fill."""
+    outputs: list[Any] = [None] * len(batch)
+    rows: list[R] = []
+    for i, req in enumerate(batch):
+        try:
+            rows.append(new_row(i, req))
+        except InvalidRequestError as e:
+            outputs[i] = RunnerOutput(error=e)
+    return outputs, rows
 
 
 class TransformersRunner(StageRunner):
