@@ -1,20 +1,44 @@
-# Every target creates .venv and installs what it needs; torch is pinned to the CPU build by
-# constraints.txt so that no CUDA wheels are pulled.
+# Every target creates .venv and installs exactly the lock of this Python (locks/py3.11.txt,
+# locks/py3.12.txt): the versions the suite passed with, whatever the index has released since.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+PYVER := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+LOCK := locks/py$(PYVER).txt
 
-.PHONY: serve test bench lint format clean redis-server chromium
+.PHONY: serve test bench lint format clean redis-server chromium lock lock-check gpu-wheels
 
-$(STAMP): pyproject.toml constraints.txt
+# 1) pip itself at the locked version  2) every locked package, none of their dependencies resolved
+# anew (the lock is the whole set)  3) the project, editable, built by the locked setuptools
+# 4) whatever an older lock installed and this one no longer names, removed. torch's CPU build
+# comes from pip's configured wheel folder (find-links); see README, "Packages".
+$(STAMP): pyproject.toml $(wildcard $(LOCK))
+	@test -f $(LOCK) || { echo "no lock for Python $(PYVER): locks/ has $$(ls locks/*.txt)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[test,bench,ray,otel,accel]"
+	$(PIP) install -q --no-deps $$(grep '^pip==' $(LOCK))
+	$(PIP) install -q --no-deps -r $(LOCK)
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PY) tools/lock.py unlocked | xargs -r $(PIP) uninstall -q -y
 	touch $@
+
+# A quick check (no install) that .venv holds exactly the lock: a package upgraded or added by
+# hand fails the gate, named.
+lock-check: $(STAMP)
+	$(PY) tools/lock.py check
+
+# Resolve pyproject.toml's ranges anew for every locked Python (uv, from binary wheels), then
+# `make test` and commit the locks with the change.
+lock: $(STAMP)
+	$(PY) tools/lock.py compile
+
+# The CPython 3.12 wheels a GPU machine lacks (tools/gpu/wheels.txt names them), at the versions of
+# the 3.12 lock, into GPU_WHEELS_DIR, carried to that machine by the GPU kit (docs/benchmarks.md, "GPU").
+GPU_WHEELS_DIR ?= .whl
+gpu-wheels: $(STAMP)
+	$(PY) tools/gpu/wheels.py --lock locks/py3.12.txt --names tools/gpu/wheels.txt --dest $(GPU_WHEELS_DIR)
 
 serve: $(STAMP)
 	$(VENV)/bin/omni-runtime serve
@@ -40,7 +64,7 @@ chromium:
 TEST_WORKERS ?= 2
 # The type check runs beside the tests (the two workers leave about half a core idle while they
 # wait on processes and sockets); the target fails if either fails.
-test: $(STAMP) redis-server chromium
+test: $(STAMP) lock-check redis-server chromium
 	$(PY) -m ruff check .
 	$(PY) -m mypy & mypy=$$!; \
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS); rc=$$?; \
