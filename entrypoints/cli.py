@@ -199,14 +199,16 @@ def _make_server(config: Any, state: Any, shutdown_timeout: float) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from omni_runtime.logs import bound_log_messages
+    from omni_runtime.logs import configure_logging
 
     from .multi_omni import load_models_file, parse_model_arg
     from .openai.job_manager import JobSettings
     from .openai.server import create_app
     from .openai.timeouts import timed_protocol
 
-    bound_log_messages()  # a prompt quoted by a library is not logged whole
+    # Before the app imports anything: the runtime's lines at --log-level, the libraries' warnings
+    # only at debug; the stage processes get the same level.
+    configure_logging(args.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     models = [parse_model_arg(m) for m in args.model] + (load_models_file(args.models_file) if args.models_file else [])
     app = create_app(
         models or "tiny-sd",

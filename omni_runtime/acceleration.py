@@ -177,12 +177,23 @@ def cache_type(cache: StepCache) -> str:
 
 
 def parse_cache(value: Any) -> StepCache | Literal["off"] | None:
-    """A request's ``cache`` param (``"off"``, a mapping with ``type``, or a struct) as a struct."""
+    """A request's ``cache`` param (``"off"``, a mapping with ``type``, or a struct) as a struct.
+    Anything else raises msgspec.ValidationError, whatever the value holds."""
     if value is None or value == "off":
         return value
     if isinstance(value, FirstBlockCache | TaylorSeerCache | MagCache | PyramidAttentionBroadcast | FasterCache):
         return value
-    return msgspec.convert(value, StepCache, strict=False)
+    try:
+        return msgspec.convert(value, StepCache, strict=False)
+    except UnicodeEncodeError:
+        # msgspec reads a string (lax mode parses text) as UTF-8, which a lone surrogate has none
+        # of: the value is malformed like any other, so the caller gets the same typed error,
+        # naming where it is.
+        from omni_runtime.serialization import find_unencodable
+
+        found = find_unencodable(value)
+        where, why = found if found is not None else ("", "cannot be encoded as UTF-8")
+        raise msgspec.ValidationError(f"{why} - at `$.{where}`" if where else why) from None
 
 
 def cache_key(value: Any) -> str:

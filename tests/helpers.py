@@ -4,6 +4,7 @@ spawned stage process: faults are injected at the runner seam, not by patching i
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -90,6 +91,25 @@ class ForgetfulStepper(SteppingEcho):
     def step_admit(self, requests: list[RunnerRequest], ctx: ExecuteContext) -> dict[str, RunnerOutput]:
         self._prompt_of = {**getattr(self, "_prompt_of", {}), **{r.request_id: r.prompt for r in requests}}
         return super().step_admit(requests, ctx)
+
+
+class ImportProbe(EchoRunner):
+    """Echo that imports what a diffusion stage imports (transformers, diffusers) before it loads, and
+    answers ``imported(name)``: whether its own process holds a module (a stage-side check)."""
+
+    params_cls = EchoSamplingParams
+
+    @classmethod
+    def preload(cls, stage: Any) -> None:
+        from omni_runtime.stage.runners.torch_common import import_model_libraries
+
+        import_model_libraries(diffusers=True)
+
+    def load(self) -> None:
+        self.preload(self.stage)
+
+    def rpc_imported(self, name: str) -> bool:
+        return sys.modules.get(name) is not None
 
 
 def shout(prompt: Any, upstream: dict[int, dict[str, Any]]) -> dict[str, Any]:

@@ -90,11 +90,22 @@ def preload(stages: list[Any]) -> None:
     """Import each stage's runner and what its ``preload`` names. Best effort: a stage whose
     imports fail here fails the same way in its replica, which reports it."""
     from omni_runtime.config import StageConfig
+    from omni_runtime.stage.optional_imports import keep_out_unrequested
     from omni_runtime.stage.runners.base import runner_class
 
+    configs: list[tuple[Any, StageConfig | None]] = []
     for raw in stages:
         try:
-            stage = msgspec.convert(raw, StageConfig)
+            configs.append((raw, msgspec.convert(raw, StageConfig)))
+        except Exception as e:
+            configs.append((raw, None))
+            logger.info("launcher: could not preload stage %s: %s: %s", raw.get("stage_id"), type(e).__name__, e)
+    # Decided once for every replica forked from here: they share what this process imports.
+    keep_out_unrequested(stage for _, stage in configs if stage is not None)
+    for raw, stage in configs:
+        if stage is None:
+            continue
+        try:
             runner_class(stage.stage_type).preload(stage)
         except Exception as e:
             logger.info("launcher: could not preload stage %s: %s: %s", raw.get("stage_id"), type(e).__name__, e)
@@ -191,14 +202,16 @@ class _Launcher:
 
 
 def main() -> None:
-    """``python -m omni_runtime.stage.launcher FD``: FD is this end of the engine's socket pair."""
+    """``python -m omni_runtime.stage.launcher FD [LEVEL]``: FD is this end of the engine's socket
+    pair, LEVEL the engine's log level (a number; default INFO)."""
+    from omni_runtime.logs import configure_logging
     from omni_runtime.stage.process import die_with_parent
 
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides how its stages stop
-    # Set before torch is imported: each replica sets its own thread count after the fork.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Before anything is preloaded: libraries read their log level as they are imported.
+    level = int(sys.argv[2]) if len(sys.argv) > 2 else logging.INFO
+    configure_logging(level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_title("omni_runtime stage launcher")
     sock = socket.socket(fileno=int(sys.argv[1]))
     _Launcher(sock).serve()

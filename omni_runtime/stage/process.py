@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from omni_runtime.logs import bound_log_messages
+from omni_runtime.logs import configure_logging
 
 logger = logging.getLogger("omni_runtime.stage")
 
@@ -55,19 +55,18 @@ def run_stage_process(args_bytes: bytes) -> None:
     # Ctrl-C goes to the whole process group; the parent decides how to shut stages down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Thread counts before torch is imported: several processes x all cores is several times slower.
-    # transformers warns at import about optional image backends (torchvision) a stage never
-    # uses; keep its warnings out of server logs unless the user asked for them.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     threads = str(args.torch_threads)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = threads
     if "torch" in sys.modules:  # forked from the launcher, which imported it already
         sys.modules["torch"].set_num_threads(args.torch_threads)
-    logging.basicConfig(
-        level=args.log_level,
-        format=f"%(asctime)s %(levelname)s stage{args.stage['stage_id']}.{args.replica_id} %(name)s: %(message)s",
+    # The runtime's lines at the engine's level, the libraries' warnings only at debug; before any
+    # library is imported (they read their level as they are), and replacing the launcher's setup
+    # in a forked replica.
+    configure_logging(
+        args.log_level,
+        f"%(asctime)s %(levelname)s stage{args.stage['stage_id']}.{args.replica_id} %(name)s: %(message)s",
     )
-    bound_log_messages()  # a prompt quoted by a library is not logged whole
     # torch reads OMP_NUM_THREADS when a runner first imports it; a stage that never needs torch
     # (echo, custom runners) does not pay for importing it.
     import uvloop

@@ -10,7 +10,6 @@ error of its own, dropping a malformed message, and closing the worker.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ from omni_runtime.messages import (
     StageStartupFailed,
     encodable_text,
 )
+from omni_runtime.stage.optional_imports import keep_out_unrequested
 
 logger = logging.getLogger("omni_runtime.stage")
 
@@ -51,9 +51,8 @@ class ReplicaHost:
         """Build the worker and load its model: READY, or why it failed (to send as it is)."""
         from omni_runtime.stage.worker import StageWorker
 
-        # transformers warns at import about optional image backends (torchvision) a stage never
-        # uses; keep its warnings out of server logs unless the user asked for them.
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        # Before the runner imports its libraries: torchao only for a stage that quantizes.
+        keep_out_unrequested([self.stage])
         try:
             # The runner class is imported and built here too: a bad module is a load failure.
             self.worker = StageWorker(self.stage, self.replica_id, self.send, on_fatal=self._on_fatal)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +15,7 @@ from omni_runtime.config import parse_config
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
 from omni_runtime.messages import StageConstraints
 from omni_runtime.params import DiffusionSamplingParams, check_constraints, resolve_params
+from tests.strategies import ANY_TEXT, JSON_VALUES, SURROGATES
 
 pytestmark = pytest.mark.unit
 
@@ -119,6 +121,26 @@ def test_hostile_cache_params_are_400s_or_valid(value: Any) -> None:
         return
     cache = resolved.get("cache")
     assert cache is None or cache == "off" or isinstance(cache_key(cache), str)
+
+
+#: Text with at least one lone surrogate, where a cache value can hold text.
+UNENCODABLE = st.builds(lambda a, c, b: a + c + b, ANY_TEXT, SURROGATES, ANY_TEXT)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    value=st.one_of(
+        UNENCODABLE,
+        st.fixed_dictionaries({"type": UNENCODABLE}),
+        st.fixed_dictionaries({"type": st.sampled_from(["first_block", "mag"]), "threshold": UNENCODABLE}),
+        st.dictionaries(UNENCODABLE, JSON_VALUES, min_size=1, max_size=2).map(lambda d: {"type": "mag", **d}),
+    )
+)
+def test_parse_cache_refuses_unencodable_text_with_its_typed_error(value: Any) -> None:
+    """The lax parse reads strings as UTF-8: a lone surrogate raised UnicodeEncodeError from
+    parse_cache, which every caller (the HTTP field, the params) catches only as ValidationError."""
+    with pytest.raises(msgspec.ValidationError, match="cannot be encoded as UTF-8"):
+        parse_cache(value)
 
 
 def test_a_stage_names_the_cache_types_it_runs() -> None:

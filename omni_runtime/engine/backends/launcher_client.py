@@ -110,9 +110,10 @@ class LaunchedProcess:
 class LauncherClient:
     """Starts the launcher and asks it for replicas. ``launch`` runs on the orchestrator's loop."""
 
-    def __init__(self, stages: list[Any], env: dict[str, str]) -> None:
+    def __init__(self, stages: list[Any], env: dict[str, str], log_level: int = logging.INFO) -> None:
         self._stages = stages
         self._env = env
+        self._log_level = log_level
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
@@ -134,7 +135,7 @@ class LauncherClient:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "omni_runtime.stage.launcher", str(theirs.fileno())],
+                [sys.executable, "-m", "omni_runtime.stage.launcher", str(theirs.fileno()), str(self._log_level)],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
                 env=self._env,

@@ -34,6 +34,7 @@ import msgspec
 from omni_runtime import shm
 from omni_runtime.config import DeployConfig, StageConfig
 from omni_runtime.exceptions import StageDeadError, StageStartupError
+from omni_runtime.logs import runtime_log_level
 from omni_runtime.messages import (
     ErrorInfo,
     StageOutput,
@@ -124,7 +125,8 @@ class ProcessBackend(StageBackend):
         if self._forked:
             # 4) the launcher imports while the rest of the engine starts; released after every
             #    replica (resources go last made first), so it never outlives one of them.
-            launcher = LauncherClient([msgspec.to_builtins(s) for s in self._forked], _child_env())
+            stages = [msgspec.to_builtins(s) for s in self._forked]
+            launcher = LauncherClient(stages, _child_env(), runtime_log_level())
             launcher.start(asyncio.get_running_loop())
             self.resources.add(f"stage launcher (pid {launcher.pid})", launcher.close)
             self.launcher = launcher
@@ -242,7 +244,7 @@ class ProcessStageClient(StageClient):
             inbound_addr=in_addr,
             outbound_addr=out_addr,
             torch_threads=self._torch_threads,
-            log_level=logging.getLogger("omni_runtime").getEffectiveLevel() or logging.INFO,
+            log_level=runtime_log_level(),
             shm_prefix=self.shm_prefix,
             shm_engine=self._shm_engine,
         )

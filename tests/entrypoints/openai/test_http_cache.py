@@ -136,6 +136,7 @@ def _valid(value: object) -> bool:
 @example(cache={"type": "first_block", "threshold": -math.inf}, route="generate")
 @example(cache="on", route="images")
 @example(cache={"type": "faster"}, route="images")
+@example(cache="\ud800", route="generate")  # parse_cache raised UnicodeEncodeError in _valid
 def test_hostile_cache_values_are_400s_naming_the_field(http: httpx.Client, cache: object, route: str) -> None:
     if route == "images":
         path, body = "/v1/images/generations", {"prompt": "x", "cache": cache, "seed": 1}
