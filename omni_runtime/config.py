@@ -205,6 +205,12 @@ class EngineArgs(msgspec.Struct, **_Struct):
     max_queue_len: Annotated[int, msgspec.Meta(ge=1)] = 4096
     #: torch dtype of the model weights (``float32``, ``float16``, ``bfloat16``).
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    #: Where a diffusion stage's weights come from: ``auto`` reads them from the model directory;
+    #: ``dummy`` builds every model component ``model_index.json`` lists from its config with random
+    #: (seeded) weights, right on the stage's device in ``dtype``, and reads no weight file
+    #: (schedulers and tokenizers still load from theirs). For benchmarks and tests of full-size
+    #: shapes from a directory of configs, as vLLM's ``--load-format dummy``; the images are noise.
+    load_format: Literal["auto", "dummy"] = "auto"
     #: Which waiting requests form the next wave: ``oldest_key`` (the oldest request's key, filled
     #: with every waiting request of that key) or ``fifo`` (the head and the run of same-key
     #: requests right behind it; a baseline for comparisons).
@@ -448,6 +454,13 @@ def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
     validate_graph(config, source)
     for i, s in enumerate(config.stage_args):
         check_acceleration(s.engine_args, s.runtime.devices, f"stage_args[{i}]", source, s.engine_args.step_execution)
+        if s.engine_args.load_format == "dummy" and s.stage_type != "diffusion":
+            raise ConfigError(
+                f"load_format: dummy builds the components of a diffusers model directory (stage_type diffusion); "
+                f"a {s.stage_type} stage loads its own model",
+                path=f"stage_args[{i}].engine_args.load_format",
+                source=source,
+            )
     return config
 
 

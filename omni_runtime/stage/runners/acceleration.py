@@ -17,6 +17,7 @@ from omni_runtime.acceleration import (
     FirstBlockCache,
     MagCache,
     PyramidAttentionBroadcast,
+    Quantization,
     StepCache,
     TaylorSeerCache,
     cache_type,
@@ -38,8 +39,31 @@ def quantization_kwargs(args: EngineArgs) -> dict[str, Any]:
     quant = args.quantization
     if quant is None:
         return {}
+    config = _torchao_config(quant)  # first: its ConfigError where torchao is missing
+    from diffusers import PipelineQuantizationConfig, TorchAoConfig
+
+    # quant_mapping, not quant_backend + quant_kwargs: diffusers' and transformers' TorchAoConfig
+    # differ in signature, which PipelineQuantizationConfig refuses for a shared quant_kwargs.
+    mapping = {name: TorchAoConfig(config) for name in quant.components}
+    return {"quantization_config": PipelineQuantizationConfig(quant_mapping=mapping)}
+
+
+def quantize_components(pipe: Any, args: EngineArgs) -> None:
+    """``engine_args.quantization`` applied in place to modules already built (``load_format:
+    dummy``): torchao's ``quantize_`` over their linear layers, as diffusers does while it loads."""
+    quant = args.quantization
+    if quant is None:
+        return
+    from torchao.quantization import quantize_
+
+    config = _torchao_config(quant)
+    for name in quant.components:
+        quantize_(pipe.components[name], config)
+
+
+def _torchao_config(quant: Quantization) -> Any:
+    """The torchao config of a ``quant_type``; ConfigError where torchao does not import."""
     try:
-        from diffusers import PipelineQuantizationConfig, TorchAoConfig
         from torchao.quantization import (
             Float8WeightOnlyConfig,
             Int8DynamicActivationInt8WeightConfig,
@@ -54,10 +78,7 @@ def quantization_kwargs(args: EngineArgs) -> dict[str, Any]:
         "int8dq": Int8DynamicActivationInt8WeightConfig,
         "float8wo": Float8WeightOnlyConfig,
     }
-    # quant_mapping, not quant_backend + quant_kwargs: diffusers' and transformers' TorchAoConfig
-    # differ in signature, which PipelineQuantizationConfig refuses for a shared quant_kwargs.
-    mapping = {name: TorchAoConfig(configs[quant.quant_type]()) for name in quant.components}
-    return {"quantization_config": PipelineQuantizationConfig(quant_mapping=mapping)}
+    return configs[quant.quant_type]()
 
 
 def check_components(pipe: Any, args: EngineArgs) -> None:

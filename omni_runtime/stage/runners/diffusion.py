@@ -46,6 +46,7 @@ from omni_runtime.stage.runners.acceleration import (
 )
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner, StepResult
 from omni_runtime.stage.runners.diffusion_steps import StepFamily, StepState, step_family
+from omni_runtime.stage.runners.dummy_weights import dummy_pipeline
 from omni_runtime.stage.runners.image_inputs import TEXT, PipelineForm, PipelineForms, image_call_kwargs, size_kwargs
 from omni_runtime.stage.runners.lora import LoraAdapters
 from omni_runtime.stage.runners.sizes import denoiser, derive_size_limits
@@ -279,10 +280,14 @@ class DiffusionRunner(StageRunner):
         if spec is not None and spec.pipeline_class:
             pipeline_cls = spec.load_pipeline_class()
         args = self.stage.engine_args
-        pipe = pipeline_cls.from_pretrained(
-            self._model_dir, dtype=getattr(torch, args.dtype), local_files_only=True, **quantization_kwargs(args)
-        )
-        check_components(pipe, args)
+        if args.load_format == "dummy":
+            # Offloaded weights live in CPU memory: built there, moved per use like real ones.
+            pipe = dummy_pipeline(pipeline_cls, self._model_dir, args, "cpu" if args.offload else self.device)
+        else:
+            pipe = pipeline_cls.from_pretrained(
+                self._model_dir, dtype=getattr(torch, args.dtype), local_files_only=True, **quantization_kwargs(args)
+            )
+            check_components(pipe, args)
         pipe, applied = apply_memory_options(pipe, args, self.device)
         pipe.set_progress_bar_config(disable=True)
         applied += apply_engine_options(pipe, args)
