@@ -680,6 +680,49 @@ def part_c(kit: Kit) -> dict[str, Any]:
     }
 
 
+def part_o(kit: Kit) -> dict[str, Any]:
+    """One SDXL request's time per step and outside the steps along each layer the runtime adds:
+    the pipeline called directly, the same call from a worker thread (a stage runs its forwards on
+    one), the runtime's runner in this process, and the whole path through ``Omni``."""
+    pipe, runner, omni = kit.direct("sdxl"), kit.runner("sdxl"), kit.engine("sdxl")
+    set_batching(omni, 1, 0)
+    thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+    rows = []
+    try:
+        for size in (kit.shape.small, kit.shape.size["sdxl"]):
+            params = {"height": size, "width": size, "output_type": "latent", "seed": 0}
+
+            def direct(steps: int, size: int = size) -> Any:
+                return kit.call(pipe, size, steps, "latent")
+
+            paths: dict[str, Callable[[int], Any]] = {
+                "direct": direct,
+                "direct, on a worker thread": lambda steps: thread.submit(direct, steps).result(),
+                "runner, in this process": lambda steps, p=params: kit.execute(
+                    runner, {**p, "num_inference_steps": steps}
+                ),
+                "Omni (stage process)": lambda steps, p=params: kit.generate(omni, {**p, "num_inference_steps": steps}),
+            }
+            for path, run in paths.items():
+                if kit.part_left() < 5:
+                    rows.append({"size": size, "path": path, "skipped": "budget"})
+                    continue
+                step_s, fixed_s = kit.per_step(run)
+                rows.append(
+                    {"size": size, "path": path, "ms_per_step": step_s * 1e3, "ms_outside_steps": fixed_s * 1e3}
+                )
+    finally:
+        thread.shutdown()
+    return {
+        "rows": rows,
+        "notes": [
+            f"SDXL, batch 1, output_type latent; per step from {kit.shape.steps[0]}- and {kit.shape.steps[1]}-step "
+            "runs, fastest of the repeats after a warm-up; ms_outside_steps: text encoders, latents and, through "
+            "Omni, the queues and sockets",
+        ],
+    }
+
+
 @dataclass(frozen=True)
 class Part:
     key: str
@@ -701,33 +744,50 @@ PARTS = (
     Part("f", "Quantization and layerwise casting (FLUX transformer)", part_f, 40, 90),
     Part("e", "Regional torch.compile (FLUX)", part_e, 60, 150),
     Part("c", "Step vs request batching under Poisson load (SDXL)", part_c, 40, 70, frozenset({"sdxl"})),
+    Part("o", "Where an SDXL request's time goes: direct, worker thread, runner, Omni", part_o, 30, 90,
+         frozenset({"sdxl"}), frozenset({"sdxl"})),
 )  # fmt: skip
 
 
-def stage_processes() -> list[dict[str, Any]]:
+#: torch's own pool of compile workers (inductor), started by part e's in-process compile: torch
+#: keeps it for the life of the process and ends it at exit; it is no stage process.
+COMPILE_WORKER = "torch/_inductor/compile_worker"
+
+
+def stage_processes() -> tuple[list[dict[str, Any]], int]:
+    """The children of this process left once every engine is closed, and how many of the others
+    were torch's compile workers."""
     import psutil
 
-    found = []
+    found, workers = [], 0
     for p in psutil.Process().children(recursive=True):
         try:
-            found.append({"pid": p.pid, "cmdline": " ".join(p.cmdline())[:200]})
+            cmdline = " ".join(p.cmdline())
         except psutil.NoSuchProcess:
-            pass
-    return found
+            continue
+        if COMPILE_WORKER in cmdline:
+            workers += 1
+        else:
+            found.append({"pid": p.pid, "cmdline": cmdline[:200]})
+    return found, workers
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     kit = Kit(args)
-    for part in PARTS:
+    chosen = set(args.parts.split(",")) - {""}
+    parts = [p for p in PARTS if not chosen or p.key in chosen]
+    for part in parts:
         kit.results["parts"][part.key] = {"title": part.title, "status": "pending"}
     kit.results["parts"]["h"] = {"title": "No stage process left after the engines closed", "status": "pending"}
     kit.write()
     # The engines part a needs start now, while this process builds its own pipelines; the dry run
     # also starts part c's (its two cores are idle while the first engines load).
+    needed = set().union(*(p.engines for p in parts))
     for name in ("sdxl", "flux", *(() if kit.cuda else ("sdxl_step",))):
-        kit.start_engine(name)
+        if name in needed:
+            kit.start_engine(name)
     try:
-        for i, part in enumerate(PARTS):
+        for i, part in enumerate(parts):
             record: dict[str, Any] = kit.results["parts"][part.key]
             need = 1.0 if args.tiny else part.need_s
             if kit.left() < need:
@@ -743,18 +803,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     record.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
                     logger.exception("part %s failed", part.key)
                 record["seconds"] = round(time.monotonic() - start, 1)
-            later = PARTS[i + 1 :]
+            later = parts[i + 1 :]
             kit.release(set().union(*(p.engines for p in later)), set().union(*(p.directs for p in later)))
             logger.info("part %s: %s", part.key, record["status"])
             kit.write()
     finally:
         kit.release(set(), set())
         kit._pool.shutdown(wait=True)
-        left = stage_processes()
+        left, workers = stage_processes()
         kit.results["parts"]["h"].update(
             status="ok" if not left else "error",
-            rows=[{"leftover_processes": len(left), "processes": left}],
-            notes=["children of the benchmark process (psutil, recursive) once every engine was closed"],
+            rows=[{"leftover_processes": len(left), "processes": left, "torch_compile_workers": workers}],
+            notes=[
+                "children of the benchmark process (psutil, recursive) once every engine was closed; torch's "
+                "inductor compile workers (part e compiles in this process) are counted apart: torch ends them at exit"
+            ],
         )
         kit.write()
     return kit.results
@@ -799,6 +862,7 @@ def main() -> None:
         "the dry run fits its 20 s on two cores)",
     )
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on a CPU")
+    ap.add_argument("--parts", default="", help="the parts to run, e.g. a,b (default: all, in order of value)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s (default: by GPU name)")
     args = ap.parse_args()
     args.backend = args.backend or ("inproc" if args.tiny else "process")

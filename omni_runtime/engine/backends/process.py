@@ -64,8 +64,9 @@ class ProcessOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     transport: Literal["ipc", "tcp"] = "ipc"
     #: How a replica's process starts: ``fork``ed from the engine's stage launcher, which imported
     #: the runner's libraries once (restarts and the second replica onwards skip seconds of
-    #: imports), or ``spawn``ed as a fresh interpreter that imports them itself.
-    start_method: Literal["fork", "spawn"] = "fork"
+    #: imports), or ``spawn``ed as a fresh interpreter that imports them itself. ``auto``: fork a
+    #: stage on the CPU, spawn one on an accelerator (:func:`_forks`).
+    start_method: Literal["auto", "fork", "spawn"] = "auto"
 
 
 def _transport(stage: StageConfig) -> str:
@@ -73,8 +74,15 @@ def _transport(stage: StageConfig) -> str:
 
 
 def _forks(stage: StageConfig) -> bool:
+    """Whether the stage's replicas are forked from the launcher. A CUDA process cannot be forked
+    once CUDA is initialized in it, and what the launcher imports (diffusers, torchao) may initialize
+    it as it asks about the device: a stage on an accelerator is spawned, unless its config says
+    ``fork``."""
     options = stage.runtime.options
-    return not isinstance(options, ProcessOptions) or options.start_method == "fork"
+    method = options.start_method if isinstance(options, ProcessOptions) else "auto"
+    if method == "auto":
+        return all(device.strip().split(":")[0] == "cpu" for device in stage.runtime.devices.split(","))
+    return method == "fork"
 
 
 def _child_env() -> dict[str, str]:
