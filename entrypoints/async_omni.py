@@ -9,6 +9,7 @@ which params) and :meth:`on_dead`.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -110,8 +111,14 @@ class AsyncOmni:
     ) -> AsyncGenerator[OmniRequestOutput, None]:
         """``generate(..., streaming_input=True)``, admitted now rather than when its first output
         is awaited: :meth:`add_streaming_update` can be called at once. Admission errors raise
-        here."""
-        return self._outputs(self.engine.add_request(prompt, sampling_params, request_id, modalities, True))
+        here. A stream dropped without being read to its end aborts its request (its place in
+        ``max_pending`` is free again on the loop's next turn)."""
+        pending = self.engine.add_request(prompt, sampling_params, request_id, modalities, True)
+        outputs = self._outputs(pending)
+        # A generator never started runs no ``finally`` when it goes, and the loop's finalizer
+        # hook sees only started ones: without this the request would stay pending for good.
+        weakref.finalize(outputs, self.engine.abort_dropped, pending).atexit = False
+        return outputs
 
     async def _outputs(self, pending: PendingRequest) -> AsyncGenerator[OmniRequestOutput, None]:
         rid = pending.request_id

@@ -209,10 +209,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Before the app imports anything: the runtime's lines at --log-level, the libraries' warnings
     # only at debug; the stage processes get the same level.
     configure_logging(args.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = _server_api_key(args)
     models = [parse_model_arg(m) for m in args.model] + (load_models_file(args.models_file) if args.models_file else [])
     app = create_app(
         models or "tiny-sd",
-        api_key=args.api_key,
+        api_key=api_key,
         max_pending=args.max_pending,
         default_timeout=args.default_timeout,
         max_loaded_models=args.max_loaded_models,
@@ -641,9 +642,37 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
         return super()._get_help_string(action)
 
 
+#: The environment variable ``serve`` (and the client commands) read the key from.
+API_KEY_ENV = "OMNI_RUNTIME_API_KEY"
+
+
+def _server_api_key(args: argparse.Namespace) -> str | None:
+    """The key ``serve`` requires: from ``--api-key``, ``--api-key-file`` or ``$OMNI_RUNTIME_API_KEY``
+    (the last two keep it out of ``ps``), at most one of them; none: no key required."""
+    sources: dict[str, str] = {}
+    if args.api_key is not None:
+        sources["--api-key"] = args.api_key
+    if args.api_key_file is not None:
+        try:
+            sources["--api-key-file"] = args.api_key_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CliError(f"--api-key-file: cannot read {args.api_key_file}: {e}") from None
+    if os.environ.get(API_KEY_ENV):
+        sources[f"${API_KEY_ENV}"] = os.environ[API_KEY_ENV]
+    if len(sources) > 1:
+        raise CliError(f"the API key is given twice ({' and '.join(sources)}); give it one way")
+    if not sources:
+        return None
+    ((where, key),) = sources.items()
+    if not key:
+        raise CliError(f"{where}: the API key is empty")
+    logging.getLogger(__name__).info("requiring an API key on /v1 routes (from %s)", where)
+    return key
+
+
 def _api_key_default() -> str | None:
     # For the client commands only: the key a server was started with, as OpenAI tools read it.
-    return os.environ.get("OMNI_RUNTIME_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    return os.environ.get(API_KEY_ENV) or os.environ.get("OPENAI_API_KEY")
 
 
 _RPC_METHODS = """built-in methods:
@@ -726,7 +755,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=_int(1, 65535), default=8000, help="port to listen on")
-    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route")
+    s.add_argument(
+        "--api-key",
+        help=f"require 'Authorization: Bearer KEY' on every /v1 route (shown by ps: prefer ${API_KEY_ENV} "
+        "or --api-key-file)",
+    )
+    s.add_argument(
+        "--api-key-file",
+        type=Path,
+        metavar="PATH",
+        help="the key as the text of this file (surrounding whitespace dropped)",
+    )
     s.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", help="allow browsers from these origins (CORS)")
     s.add_argument("--max-num-seqs", type=_positive_int, help="most requests fused into one forward")
     s.add_argument("--request-batch-max-wait-ms", type=_float(0), help="extra admission wait for a wave (ms)")

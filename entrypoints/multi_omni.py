@@ -329,27 +329,31 @@ class MultiOmni:
 
     async def _load(self, model: ServedModel) -> None:
         model.state = "loading"
-        loop = asyncio.get_running_loop()
         try:
-            engine = await loop.run_in_executor(
-                None,
-                lambda: AsyncOmni(model.resolved, max_pending=model.max_pending, default_timeout=self._default_timeout),
-            )
+            engine = await asyncio.get_running_loop().run_in_executor(None, self._make_engine, model)
         except Exception as e:
             model.state, model.error = "failed", e
             return
-        with self._lock:  # close() in another thread either sees this engine or left it to us
-            closed = self._closed
-            if not closed:
-                model.engine, model.state = engine, "loaded"
-        if closed:  # closed while loading
-            await loop.run_in_executor(None, engine.close)
-            model.state = "closed"
+        if engine is None:  # closed while loading
             return
         model.loads += 1
         model.last_used = time.monotonic()
         engine.on_dead(lambda error: self._died(model, engine, error))
         await self._measure(model)
+
+    def _make_engine(self, model: ServedModel) -> AsyncOmni | None:
+        """In a worker thread: ``model``'s engine, handed over as it is made; None when the manager
+        was closed meanwhile, in which case the engine is closed here. The hand-over is this
+        thread's, not the task's that waits for it: a loop that ended meanwhile (cancelling that
+        task) must not leave the engine to nobody."""
+        engine = AsyncOmni(model.resolved, max_pending=model.max_pending, default_timeout=self._default_timeout)
+        with self._lock:  # close() either sees this engine or left it to us
+            if not self._closed:
+                model.engine, model.state = engine, "loaded"
+                return engine
+        engine.close()
+        model.state = "closed"
+        return None
 
     async def _wake(self, model: ServedModel) -> None:
         engine = model.engine

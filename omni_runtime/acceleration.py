@@ -23,6 +23,9 @@ _Struct = {"kw_only": True, "forbid_unknown_fields": True}
 Threshold = Annotated[float, meta("cache.threshold")]
 #: A step or timestep index (the scheduler's 0..1000 scale).
 Step = Annotated[int, msgspec.Meta(ge=0, le=1000)]
+#: One of MagCache's ratios of consecutive steps' residual magnitudes (calibrated ones are near 1).
+#: Bounded here rather than in omni_runtime.bounds, whose table bounds fields, not list items.
+MagRatio = Annotated[float, msgspec.Meta(ge=0, le=10)]
 
 
 class FirstBlockCache(msgspec.Struct, tag="first_block", **_Cache):
@@ -57,7 +60,7 @@ class MagCache(msgspec.Struct, tag="mag", **_Cache):
     #: The model's calibrated ratio per step (diffusers interpolates them to the step count); null:
     #: ratios of 1 (no calibration: every step past the retained ones may be skipped, up to
     #: ``max_skip_steps`` in a row). Calibrate a real model with diffusers' ``calibrate=True``.
-    mag_ratios: Annotated[list[float], msgspec.Meta(max_length=1000)] | None = None
+    mag_ratios: Annotated[list[MagRatio], msgspec.Meta(max_length=1000)] | None = None
 
 
 class PyramidAttentionBroadcast(msgspec.Struct, tag="pab", **_Cache):
@@ -178,13 +181,18 @@ def cache_type(cache: StepCache) -> str:
 
 def parse_cache(value: Any) -> StepCache | Literal["off"] | None:
     """A request's ``cache`` param (``"off"``, a mapping with ``type``, or a struct) as a struct.
-    Anything else raises msgspec.ValidationError, whatever the value holds."""
+    Strict: no string for a number, no bool, NaN and infinities outside every bound. A struct is
+    checked as its mapping is (its constructor checks nothing). Anything else raises
+    msgspec.ValidationError, whatever the value holds."""
     if value is None or value == "off":
         return value
     if isinstance(value, FirstBlockCache | TaylorSeerCache | MagCache | PyramidAttentionBroadcast | FasterCache):
-        return value
+        try:
+            value = msgspec.to_builtins(value)
+        except TypeError as e:  # a field holding a value of no plain type
+            raise msgspec.ValidationError(str(e)) from None
     try:
-        return msgspec.convert(value, StepCache, strict=False)
+        return msgspec.convert(value, StepCache, strict=True)
     except UnicodeEncodeError:
         # msgspec reads a string (lax mode parses text) as UTF-8, which a lone surrogate has none
         # of: the value is malformed like any other, so the caller gets the same typed error,

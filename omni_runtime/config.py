@@ -262,6 +262,11 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: grows with its frames as with its pixels. ``null``: no bound beyond ``max_pixels`` and the
     #: model's most frames.
     max_video_pixels: Annotated[int, msgspec.Meta(ge=64)] | None = None
+    #: Longest clip (seconds) one request to a speech stage may make: a request whose text and
+    #: ``speed`` could make more is refused before it is queued (docs/configuration.md, "Speech
+    #: length"). What a clip holds while it is made grows with its length (about 4 MB a second
+    #: for tiny-tts on a CPU), and a wave holds ``max_num_seqs`` of them.
+    max_speech_seconds: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
     #: Priority aging: a waiting request gains one priority level per this many seconds it waits,
     #: so a low-priority request is served at last however many higher ones keep arriving.
     priority_aging_s: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 10.0

@@ -114,6 +114,32 @@ WorkerInbound = StageRequest | StageAbort | StageRpc | StageShutdown | StagePing
 # --------------------------------------------------------------------------- worker -> orchestrator
 
 
+class SpeechBound(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How long a speech stage's clip can get, reported at READY so that a request whose clip
+    could pass ``max_seconds`` is refused before it is queued: a clip's memory grows with its
+    length (the text-to-frame alignment with its length x its tokens), not with its text alone.
+
+    The stage caps every token's duration at ``token_frames`` (at speed 1), so a text of ``n``
+    tokens at ``speed`` makes at most :meth:`longest_s` seconds, whatever the model predicts."""
+
+    #: Longest clip one request may make, in seconds (``engine_args.max_speech_seconds``).
+    max_seconds: float
+    #: Most spectrogram frames one token lasts at speed 1.
+    token_frames: int
+    #: Seconds of one spectrogram frame (samples per frame / sample rate).
+    frame_s: float
+    #: Tokens a text of ``n`` characters makes at most: ``tokens_per_char x n + extra_tokens`` (2 and
+    #: 1 where the tokenizer puts a blank between characters); None: the tokenizer can make more
+    #: (it romanizes or phonemizes), and only the stage checks, with the tokens it made.
+    tokens_per_char: int | None = None
+    extra_tokens: int = 0
+
+    def longest_s(self, tokens: int, speed: float) -> float:
+        """The longest clip ``tokens`` tokens make at ``speed``: each lasts at most
+        ``ceil(token_frames / speed)`` frames (one more, so that float round-off cannot pass it)."""
+        return tokens * (int(self.token_frames / speed) + 1) * self.frame_s
+
+
 class StageConstraints(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """What a stage's loaded model allows, reported in its READY message and checked by the caller
     before enqueue (:func:`omni_runtime.params.check_constraints`). Every field's default checks
@@ -125,6 +151,9 @@ class StageConstraints(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     size_multiple_reason: str | None = None
     #: Most pixels (height x width) a request may ask for.
     max_pixels: int | None = None
+    #: Longest height or width (a denoiser's positional table: past it the model fails), and why.
+    max_side: int | None = None
+    max_side_reason: str | None = None
     #: The (height, width) the model was made for, named in the ``max_pixels`` error.
     native_size: tuple[int, int] | None = None
     #: Whether the model takes LoRA adapters; a stage that does not say so refuses them.
@@ -160,6 +189,8 @@ class StageConstraints(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     #: The voices a speech stage takes (its speakers' names and the aliases mapped onto them);
     #: empty: any (the stage checks).
     voices: tuple[str, ...] = ()
+    #: How long a speech stage's clip can get; None: the stage makes no speech.
+    speech: SpeechBound | None = None
     #: The step-cache types a request's ``cache`` may name (empty: none); None: not checked here.
     cache_types: tuple[str, ...] | None = None
     #: Why other types are refused, for the error.

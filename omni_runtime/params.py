@@ -335,6 +335,8 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
     merged = {**defaults, **given}
     images = check_image_params(merged, given) if issubclass(params_cls, DiffusionSamplingParams) else {}
     merged.update(images)
+    if merged.get("cache") is not None and "cache" in params_cls.__struct_fields__:
+        merged["cache"] = _cache_param(merged["cache"])
     typed: msgspec.Struct | None = None
     try:
         typed = msgspec.convert(merged, params_cls, strict=False)
@@ -365,11 +367,23 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
     return fields
 
 
+def _cache_param(value: Any) -> Any:
+    """``cache`` checked strictly in whatever form it came (a mapping, or a struct that its
+    constructor did not check), while the other params convert laxly; InvalidRequestError naming
+    the field."""
+    try:
+        return parse_cache(value)
+    except msgspec.ValidationError as e:
+        message, field = _field_of(e)
+        path = f"cache.{field}" if field else "cache"
+        raise InvalidRequestError(f"invalid sampling param `{path}`: {message}", param=path) from None
+
+
 def check_constraints(params: dict[str, Any], constraints: StageConstraints) -> None:
     """Checks that need the loaded model: what a stage reported in its READY message (each field
     is described on :class:`~omni_runtime.messages.StageConstraints`).
 
-    ``size_multiple`` and ``max_pixels`` bound height and width; the step range bounds
+    ``size_multiple``, ``max_side`` and ``max_pixels`` bound height and width; the step range bounds
     ``num_inference_steps``; ``lora`` and ``image_inputs`` say which of those params the stage
     takes at all, and ``requires_image`` that it needs an input image. With an input image the
     size is the image's, and size errors name ``image``.
@@ -397,6 +411,15 @@ def check_constraints(params: dict[str, Any], constraints: StageConstraints) -> 
                     f"invalid sampling param `{param}`: {shown} is not a multiple of {multiple} ({why})",
                     param=param,
                 )
+    longest = constraints.max_side
+    for name, value in (("height", h), ("width", w)):
+        if longest and value is not None and value > longest:
+            why = constraints.max_side_reason or "the model's positional table"
+            param, shown = ("image", f"the input image's {name} {value}") if has_image else (name, str(value))
+            raise InvalidRequestError(
+                f"invalid sampling param `{param}`: {shown} is more than the {longest} pixels a side may have ({why})",
+                param=param,
+            )
     max_pixels = constraints.max_pixels
     if max_pixels and h is not None and w is not None and h * w > max_pixels:
         native = constraints.native_size
@@ -488,6 +511,33 @@ def check_voice(params: dict[str, Any], constraints: StageConstraints) -> None:
             f"invalid sampling param `voice`: {voice[:64]!r} is not a voice of this model; expected one of {shown}",
             param="voice",
         )
+
+
+def check_speech_length(prompt: str, params: dict[str, Any], constraints: StageConstraints) -> None:
+    """Refuse a text that a speech stage could speak for longer than its ``max_seconds`` at the
+    request's ``speed`` (before it is queued: a clip's memory grows with its length). Counts
+    characters, an upper bound of the tokens the stage's tokenizer makes of them (its case folding
+    included); a stage whose tokenizer can make more checks its own tokens."""
+    bound = constraints.speech
+    if bound is None or bound.tokens_per_char is None:
+        return
+    speed = float(params.get("speed") or 1.0)
+    tokens = bound.tokens_per_char * len(prompt.lower()) + bound.extra_tokens
+    longest = bound.longest_s(tokens, speed)
+    if longest <= bound.max_seconds:
+        return
+    per_char = bound.longest_s(bound.tokens_per_char, speed)
+    most = max(int((bound.max_seconds - bound.longest_s(bound.extra_tokens, speed)) / per_char), 0)
+    # ``speed`` is named when the text fits at speed 1, so that speaking slower is what passes the limit.
+    fits = bound.longest_s(tokens, 1.0) <= bound.max_seconds
+    param = "speed" if fits and speed < 1.0 else "prompt"
+    raise InvalidRequestError(
+        f"invalid sampling param `{param}`: {len(prompt)} characters at speed {speed:g} could make up to "
+        f"{longest:.0f} s of audio, more than the {bound.max_seconds:g} s one request may make "
+        f"(engine_args.max_speech_seconds); at this speed a request may speak {most} characters: split the text"
+        + (" or speak faster" if param == "speed" else ""),
+        param=param,
+    )
 
 
 def check_audio(params: dict[str, Any], constraints: StageConstraints) -> None:

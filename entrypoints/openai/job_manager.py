@@ -93,7 +93,9 @@ JOB_SHARED_FIELDS = FieldMap(
     read={"priority": lambda body: body.priority or None},
 )
 #: Task ``text2speech``: its fields go to the speech stage (the prompt is the text to speak).
-JOB_SPEECH_FIELDS = FieldMap({"inputs.voice": "voice", "inputs.speed": "speed", "inputs.seed": "seed"})
+JOB_SPEECH_FIELDS = FieldMap(
+    {"inputs.voice": "voice", "inputs.speed": "speed", "inputs.seed": "seed"}, computed={"inputs.prompt": "prompt"}
+)
 JOB_FIELDS = JOB_IMAGE_FIELDS | JOB_SHARED_FIELDS
 #: The media kind each task makes.
 TASK_KINDS = {

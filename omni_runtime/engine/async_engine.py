@@ -21,6 +21,7 @@ caller is released with :class:`RequestTimeoutError` whatever happened inside.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -63,7 +64,13 @@ from omni_runtime.messages import (
     RpcReplicaResult,
     StageConstraints,
 )
-from omni_runtime.params import MAX_IMAGE_PIXELS, MAX_PROMPT_CHARS, check_constraints, resolve_params
+from omni_runtime.params import (
+    MAX_IMAGE_PIXELS,
+    MAX_PROMPT_CHARS,
+    check_constraints,
+    check_speech_length,
+    resolve_params,
+)
 from omni_runtime.resolve import ResolvedConfig
 from omni_runtime.serialization import check_encodable
 
@@ -303,6 +310,10 @@ class AsyncOmniEngine:
             )
         check_encodable(prompt, "prompt")
         params = self.resolve_params(sampling_params)
+        for stage in self.resolved.stages:
+            if not stage.config.engine_input_source:  # the stages that take the prompt itself
+                constraints = self._orchestrator.constraints.get(stage.stage_id, _NO_CONSTRAINTS)
+                check_speech_length(prompt, params[stage.stage_id], constraints)
         finals = self.final_stages(modalities)
         timeout = next((p["timeout"] for p in params.values() if p.get("timeout")), self.default_timeout)
         priority = next((p["priority"] for p in params.values() if p.get("priority") is not None), 0)
@@ -379,15 +390,23 @@ class AsyncOmniEngine:
         self, request_id: str, text: str | None = None, inputs: dict[str, Any] | None = None, final: bool = False
     ) -> None:
         """Append input to a request opened with ``streaming_input``, from any thread. Raises
-        UnknownRequestError (not in flight, or not opened for updates), StreamClosedError (after
-        its final update) or InvalidRequestError (a value no message can carry) at once."""
+        EngineClosedError or EngineDeadError (as every call), UnknownRequestError (not in flight,
+        or not opened for updates), StreamClosedError (after its final update) or
+        InvalidRequestError (``text`` past ``MAX_PROMPT_CHARS``, a value no message can carry) at
+        once."""
+        self._ensure_open()
         if text is not None and not isinstance(text, str):
             raise InvalidRequestError(f"`text` must be a string, got {type(text).__name__}", param="text")
+        if text is not None and len(text) > MAX_PROMPT_CHARS:
+            raise InvalidRequestError(
+                f"text is {len(text)} characters; the limit of one update is {MAX_PROMPT_CHARS}", param="text"
+            )
         if inputs is not None and not isinstance(inputs, dict):
             raise InvalidRequestError(f"`inputs` must be a mapping, got {type(inputs).__name__}", param="inputs")
         check_encodable(text, "text")
         check_encodable(inputs or {}, "inputs")
         with self._lock:
+            self._ensure_open()
             pending = self._pending.get(request_id) if isinstance(request_id, str) else None
             if pending is None:
                 raise UnknownRequestError(f"no request {request_id!r} in flight", param="request_id")
@@ -409,12 +428,31 @@ class AsyncOmniEngine:
         """Abort requests wherever they are, from any thread or loop. Their streams end with
         ``reason`` (default RequestAbortedError) at once, without waiting for the stages."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        err = reason or RequestAbortedError("request aborted")
         with self._lock:
             ended = [p for rid in ids if isinstance(rid, str) and (p := self._pending.pop(rid, None)) is not None]
+        self._abort_ended(ended, reason)
+
+    def abort_dropped(self, pending: PendingRequest) -> None:
+        """Abort ``pending`` soon, on its own loop, if it is still in flight then: its stream was
+        dropped unread. For a finalizer: it may run in any thread, in a garbage collection while
+        that thread holds a lock here, so it only schedules the abort. A later request that reuses
+        the id is not touched."""
+        with contextlib.suppress(RuntimeError):  # a closed loop: its requests go with it (``_channel``)
+            pending.channel.loop.call_soon_threadsafe(self._abort_if_pending, pending)
+
+    def _abort_if_pending(self, pending: PendingRequest) -> None:
+        with self._lock:
+            ours = self._pending.get(pending.request_id) is pending
+            if ours:
+                del self._pending[pending.request_id]
+        if ours:
+            self._abort_ended([pending], RequestAbortedError("its stream was dropped unread"))
+
+    def _abort_ended(self, ended: list[PendingRequest], reason: BaseException | None) -> None:
+        """End the streams of requests just taken out of ``_pending`` and tell the stages."""
         if not ended:
             return
-        info = ErrorInfo.from_exception(err)
+        info = ErrorInfo.from_exception(reason or RequestAbortedError("request aborted"))
         for p in ended:
             self._end(p, info)
         if self.is_running:

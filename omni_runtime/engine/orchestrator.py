@@ -146,6 +146,7 @@ class Orchestrator:
         self._make_backends = make_backends  # a test gives fakes here
         self._backend_of: dict[int, StageBackend] = {}
         self._stopping = False  # EngineShutdown received: the thread's end is asked for
+        self._pools_closing: asyncio.Future | None = None
 
     # ------------------------------------------------------------------ lifecycle (caller thread)
 
@@ -249,7 +250,21 @@ class Orchestrator:
         self.constraints = {sid: p.constraints for sid, p in self.pools.items()}
 
     async def _close_pools(self) -> None:
-        await asyncio.gather(*(p.close() for p in self.pools.values()), return_exceptions=True)
+        # Once, whoever asks first (a death, a failed start, the thread's end); the others wait.
+        if self._pools_closing is None:
+            pools = asyncio.gather(*(p.close() for p in self.pools.values()), return_exceptions=True)
+            self._pools_closing = pools
+        await asyncio.shield(self._pools_closing)
+
+    async def _release_dead(self) -> None:
+        """A dead engine never serves again: its replicas close now, none restarts, and each
+        backend frees what only new replicas would have used (the stage launcher), not at close."""
+        await self._close_pools()
+        for backend in self.backends.values():
+            try:
+                await backend.release_spare()
+            except Exception:
+                logger.exception("could not release what the %s backend holds", backend.name)
 
     async def _serve(self) -> None:
         queue = self.request_queue.async_q
@@ -701,6 +716,7 @@ class Orchestrator:
         self._die(f"stage {stage_id} has no live replica and no restart left ({reason})")
         assert self.dead is not None  # set by _die
         self._fail_all(self.dead)
+        self._tasks.spawn(self._release_dead(), name="release-dead")
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid in list(self._requests):

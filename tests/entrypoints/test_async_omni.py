@@ -10,8 +10,10 @@ import time
 import pytest
 
 from omni_runtime import AsyncOmni
+from omni_runtime.bounds import MAX_PROMPT_CHARS
 from omni_runtime.exceptions import (
     DuplicateRequestError,
+    InvalidRequestError,
     QueueFullError,
     RequestAbortedError,
     RequestTimeoutError,
@@ -106,6 +108,57 @@ async def test_max_pending_refuses_at_once(echo):
     echo.abort([f"fill-{i}" for i in range(64)])
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert all(isinstance(r, RequestAbortedError) for r in results)
+
+
+async def test_streams_dropped_unread_free_their_places(echo):
+    for i in range(echo.engine.max_pending):
+        echo.open_streaming("never read. ", request_id=f"dropped-{i}")  # admitted, then dropped
+    await asyncio.sleep(0)  # the aborts run on this loop's next turn
+    assert echo.engine.num_pending == 0
+    assert (await last(echo, "served")).text == "served"
+
+
+async def test_hostile_streaming_input_never_stalls_the_engine(echo):
+    """The orchestrator's thread cuts a streaming request's text into sentences: fed the worst
+    text there is (CJK without punctuation, no spaces, many small deltas, updates at the
+    limit), it keeps its work short, and this thread's event loop keeps its pace meanwhile."""
+    gaps: list[float] = []
+
+    async def ping() -> None:
+        before = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - before)
+            before = now
+
+    pinger = asyncio.create_task(ping())
+    await asyncio.sleep(0.02)
+    pieces = ["\u4e2d" * MAX_PROMPT_CHARS, "x" * MAX_PROMPT_CHARS, *["y" * 50] * 200, "!" * MAX_PROMPT_CHARS]
+    stream = echo.open_streaming(pieces[0], request_id="hostile")
+    for piece in pieces[1:]:
+        echo.add_streaming_update("hostile", piece)
+    echo.add_streaming_update("hostile", " end", final=True)
+    out = None
+    async for out in stream:
+        pass
+    pinger.cancel()
+    assert out is not None and out.text == "".join(pieces) + " end"
+    # Cut linearly, the whole of it takes the orchestrator ~20 ms; rescanning, the prompt alone
+    # held the GIL for about a minute.
+    assert max(gaps) < 0.25, f"worst ping gap {max(gaps):.3f} s"
+
+
+async def test_an_update_past_the_limit_is_refused_naming_its_field(echo):
+    stream = echo.open_streaming("Start. ", request_id="long-update")
+    with pytest.raises(InvalidRequestError) as refused:
+        echo.add_streaming_update("long-update", "x" * (MAX_PROMPT_CHARS + 1))
+    assert refused.value.param == "text" and str(MAX_PROMPT_CHARS) in str(refused.value)
+    echo.add_streaming_update("long-update", "End", final=True)
+    out = None
+    async for out in stream:
+        pass
+    assert out is not None and out.text == "Start. End"
 
 
 async def test_sigkill_fails_in_flight_requests_fast_then_the_replica_restarts(echo):

@@ -9,11 +9,21 @@ import select
 import socket
 import subprocess
 
+import httpx
+import psutil
 import pytest
 import yaml
 from PIL import Image
 
-from tests.entrypoints.openai.server_process import CLI, REPO, start_server, stop_server, write_config
+from tests.entrypoints.openai.server_process import (
+    CLI,
+    REPO,
+    ServerProcess,
+    start_server,
+    stop_server,
+    stop_servers,
+    write_config,
+)
 
 KEY = "sk-cli"
 
@@ -280,6 +290,46 @@ def test_client_commands_read_the_api_key_from_the_environment(echo_server):
     assert out.returncode == 0, out.stderr
     refused = subprocess.run([*CLI, "rpc", "ping", "--url", echo_server.url], cwd=REPO, capture_output=True, text=True)
     assert refused.returncode == 1 and "401" in refused.stderr
+
+
+def test_serve_reads_its_key_from_the_environment_or_a_file(tmp_path):
+    """Neither way puts the key on the command line (``ps`` shows it to every local user)."""
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-from-file\n")
+    by_env = ServerProcess("echo", log=tmp_path / "env.log", env={"OMNI_RUNTIME_API_KEY": "sk-from-env"})
+    by_file = ServerProcess("echo", "--api-key-file", str(key_file), log=tmp_path / "file.log")
+    servers = [by_env, by_file]
+    try:
+        for server in servers:
+            server.wait_ready()
+        for server, key in ((by_env, "sk-from-env"), (by_file, "sk-from-file")):
+            assert key not in " ".join(psutil.Process(server.pid).cmdline())
+            assert httpx.get(f"{server.url}/v1/models").status_code == 401
+            assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+            ok = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert ok.status_code == 200, ok.text
+    finally:
+        stop_servers(*servers)
+
+
+def test_serve_refuses_a_key_given_two_ways_or_empty(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-file")
+    empty = tmp_path / "empty"
+    empty.write_text(" \n")
+    env = {**os.environ, "OMNI_RUNTIME_API_KEY": "sk-env"}
+    cases = [
+        (["--api-key", "sk-arg", "--api-key-file", str(key_file)], None, "--api-key and --api-key-file"),
+        (["--api-key", "sk-arg"], env, "--api-key and $OMNI_RUNTIME_API_KEY"),
+        (["--api-key-file", str(key_file)], env, "--api-key-file and $OMNI_RUNTIME_API_KEY"),
+        (["--api-key-file", str(empty)], None, "--api-key-file: the API key is empty"),
+        (["--api-key-file", str(tmp_path / "missing")], None, "--api-key-file: cannot read"),
+    ]
+    for args, case_env, message in cases:
+        out = subprocess.run(
+            [*CLI, "serve", "echo", *args, "--port", "1"], cwd=REPO, capture_output=True, text=True, env=case_env
+        )
+        assert out.returncode == 1 and message in out.stderr, out.stderr
 
 
 def test_ctrl_c_during_generate_exits_promptly_with_a_partial_report(tmp_path):

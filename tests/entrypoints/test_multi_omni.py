@@ -24,7 +24,8 @@ from omni_runtime.exceptions import (
     ModelUnavailableError,
     UnknownModelError,
 )
-from tests.conftest import echo_stage, eventually, make_config
+from tests.conftest import children, echo_stage, eventually, make_config
+from tests.entrypoints.openai.server_process import assert_gone
 
 SMALL = {"num_inference_steps": 2, "height": 32, "width": 32}
 #: An echo model whose one replica is not restarted: killing it kills the model's engine.
@@ -218,3 +219,26 @@ def test_models_file_refuses_bad_lazy_and_evict(tmp_path_factory: pytest.TempPat
     models.write_text(yaml.safe_dump({"fast": {"config": "echo", "evict": evict}}))
     with pytest.raises(ConfigError, match=r"fast\.evict: expected sleep or stop"):
         load_models_file(models)
+
+
+def test_close_while_a_lazy_model_loads_closes_it_once_loaded_even_if_the_loop_ends():
+    """``close()`` during a lazy model's load, then the loop ends (cancelling the task that waited
+    for it): the load, finishing in its thread, closes the engine it made."""
+    before = {p.pid for p in children()}
+
+    async def main() -> MultiOmni:
+        models = MultiOmni([ModelSpec(source=ECHO, name="a", lazy=True)])
+        acquiring = asyncio.ensure_future(models.acquire("a"))
+        await eventually(lambda: models.models["a"].state == "loading", timeout=30, what="a loading")
+        models.close()
+        assert not acquiring.done()  # cancelled when the loop ends, the load still running
+        return models
+
+    models = asyncio.run(main())  # waits for the loading thread (the default executor's shutdown)
+    try:
+        assert_gone([p for p in children() if p.pid not in before], timeout=5)
+        assert models.states()["a"] == "closed" and models.models["a"].engine is None
+    finally:
+        for p in children():
+            if p.pid not in before:
+                p.kill()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import msgspec
@@ -121,6 +122,29 @@ def test_hostile_cache_params_are_400s_or_valid(value: Any) -> None:
         return
     cache = resolved.get("cache")
     assert cache is None or cache == "off" or isinstance(cache_key(cache), str)
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [
+        FirstBlockCache(threshold=math.nan),
+        FirstBlockCache(threshold="0.1"),  # type: ignore[arg-type]
+        MagCache(threshold=math.inf),
+        MagCache(mag_ratios=[1.0, math.nan]),
+        {"type": "mag", "mag_ratios": [1e308]},
+        {"type": "mag", "mag_ratios": [math.nan]},
+        {"type": "first_block", "threshold": "0.1"},
+        {"type": "first_block", "threshold": True},
+        {"type": "taylorseer", "cache_interval": 5.0},
+    ],
+)
+def test_bad_cache_values_are_one_typed_error_whatever_their_form(cache: Any) -> None:
+    """A struct's fields are checked like a mapping's (its constructor checks nothing), strictly
+    (no string or bool for a number), and no NaN or huge ratio is served."""
+    for params in ({"cache": cache}, DiffusionSamplingParams(cache=cache)):
+        with pytest.raises(InvalidRequestError) as info:
+            resolve_params(DiffusionSamplingParams, {}, params)
+        assert info.value.param is not None and info.value.param.startswith("cache."), info.value
 
 
 #: Text with at least one lone surrogate, where a cache value can hold text.

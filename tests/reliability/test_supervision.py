@@ -214,3 +214,5 @@ async def test_a_closed_engine_refuses_with_engine_closed(no_leaks):
         await last(engine, "late")
     with pytest.raises(EngineClosedError):
         await engine.collective_rpc("ping")
+    with pytest.raises(EngineClosedError):  # not UnknownRequestError: every call says the engine is closed
+        engine.add_streaming_update("late", "more")

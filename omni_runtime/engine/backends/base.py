@@ -100,6 +100,10 @@ class StageBackend(ABC):
         """Set up what the replicas share (registering each piece with ``resources`` as it is
         made), before the first replica starts."""
 
+    async def release_spare(self) -> None:  # noqa: B027 - optional hook
+        """The engine is dead and its replicas are closed: free now what only new replicas would
+        have used, rather than when the engine is closed."""
+
     @abstractmethod
     def client(
         self, stage: StageConfig, replica_id: int, generation: int, on_message: OnMessage, on_dead: OnDead

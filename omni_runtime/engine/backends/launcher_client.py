@@ -5,7 +5,9 @@ answers on the orchestrator's event loop (and, in the engine's last clean-up, wh
 :class:`LaunchedProcess` is a forked replica seen through the few ``subprocess.Popen`` methods the
 process backend uses (``pid``, ``poll``, ``wait``, ``kill``, ``terminate``, ``returncode``): the
 replica is the launcher's child, so its exit code comes from the launcher's report, and signals
-go through a pidfd, which can never reach a recycled pid.
+go through a pidfd, which can never reach a recycled pid. Its exit is known from the pidfd too:
+a launcher that is stopped (SIGSTOP) reports and reaps nothing, and a replica's exit must not wait
+for it.
 """
 
 from __future__ import annotations
@@ -78,7 +80,35 @@ class LaunchedProcess:
     def poll(self) -> int | None:
         if self.returncode is None:
             self._launcher.drain()
+        if self.returncode is None:
+            code = self._unreported_exit()
+            if code is not None:
+                self._exited(code)
         return self.returncode
+
+    def dup_pidfd(self) -> int | None:
+        """A pidfd of its own for the caller to wait on (None once the exit is known)."""
+        with self._cond:
+            return None if self.returncode is not None else os.dup(self.pidfd)
+
+    def _unreported_exit(self) -> int | None:
+        """The exit code of a process that exited and that its launcher has not reaped (a stopped
+        launcher reaps nothing), read from its zombie's ``/proc`` entry; None while it runs, or
+        once reaped (the launcher's report is then on its way)."""
+        with self._cond:
+            if self.returncode is not None or not select.select([self.pidfd], [], [], 0)[0]:
+                return None
+            try:
+                with open(f"/proc/{self.pid}/stat", "rb") as f:
+                    stat = f.read()
+                # Not reaped after the read, so not before it: the entry was this process's, never
+                # a recycled pid's.
+                signal.pidfd_send_signal(self.pidfd, 0)
+                fields = stat[stat.rindex(b")") + 2 :].split()
+                # Field 3 is the state, field 52 (the last) the status as waitpid reports it.
+                return os.waitstatus_to_exitcode(int(fields[-1])) if fields[0] == b"Z" else None
+            except (OSError, ValueError, IndexError):
+                return None
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -125,6 +155,7 @@ class LauncherClient:
         self._decoder: msgspec.msgpack.Decoder[Launched | LaunchFailed | Exited] = msgspec.msgpack.Decoder(
             Launched | LaunchFailed | Exited
         )
+        #: Launches go to it (False once it died, or was given up for not answering one).
         self.alive = False
 
     @property
@@ -150,7 +181,10 @@ class LauncherClient:
         loop.add_reader(ours.fileno(), self.drain)
         self.alive = True
 
-    async def launch(self, args: bytes, title: str) -> LaunchedProcess:
+    async def launch(self, args: bytes, title: str, timeout: float) -> LaunchedProcess | None:
+        """A replica forked by the launcher; None if it did not answer within ``timeout`` (stopped,
+        or stuck): it is then given up, and the caller starts the replica itself. Its answer, if it
+        comes later, is a process nobody uses, which is killed."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[LaunchedProcess] = loop.create_future()
         with self._lock:
@@ -164,11 +198,21 @@ class LauncherClient:
             except OSError as e:
                 del self._pending[token]
                 raise StageStartupError(f"the stage launcher cannot be reached: {e}") from None
-        return await fut
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            if self.alive:
+                self.alive = False
+                logger.error(
+                    "the stage launcher (pid %s) did not answer a launch within %g s; replicas start as new "
+                    "processes from now on",
+                    *(self.pid, timeout),
+                )
+            return None
 
     def wait_readable(self, timeout: float) -> None:
         sock = self._sock
-        if sock is None or not self.alive:
+        if sock is None:
             time.sleep(timeout)
             return
         try:
@@ -251,17 +295,17 @@ class LauncherClient:
                 pass  # another thread's loop, already stopping
         sock.close()
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Close our end: the launcher exits (its remaining children die with it). Reaps it."""
+    def stop(self) -> None:
+        """Launch nothing more and close our end: the launcher exits (its remaining children die
+        with it). On the loop that reads it, or once that loop has stopped."""
         with self._lock:
             self.alive = False
-            if self._sock is not None and self._loop is not None and self._loop.is_running():
-                # Drop the reader first so a closed fd is never selected on.
-                try:
-                    self._loop.remove_reader(self._sock.fileno())
-                except RuntimeError:
-                    pass
-            self._detach()
+            self._detach()  # the reader goes first, so a closed fd is never selected on
+
+    def close(self, timeout: float = 1.0) -> None:
+        """:meth:`stop`, then reap the launcher, killing it past ``timeout`` (a stopped launcher
+        reads nothing): its replicas are closed already."""
+        self.stop()
         proc = self._proc
         if proc is None:
             return

@@ -110,6 +110,7 @@ class ProcessBackend(StageBackend):
         self._forked = [s for s in stages if _forks(s)]
         #: The stage launcher the forked replicas come from (None: every replica is spawned).
         self.launcher: LauncherClient | None = None
+        self._launcher_resource: int | None = None
 
     async def open(self) -> None:
         import zmq
@@ -136,8 +137,16 @@ class ProcessBackend(StageBackend):
             stages = [msgspec.to_builtins(s) for s in self._forked]
             launcher = LauncherClient(stages, _child_env(), runtime_log_level())
             launcher.start(asyncio.get_running_loop())
-            self.resources.add(f"stage launcher (pid {launcher.pid})", launcher.close)
+            self._launcher_resource = self.resources.add(f"stage launcher (pid {launcher.pid})", launcher.close)
             self.launcher = launcher
+
+    async def release_spare(self) -> None:
+        # The launcher (the size of every library it imported) forks nothing for a dead engine.
+        launcher, self.launcher = self.launcher, None
+        if launcher is not None:
+            launcher.stop()  # on this loop, which reads it
+            await asyncio.to_thread(launcher.close)
+            self.resources.discard(self._launcher_resource)
 
     def torch_threads(self, stage: StageConfig) -> int:
         """Intra-op threads of one replica: as configured, or the cores shared by every process
@@ -260,11 +269,16 @@ class ProcessStageClient(StageClient):
         #    sees this process's import path so custom runner modules resolve the same way.
         payload = msgspec.msgpack.encode(args)
         launcher = self._backend.launcher
+        launched = None
         if _forks(self.stage) and launcher is not None and launcher.alive:
             title = f"omni_runtime.stage.process stage {self.stage_id} replica {self.replica_id}"
             title += f" ({self.stage.model})" if self.stage.model else ""
-            launched = await launcher.launch(payload, title)
-            proc: subprocess.Popen | LaunchedProcess = launched
+            # A fork takes milliseconds; a launcher that does not answer within the start-up bound
+            # (stopped, stuck) is given up, and this replica is spawned like any after it.
+            launched = await launcher.launch(payload, title, self.stage.runtime.startup_timeout_s)
+        proc: subprocess.Popen | LaunchedProcess
+        if launched is not None:
+            proc = launched
             pidfd = os.dup(launched.pidfd)
         else:
             proc = subprocess.Popen(
@@ -331,7 +345,11 @@ class ProcessStageClient(StageClient):
         os.close(pidfd)
         self._pidfd = None
         if isinstance(proc, LaunchedProcess):
-            # The launcher reaps it and reports its code a moment later.
+            code = proc.poll()  # read from the process itself if the launcher has not reaped it
+            if code is not None:
+                self._exited(proc, code)
+                return
+            # The launcher reaped it and reports its code a moment later.
             proc.on_exit(lambda code: _call_soon(loop, self._exited, proc, code))
         else:
             self._exited(proc, proc.wait())  # reaps it: no zombie
@@ -463,20 +481,34 @@ class ProcessStageClient(StageClient):
 
 
 async def _wait_exit(proc: subprocess.Popen | LaunchedProcess, timeout: float) -> bool:
-    """Wait for ``proc`` to exit without blocking the loop: a pidfd (or the launcher's report of
-    the exit) wakes us, no polling."""
+    """Wait for ``proc`` to exit without blocking the loop: a pidfd wakes us, no polling. A forked
+    replica's exit is its pidfd's too, not its launcher's report, which a stopped launcher never
+    sends."""
     if proc.poll() is not None:
         return True
     loop = asyncio.get_running_loop()
-    if isinstance(proc, LaunchedProcess):
+    deadline = loop.time() + timeout
+    fd = os.pidfd_open(proc.pid) if isinstance(proc, subprocess.Popen) else proc.dup_pidfd()
+    if fd is None:
+        return True
+    try:
+        if not await _readable(loop, fd, timeout):
+            return False
+    finally:
+        os.close(fd)
+    if isinstance(proc, LaunchedProcess) and proc.poll() is None:
+        # Reaped by its launcher a moment ago: its report (the code) is on its way.
         reported: asyncio.Future[None] = loop.create_future()
         proc.on_exit(lambda _: _call_soon(loop, _set_none, reported))
         try:
-            await asyncio.wait_for(reported, timeout)
-            return True
+            await asyncio.wait_for(reported, max(0.0, deadline - loop.time()))
         except TimeoutError:
             return False
-    fd = os.pidfd_open(proc.pid)
+    return True
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, fd: int, timeout: float) -> bool:
+    """Whether ``fd`` (a pidfd: the process exited) became readable within ``timeout``."""
     fut = loop.create_future()
 
     def on_exit() -> None:
@@ -491,7 +523,6 @@ async def _wait_exit(proc: subprocess.Popen | LaunchedProcess, timeout: float) -
         return False
     finally:
         loop.remove_reader(fd)
-        os.close(fd)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:

@@ -163,6 +163,7 @@ class DiffusionRunner(StageRunner):
         self._native_size: tuple[int | None, int | None] = (None, None)
         self._size_multiple = 8
         self._size_reason = "the VAE scale factor"
+        self._max_side: tuple[int | None, str | None] = (None, None)
         self._scheduler_name = ""
         self._step_limits = StageConstraints()
         #: A video model's frame rule (SizeLimits' frame fields); all None for an image model.
@@ -230,6 +231,7 @@ class DiffusionRunner(StageRunner):
         self._size_multiple = limits.multiple
         self._size_reason = limits.reason
         self._native_size = limits.native
+        self._max_side = (limits.max_side, limits.max_side_reason)
         self._frames_step, self._frames_reason, self._max_frames = (
             limits.frames_step,
             limits.frames_reason,
@@ -351,6 +353,8 @@ class DiffusionRunner(StageRunner):
             size_multiple=self._size_multiple,
             size_multiple_reason=self._size_reason,
             max_pixels=self.max_pixels(),
+            max_side=self._max_side[0],
+            max_side_reason=self._max_side[1],
             native_size=(height, width) if height and width else None,
             lora=self.loras.supported,
             min_inference_steps=steps.min_inference_steps,
@@ -383,11 +387,15 @@ class DiffusionRunner(StageRunner):
 
     def max_pixels(self) -> int:
         """The configured limit, or 4 x the model's native area: a 64 px model asked for 1024 x 1024
-        would hold the replica for minutes to make what it was never trained for."""
+        would hold the replica for minutes to make what it was never trained for. A model whose
+        configs state no native size (Wan's) is taken to be made for the stage's default size."""
         configured = self.stage.engine_args.max_pixels
         if configured is not None:
             return configured
         height, width = self._native_size
+        if not (height and width):
+            defaults = self.stage.default_sampling_params
+            height, width = defaults.get("height"), defaults.get("width")
         return NATIVE_AREA_FACTOR * height * width if height and width else FALLBACK_MAX_PIXELS
 
     def _default(self, name: str, fallback: Any = None) -> Any:

@@ -34,6 +34,10 @@ class SizeLimits:
     reason: str
     #: The (height, width) the model was made for, in pixels; (None, None) if unknown.
     native: tuple[int | None, int | None]
+    #: The longest height or width the denoiser can place (its positional table's length in
+    #: patches x the size step), and why; None: no such limit.
+    max_side: int | None = None
+    max_side_reason: str | None = None
     #: A video model makes ``frames_step * k + 1`` frames (its VAE's temporal compression); None:
     #: the model makes images.
     frames_step: int | None = None

@@ -29,7 +29,7 @@ from torch import nn
 
 from omni_runtime.exceptions import InvalidRequestError, StageAsleepError
 from omni_runtime.media import AudioItem
-from omni_runtime.messages import StageConstraints
+from omni_runtime.messages import SpeechBound, StageConstraints
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import SpeechSamplingParams
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
@@ -43,6 +43,12 @@ OPENAI_VOICES = (
 )  # fmt: skip
 #: Longest text one request may speak, in characters after the tokenizer's clean-up.
 MAX_INPUT_TOKENS = 8192
+#: A token's duration is capped at this many times the longest the model gives a token of the
+#: probe text at load (:meth:`SpeechRunner.token_frames`): a cap a real text rarely meets, which
+#: makes the clip's length, and so its memory, bounded by its token count before it runs.
+TOKEN_FRAMES_MARGIN = 1.25
+#: Seeds of the probe (a stochastic duration predictor draws noise).
+PROBE_SEEDS = 8
 
 
 def speaker_table(config: Any) -> dict[str, int]:
@@ -57,6 +63,14 @@ def speaker_table(config: Any) -> dict[str, int]:
     for i, name in enumerate(OPENAI_VOICES):
         table.setdefault(name, i % count)
     return table
+
+
+@dataclass
+class _Encoded:
+    enc: Any
+    in_mask: torch.Tensor
+    speakers: torch.Tensor | None
+    log_duration: torch.Tensor
 
 
 @dataclass
@@ -87,9 +101,32 @@ class SpeechRunner(TransformersRunner):
         self.sample_rate = int(self.model.config.sampling_rate)
         self.hop = int(np.prod(self.model.config.upsample_rates))
         self.speakers = speaker_table(self.model.config)
+        self.bound = self._bound()
+
+    def _bound(self) -> SpeechBound:
+        tokenizer = self.tokenizer
+        by_character = not (getattr(tokenizer, "phonemize", False) or getattr(tokenizer, "is_uroman", False))
+        blank = bool(getattr(tokenizer, "add_blank", False))
+        return SpeechBound(
+            max_seconds=self.stage.engine_args.max_speech_seconds,
+            token_frames=self.token_frames(),
+            frame_s=self.hop / self.sample_rate,
+            tokens_per_char=(2 if blank else 1) if by_character else None,
+            extra_tokens=1 if blank else 0,
+        )
+
+    def token_frames(self) -> int:
+        """The most frames a token may last at speed 1: the longest the model gives any token of
+        its whole vocabulary, spoken as one text under a few seeds, x :data:`TOKEN_FRAMES_MARGIN`."""
+        symbols = "".join(sorted(k for k in self.tokenizer.get_vocab() if len(k) == 1 and k.isprintable()))
+        longest = 1.0
+        for seed in range(PROBE_SEEDS):
+            row = self._new_row(0, RunnerRequest(request_id="probe", prompt=symbols or "a", params={"seed": seed}))
+            longest = max(longest, float(self._durations([row])[0].max()))
+        return int(np.ceil(longest * TOKEN_FRAMES_MARGIN))
 
     def constraints(self) -> StageConstraints:
-        return StageConstraints(voices=tuple(self.speakers))
+        return StageConstraints(voices=tuple(self.speakers), speech=self.bound)
 
     def batch_key(self, request: RunnerRequest) -> tuple[()]:
         return ()  # voice, speed and seed apply per row: every speech request can join a wave
@@ -141,18 +178,30 @@ class SpeechRunner(TransformersRunner):
         else:  # a caller that skipped the constraints check (READY lists the voices)
             raise InvalidRequestError(f"invalid sampling param `voice`: unknown voice {voice[:64]!r}", param="voice")
         seed = p["seed"] if p.get("seed") is not None else secrets.randbits(63)
+        rate = float(p.get("speed") or 1.0)
+        bound = getattr(self, "bound", None)  # None while the bound itself is probed at load
+        if bound is not None and bound.longest_s(len(ids), rate) > bound.max_seconds:
+            # A caller's check counts characters; the tokens can be more (a romanizing tokenizer).
+            param = "speed" if bound.longest_s(len(ids), 1.0) <= bound.max_seconds else "prompt"
+            raise InvalidRequestError(
+                f"invalid sampling param `{param}`: {len(ids)} tokens at speed {rate:g} could make "
+                f"{bound.longest_s(len(ids), rate):.0f} s of audio, more than the {bound.max_seconds:g} s "
+                "one request may make (engine_args.max_speech_seconds); split the text",
+                param=param,
+            )
         return _Row(
             index=index,
             ids=ids,
             speaker=speaker,
-            rate=float(p.get("speed") or 1.0),
+            rate=rate,
             seed=seed,
             generator=torch.Generator(device=self.device).manual_seed(seed),
         )
 
     @torch.inference_mode()
-    def _synthesise(self, rows: list[_Row]) -> list[np.ndarray]:
-        """One batched forward over ``rows``; each row's mono float32 samples at its own length."""
+    def _encode(self, rows: list[_Row]) -> _Encoded:
+        """Steps 1-2 of a forward: the padded batch, its encoding and each token's log duration
+        (in frames, at speed 1)."""
         model, cfg = self.model, self.model.config
         dtype = model.text_encoder.embed_tokens.weight.dtype
         # 1) right-pad the texts into one batch, with their attention mask
@@ -168,14 +217,32 @@ class SpeechRunner(TransformersRunner):
         if cfg.num_speakers > 1:
             speaker_ids = torch.tensor([r.speaker for r in rows], device=self.device)
             speakers = model.embed_speaker(speaker_ids).unsqueeze(-1)  # (B, E, 1)
-        # 2) encode the text; predict each token's duration, divided by the row's own rate
+        # 2) encode the text; predict each token's duration
         enc = model.text_encoder(
             input_ids=ids, padding_mask=in_mask.transpose(1, 2), attention_mask=mask, return_dict=True
         )
         hidden = enc.last_hidden_state.transpose(1, 2)
         log_duration = self._log_duration(hidden, in_mask, speakers, rows)
+        return _Encoded(enc=enc, in_mask=in_mask, speakers=speakers, log_duration=log_duration)
+
+    def _durations(self, rows: list[_Row]) -> torch.Tensor:
+        """Each token's predicted duration in frames at speed 1, uncapped (B, 1, L; padding 0)."""
+        encoded = self._encode(rows)
+        return torch.exp(encoded.log_duration) * encoded.in_mask
+
+    @torch.inference_mode()
+    def _synthesise(self, rows: list[_Row]) -> list[np.ndarray]:
+        """One batched forward over ``rows``; each row's mono float32 samples at its own length."""
+        model = self.model
+        dtype = model.text_encoder.embed_tokens.weight.dtype
+        encoded = self._encode(rows)
+        enc, in_mask, speakers = encoded.enc, encoded.in_mask, encoded.speakers
+        width = in_mask.shape[2]
+        # Each token's duration, capped (the bound every request was checked against), then
+        # divided by the row's own rate.
         rates = torch.tensor([r.rate for r in rows], dtype=dtype, device=self.device).view(-1, 1, 1)
-        duration = torch.ceil(torch.exp(log_duration) * in_mask / rates)
+        durations = torch.clamp(torch.exp(encoded.log_duration), max=float(self.bound.token_frames))
+        duration = torch.ceil(durations * in_mask / rates)
         frames = torch.clamp_min(duration.sum([1, 2]), 1).long()
         # 3) align: expand each token's prior over its frames (the model's own monotonic path)
         total = int(frames.max())

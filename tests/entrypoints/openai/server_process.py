@@ -52,14 +52,16 @@ def flaky_echo_config(path: Path, delay_ms: float, **runtime: object) -> Path:
 
 
 class ServerProcess:
-    """``omni-runtime serve ARGS --port <free>``; output goes to ``log``."""
+    """``omni-runtime serve ARGS --port <free>``; output goes to ``log``. Its environment is this
+    one without ``$OMNI_RUNTIME_API_KEY`` (the server's key is what ``args`` say), plus ``env``."""
 
-    def __init__(self, *args: str, log: Path) -> None:
+    def __init__(self, *args: str, log: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        inherited = {k: v for k, v in os.environ.items() if k != "OMNI_RUNTIME_API_KEY"}
+        env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
             [*CLI, "serve", *args, "--port", str(self.port)],
             cwd=REPO,

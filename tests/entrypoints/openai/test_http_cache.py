@@ -153,5 +153,22 @@ def test_hostile_cache_values_are_400s_naming_the_field(http: httpx.Client, cach
     assert param.removeprefix("inputs.").startswith("cache"), resp.text
 
 
+@pytest.mark.parametrize(
+    "cache",
+    [
+        {"type": "mag", "mag_ratios": [math.nan]},
+        {"type": "mag", "mag_ratios": [1e308]},
+        {"type": "first_block", "threshold": "0.1"},
+    ],
+)
+def test_nan_huge_ratios_and_numbers_as_strings_are_400s(http: httpx.Client, cache: object) -> None:
+    body = {"prompt": "x", "cache": cache, "seed": 1}
+    resp = http.post(
+        "/v1/images/generations", content=json.dumps(body, allow_nan=True), headers={"Content-Type": "application/json"}
+    )
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"].startswith("cache"), resp.text
+
+
 def test_the_server_serves_after_the_hostile_values(client: openai.OpenAI) -> None:
     assert image(client, cache=SKIPPING).shape == (32, 32, 3)

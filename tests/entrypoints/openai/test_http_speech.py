@@ -147,6 +147,9 @@ def test_voice_and_speed_change_the_audio(client: openai.OpenAI, pcm: np.ndarray
         ({"stream_format": "chunks"}, "stream_format"),
         ({"input": "日本語"}, "input"),
         ({"input": "x" * 5000}, "input"),
+        # Allowed lengths whose clip could pass engine_args.max_speech_seconds (60 s).
+        ({"input": "ab " * 1365, "speed": 0.25}, "input"),
+        ({"input": "ab " * 30, "speed": 0.25}, "speed"),
         ({"model": "tiny-sd"}, "model"),
     ],
 )
@@ -155,6 +158,16 @@ def test_bad_input_is_a_400_naming_the_field(http: httpx.Client, fields: dict[st
     allowed = (400, 404) if param == "model" else (400,)
     assert resp.status_code in allowed, resp.text
     assert resp.json()["error"]["param"] == param, resp.text
+
+
+@pytest.mark.parametrize(("inputs", "param"), [({"speed": 0.25}, "inputs.prompt"), ({"speed": 1.0}, "inputs.prompt")])
+def test_a_text2speech_job_whose_clip_could_pass_the_limit_is_a_400(
+    http: httpx.Client, inputs: dict[str, Any], param: str
+) -> None:
+    body = {"task": "text2speech", "inputs": {"prompt": "ab " * 1365, **inputs}}
+    resp = http.post("/v1/generate", json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param and "max_speech_seconds" in resp.text, resp.text
 
 
 FIELDS = ["input", "voice", "speed", "response_format", "stream_format", "instructions", "seed", "model"]

@@ -21,13 +21,18 @@ import msgspec
 import numpy as np
 import pytest
 from diffusers import WanImageToVideoPipeline
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from omni_runtime import Omni
 from omni_runtime.config import StageConfig, load_config
 from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.media import VideoItem
+from omni_runtime.messages import StageConstraints
 from omni_runtime.models.builtin import builder
 from omni_runtime.models.families import GOLDEN_PARAMS, GOLDEN_PROMPT, family
+from omni_runtime.models.families.wan import wan_limits
+from omni_runtime.params import check_constraints
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 
@@ -151,6 +156,67 @@ def test_a_transformer_no_first_frame_fits_is_refused_when_made(runner: Diffusio
         WanFirstFrameToVideoPipeline(**{**runner.pipe.components, "transformer": odd})
 
 
+def size_constraints(rope: int, max_pixels: int | None) -> StageConstraints:
+    """What a Wan model with a ``rope``-position rotary table reports (its limits hook on a stand-in
+    pipeline: it reads attributes only)."""
+    config = type("Config", (), {"patch_size": (1, 2, 2), "rope_max_seq_len": rope})
+    pipe = type("Pipe", (), {"vae_scale_factor_spatial": 8, "vae_scale_factor_temporal": 4})()
+    pipe.transformer = type("WanTransformer3DModel", (), {"config": config})()  # type: ignore[attr-defined]
+    limits = wan_limits(pipe)
+    return StageConstraints(
+        size_multiple=limits.multiple, max_side=limits.max_side, max_pixels=max_pixels, frames_step=4
+    )
+
+
+@given(
+    h=st.integers(8, 4096),
+    w=st.integers(8, 4096),
+    rope=st.sampled_from([32, 1024]),
+    max_pixels=st.sampled_from([None, 4096, 832 * 480]),
+    image=st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_an_accepted_size_fits_the_rotary_table_on_each_axis(
+    h: int, w: int, rope: int, max_pixels: int | None, image: bool
+) -> None:
+    """Each axis of 16-pixel patches takes positions from the transformer's rotary table: a side
+    past ``rope x 16`` failed inside the model (32 x 1024 with tiny-wan's 32 positions), so it is
+    refused before queueing, naming the side (or the input image that sets it)."""
+    params: dict[str, Any] = {"height": h, "width": w, "num_frames": 5}
+    if image:
+        params["image"] = np.zeros((1, 1, 3), np.uint8)  # only its presence matters to this check
+    try:
+        check_constraints(params, size_constraints(rope, max_pixels))
+    except InvalidRequestError as e:
+        assert e.param in (("image",) if image else ("height", "width", "size")), e
+        return
+    assert h % 16 == 0 and w % 16 == 0 and h // 16 <= rope and w // 16 <= rope
+    assert max_pixels is None or h * w <= max_pixels
+
+
+def test_sizes_are_bounded_by_four_times_the_default_area_and_the_rotary_table(runner: DiffusionRunner) -> None:
+    c = runner.constraints()
+    assert c.max_side == 32 * 16 and "rotary" in (c.max_side_reason or "")
+    # Wan's configs state no native size: the stage's default size (32 x 32 in the bundled
+    # config) stands for it (a fact of the config, known before any load).
+    assert DiffusionRunner(load_config("tiny-wan").stage_args[0]).max_pixels() == 4 * 32 * 32
+
+
+def test_the_sizes_at_the_edges_of_the_rule_run(runner: DiffusionRunner) -> None:
+    """Every accepted size runs: the longest sides the default area allows, and (with the area
+    unbounded) the longest the rotary table allows, each as text and as image to video."""
+    unbounded = msgspec.structs.replace(runner.constraints(), max_pixels=None)
+    for h, w in ((16, 256), (256, 16), (32, 512)):
+        if (h, w) != (32, 512):
+            check_constraints({"height": h, "width": w}, runner.constraints())
+        check_constraints({"height": h, "width": w}, unbounded)
+        fast = {"num_frames": 5, "num_inference_steps": 1, "seed": 1, "height": h, "width": w}
+        text, first = run(runner, req("t", **fast), req("i", image=frame_image((0, 9, 0), h, w), **fast))
+        assert text.media[0].frames.shape == first.media[0].frames.shape == (5, h, w, 3)
+    with pytest.raises(InvalidRequestError):  # one patch more than the table fails in the model
+        check_constraints({"height": 32, "width": 528}, unbounded)
+
+
 def test_golden_slice(runner: DiffusionRunner) -> None:
     (out,) = run(runner, req("golden", GOLDEN_PROMPT, **GOLDEN_PARAMS))
     got = [round(float(v), 4) for v in out.tensors["videos"][0, -1, -3:, -3:, -1].flatten()]
@@ -186,6 +252,14 @@ def test_python_api_makes_a_video_that_saves_as_mp4(omni: Any, tmp_path: Path) -
         ({"num_frames": 129}, "num_frames", "more than the 125"),
         ({"height": 40}, "height", "not a multiple of 16 .*patch size 2"),
         ({"fps": 0}, "fps", ">= 1"),
+        # Sizes that passed the checks and failed in the model (issue 35): past the area and the rotary table.
+        ({"height": 32, "width": 1024}, "width", "more than the 512 pixels a side may have"),
+        ({"height": 1024, "width": 32}, "height", "more than the 512 pixels a side may have"),
+        ({"height": 64, "width": 256}, "size", "exceeds this stage's limit of 4096 pixels"),
+        ({"height": 16, "width": 4096}, "width", "more than the 512 pixels a side may have .*rotary table"),
+        ({"image": frame_image((0, 9, 0), 16, 2048)}, "image", "more than the 512 pixels"),
+        ({"image": frame_image((0, 9, 0), 2048, 2048)}, "image", "more than the 512 pixels"),
+        ({"image": frame_image((0, 9, 0), 64, 128)}, "image", "more than this stage's limit of 4096 pixels"),
     ],
 )
 def test_bad_video_params_are_refused_before_queueing(omni: Any, params: dict, param: str, match: str) -> None:

@@ -20,8 +20,13 @@ def wan_limits(pipe: Any) -> SizeLimits:
     _, patch_h, patch_w = (int(p) for p in config.patch_size)
     patch = max(patch_h, patch_w)
     rope = getattr(config, "rope_max_seq_len", None)
+    table = f"the {type(pipe.transformer).__name__} rotary table of {rope} positions"
     return SizeLimits(
         multiple=spatial * patch,
+        # Each axis of patches takes positions from the same rotary table: a side past it fails
+        # inside the transformer (32 x 1024 with a 32-position table).
+        max_side=int(rope) * spatial * patch if rope else None,
+        max_side_reason=f"{table} per axis x {spatial * patch} pixels a patch" if rope else None,
         reason=f"the VAE spatial factor {spatial} x the {type(pipe.transformer).__name__} patch size {patch}",
         # Wan's transformer config states no trained size; the requests' default comes from the
         # stage's default_sampling_params.

@@ -129,3 +129,51 @@ async def test_what_is_not_a_launcher_message_is_dropped_and_it_goes_on_launchin
         await client.close(timeout=2.0)
     finally:
         resources.release()
+
+
+def test_a_stopped_launcher_is_given_up_the_replica_spawned_and_close_is_quick(no_leaks, caplog):
+    # startup_timeout_s bounds the wait for the launcher's answer; the replica is then spawned.
+    stage = echo_stage(runtime={"max_restarts": 2, "startup_timeout_s": 3})
+    omni = Omni(make_config([stage]))
+    try:
+        (launcher,) = launchers()
+        (replica,) = stage_processes()
+        os.kill(launcher.pid, signal.SIGSTOP)
+        try:
+            os.kill(replica.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            # Its death is known from its pidfd, without the (stopped) launcher's report.
+            assert wait_for(lambda: omni.engine.stage_status()[0].restarts == 1, timeout=2)
+
+            def spawned() -> bool:
+                fresh = [p for p in stage_processes() if p.status() != psutil.STATUS_ZOMBIE]
+                return len(fresh) == 1 and fresh[0].ppid() == os.getpid()
+
+            assert wait_for(spawned, timeout=20)
+            assert wait_for(lambda: omni.engine.health().ok, timeout=20)
+            restarted_s = time.monotonic() - killed
+            assert restarted_s < 0.5 + 3 + 10, restarted_s  # backoff, the launcher's bound, a spawn
+            assert omni.generate(["spawned"], use_tqdm=False)[0].text == "spawned"
+            started = time.monotonic()
+            omni.close()
+            closed_s = time.monotonic() - started
+            assert closed_s < 4, closed_s
+            assert "did not exit after SIGKILL" not in caplog.text
+            print(f"restart with a stopped launcher {restarted_s:.1f} s, close {closed_s:.1f} s")
+        finally:
+            if launcher.is_running():
+                os.kill(launcher.pid, signal.SIGCONT)
+    finally:
+        omni.close()
+
+
+def test_a_dead_engine_releases_its_launcher_before_close(no_leaks):
+    omni = Omni(make_config([echo_stage(runtime={"max_restarts": 0})]))
+    try:
+        (launcher,) = launchers()
+        (replica,) = stage_processes()
+        os.kill(replica.pid, signal.SIGKILL)
+        assert wait_for(lambda: not omni.engine.health().ok, timeout=5)
+        assert_gone([launcher], timeout=5)
+    finally:
+        omni.close()

@@ -9,6 +9,8 @@ params' validation takes hostile values without an engine.
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,9 @@ from hypothesis import strategies as st
 
 from omni_runtime import Omni
 from omni_runtime.exceptions import InvalidRequestError
-from omni_runtime.messages import StageConstraints
+from omni_runtime.messages import SpeechBound, StageConstraints
 from omni_runtime.models.tiny_tts import SAMPLE_RATE, SPEAKERS
-from omni_runtime.params import SpeechSamplingParams, check_constraints, resolve_params
+from omni_runtime.params import SpeechSamplingParams, check_constraints, check_speech_length, resolve_params
 from omni_runtime.stage.runners.speech import OPENAI_VOICES, speaker_table
 
 TEXTS = ["hello there", "Hi!", "a much longer sentence for the speech stage to say"]
@@ -44,6 +46,47 @@ def test_hostile_speech_params_are_invalid_request_errors_naming_the_field(voice
         return
     if fields.get("speed") is not None:
         assert 0.25 <= fields["speed"] <= 4.0
+
+
+@pytest.mark.unit
+@given(
+    chars=st.integers(0, 4096),
+    speed=st.floats(0.25, 4.0),
+    token_frames=st.integers(1, 60),
+    blank=st.booleans(),
+    limit=st.floats(0.5, 600),
+)
+@settings(max_examples=300, deadline=None)
+def test_a_text_passes_only_if_its_longest_clip_fits_the_limit(
+    chars: int, speed: float, token_frames: int, blank: bool, limit: float
+) -> None:
+    """Whatever durations the model predicts (each capped at ``token_frames``), an accepted text
+    makes no more than ``max_seconds``; a refused one names ``speed`` only if it fits at speed 1,
+    and the count of characters the error allows is itself accepted."""
+    bound = SpeechBound(
+        max_seconds=limit,
+        token_frames=token_frames,
+        frame_s=256 / 16_000,
+        tokens_per_char=1 + blank,
+        extra_tokens=blank,
+    )
+    constraints = StageConstraints(speech=bound)
+    tokens = (1 + blank) * chars + blank
+
+    def worst(speed: float) -> float:
+        return tokens * math.ceil(token_frames / speed) * bound.frame_s
+
+    try:
+        check_speech_length("a" * chars, {"speed": speed}, constraints)
+    except InvalidRequestError as e:
+        assert worst(speed) > limit * (1 - 1e-9) or bound.longest_s(tokens, speed) > limit
+        assert e.param == ("speed" if bound.longest_s(tokens, 1.0) <= limit and speed < 1 else "prompt"), e
+        allowed = re.search(r"may speak (\d+) characters", str(e))
+        assert allowed is not None and int(allowed[1]) <= max(chars - 1, 0)
+        if int(allowed[1]):  # 0: not even the tokenizer's blank fits this (tiny) limit
+            check_speech_length("a" * int(allowed[1]), {"speed": speed}, constraints)
+        return
+    assert worst(speed) <= limit
 
 
 class _Config:
@@ -124,3 +167,24 @@ def test_an_unknown_voice_and_unspeakable_text_are_refused(omni: Any) -> None:
     assert isinstance(error, InvalidRequestError) and error.param == "prompt", error
     # Characters outside the vocabulary are dropped: the rest is spoken.
     np.testing.assert_array_equal(clip(omni, "hé€llo"), clip(omni, "hllo"))
+
+
+@pytest.mark.integration
+def test_a_text_that_could_speak_too_long_is_refused_before_it_is_queued(omni: Any) -> None:
+    """The issue's request: 4,095 characters at speed 0.25 (once about 3,300 s of audio and 24 GB).
+    A prompt refused by the caller's check is that prompt's error output (its message counts
+    characters; the stage's own check, after queueing, counts tokens)."""
+    error = omni.generate("ab " * 1365, {"speed": 0.25})[0].error
+    assert isinstance(error, InvalidRequestError) and error.param == "prompt", error
+    assert "characters at speed 0.25" in str(error) and "max_speech_seconds" in str(error)
+    # A text that fits at speed 1 is refused at a slower speed by naming the speed.
+    with pytest.raises(InvalidRequestError) as e:
+        omni.generate("ab " * 30, {"speed": 0.25})
+    assert e.value.param == "speed"
+    # The longest text accepted at speed 1 runs, and its clip stays within the limit (60 s).
+    allowed = re.search(r"may speak (\d+) characters", str(omni.generate("a" * 4000, {})[0].error))
+    assert allowed is not None
+    text = ("ab " * 4000)[: int(allowed[1])]
+    longest = clip(omni, text)
+    assert 0 < longest.shape[1] <= 60 * SAMPLE_RATE
+    assert omni.generate(text + "a", {})[0].error is not None
