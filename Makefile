@@ -11,17 +11,15 @@ LOCK := locks/py$(PYVER).txt
 
 .PHONY: serve test bench lint format clean redis-server chromium lock lock-check gpu-wheels
 
-# 1) pip itself at the locked version  2) every locked package, none of their dependencies resolved
-# anew (the lock is the whole set)  3) the project, editable, built by the locked setuptools
-# 4) whatever an older lock installed and this one no longer names, removed. torch's CPU build
-# comes from pip's configured wheel folder (find-links); see README, "Packages".
+# 1) uv, at the locked version, by pip  2) exactly the lock, by uv (what an older lock installed and
+# this one no longer names is removed), then the project, editable, built by the locked
+# setuptools. torch's CPU build comes from pip's configured wheel folder (find-links), which
+# tools/lock.py hands to uv; see README, "Packages".
 $(STAMP): pyproject.toml $(wildcard $(LOCK))
 	@test -f $(LOCK) || { echo "no lock for Python $(PYVER): locks/ has $$(ls locks/*.txt)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --no-deps $$(grep '^pip==' $(LOCK))
-	$(PIP) install -q --no-deps -r $(LOCK)
-	$(PIP) install -q --no-deps --no-build-isolation -e .
-	$(PY) tools/lock.py unlocked | xargs -r $(PIP) uninstall -q -y
+	$(PIP) install -q --no-deps $$(grep '^uv==' $(LOCK))
+	$(PY) tools/lock.py sync
 	touch $@
 
 # A quick check (no install) that .venv holds exactly the lock: a package upgraded or added by

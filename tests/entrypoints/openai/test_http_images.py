@@ -276,11 +276,11 @@ def test_metrics_count_requests_and_engine_histograms(http, server):
 
 
 def test_a_long_prompt_is_not_logged_whole(client, server):
-    # The text encoder keeps 77 tokens and its pipeline logs the cut part of the prompt: the log
-    # line is bounded (omni_runtime/logs.py), in the server's and the stages' processes alike.
+    # The text encoder keeps 77 tokens and its pipeline logs the cut part of the prompt: at the
+    # default level that library warning is held back (omni_runtime/logs.py configure_logging), and
+    # at any level every line is bounded (the same module; tests/omni_runtime/test_logs.py).
     words = " ".join(f"w{i:05d}" for i in range(3000))
     client.images.generate(prompt=words, size="64x64", extra_body={"num_inference_steps": 1})
     log = server.log()
-    assert "characters cut ...]" in log
     assert "w01500" not in log
     assert max(len(line) for line in log.splitlines()) < 2500
