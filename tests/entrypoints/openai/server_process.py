@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +17,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[3]
 CLI = [sys.executable, "-m", "omni_runtime.entrypoints.cli"]
+
+#: A line the runtime writes: its log format (a stage's, or the server's) with one of its loggers.
+RUNTIME_LINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ [A-Z]+ (stage\d+\.\d+ )?omni_runtime[\w.]*: ")
 
 
 def free_port() -> int:

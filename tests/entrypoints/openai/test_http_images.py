@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import warnings
 
 import httpx
@@ -17,7 +18,7 @@ import yaml
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from .server_process import REPO, start_server, stop_server, write_config
+from .server_process import REPO, RUNTIME_LINE, start_server, stop_server, write_config
 
 KEY = "sk-test-key"
 
@@ -273,6 +274,20 @@ def test_metrics_count_requests_and_engine_histograms(http, server):
     assert value(after["omni_stage_live_replicas"], "omni_stage_live_replicas", stage="0") == 1
     assert value(after["omni_stage_restarts"], "omni_stage_restarts_total", stage="0") == 0
     assert value(after["omni_engine_max_pending"], "omni_engine_max_pending") == 1024
+
+
+#: What uvicorn prints as it starts (``INFO:     Started server process [12]``).
+UVICORN_LINE = re.compile(r"^(INFO|WARNING|ERROR): +\S")
+
+
+def test_serve_prints_only_its_own_and_uvicorns_lines_until_ready(server):
+    """A quiet start (issue: torchao, triton and torch's deprecations printed by every stage): at
+    the default level, until the model is ready, nothing but the runtime's lines and uvicorn's."""
+    log = server.log()
+    assert "tiny-sd is ready" in log, log[-3000:]
+    start = log[: log.index("tiny-sd is ready")].splitlines()
+    others = [line for line in start if line.strip() and not (RUNTIME_LINE.match(line) or UVICORN_LINE.match(line))]
+    assert not others, "\n".join(others)
 
 
 def test_a_long_prompt_is_not_logged_whole(client, server):
