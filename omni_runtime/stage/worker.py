@@ -51,6 +51,7 @@ from omni_runtime.messages import (
 )
 from omni_runtime.stage.cost_model import CostModel
 from omni_runtime.stage.executors import Executor, RequestExecutor, StepExecutor
+from omni_runtime.stage.memory import fix_mmap_threshold
 from omni_runtime.stage.profile import profile_batches
 from omni_runtime.stage.runners.base import RunnerOutput, RunnerRequest, runner_class
 from omni_runtime.stage.scheduler import RequestScheduler
@@ -104,6 +105,9 @@ class StageWorker:
         self.throttle = ProgressThrottle(fixed_interval_s=args.progress_interval_s)
         #: The one forward thread: every runner call that may be slow runs here, in order.
         self.forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage_id}-forward")
+        #: Whether freed activations go back to the system at once (``engine_args.return_freed_memory``):
+        #: glibc's mmap threshold fixed in this process, before the first forward.
+        self.mmap_threshold_fixed = fix_mmap_threshold() if args.return_freed_memory else False
         #: Set on an arrival, an abort or a config change: the executor's loop looks again.
         self.wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -388,6 +392,7 @@ class StageWorker:
             # What torch really runs with (OMP_NUM_THREADS set by the stage process); None if unused.
             "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
             **self.executor.stats(),
+            "mmap_threshold_fixed": self.mmap_threshold_fixed,
             **self.runner.stats(),
             **({} if self.batch_profile is None else {"batch_profile": self._profile_stats(self.batch_profile)}),
         }
