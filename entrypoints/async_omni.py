@@ -17,7 +17,7 @@ from typing import Any
 from omni_runtime.config import DeployConfig, load_config, with_engine_overrides, with_ray_address
 from omni_runtime.engine.async_engine import AsyncOmniEngine, EngineHealth, PendingRequest, ValidRequest
 from omni_runtime.exceptions import EngineDeadError
-from omni_runtime.messages import EngineOutput, RpcReplicaResult
+from omni_runtime.messages import EngineOutput, RpcReplicaResult, StageConstraints
 from omni_runtime.outputs import OmniRequestOutput, RequestProgress, StageResult
 from omni_runtime.resolve import ResolvedConfig, resolve_config
 
@@ -176,6 +176,10 @@ class AsyncOmni:
         """The most pixels an input image may have for this model (its stages' ``max_pixels``):
         what a server checks an upload's declared size against before decoding it."""
         return self.engine.max_input_pixels()
+
+    def constraints(self) -> dict[int, StageConstraints]:
+        """What each loaded stage allows (its READY constraints), by stage id."""
+        return self.engine.constraints()
 
     def frames_step(self) -> int | None:
         """A video model's frame step (``step * k + 1`` frames); None for a model without video."""

@@ -306,18 +306,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from omni_runtime import encoders
     from omni_runtime.media import items_of
-    from omni_runtime.params import SpeechSamplingParams
 
     from .async_omni import AsyncOmni, load_resolved
+    from .capabilities import TASK_KIND, ModelCapabilities
 
     overrides = {"max_num_seqs": args.max_num_seqs, "step_execution": args.step_execution, **_placement_args(args)}
     resolved = load_resolved(args.model, overrides, args.ray_address)
     config = resolved.config
+    caps = ModelCapabilities.of(resolved)
     # The first final stage that makes images, videos or audio: what is generated, and its format.
-    finals = [s for s in config.stage_args if s.final_output and s.final_output_type in ("image", "video", "audio")]
-    if not finals:
+    made = {sid: TASK_KIND[t] for t in ("text2image", "text2video", "text2audio", "text2speech")
+            if (sid := caps.stage(t)) is not None}  # fmt: skip
+    if not made:
         raise CliError(f"the model {args.model!r} has no image, video or audio output")
-    image_stage, kind = finals[0].stage_id, str(finals[0].final_output_type)
+    image_stage = min(made)
+    kind = made[image_stage]
     if kind != "video" and (args.frames is not None or args.fps is not None):
         raise CliError(f"--frames and --fps are for a video model; {args.model!r} makes {kind}s")
     if kind != "audio" and args.seconds is not None:
@@ -345,7 +348,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         image["lora"] = {**spec, "scale": args.lora_scale}
     # A speech stage takes no image params: its voice, speed and seed are its own.
     # A stage whose params are a speech stage's (``speech``, ``omni_code2wav``) takes them.
-    speech_stage = any(issubclass(s.params_cls, SpeechSamplingParams) for s in resolved.stages)
+    speech_stage = caps.serves("text2speech")
     if not speech_stage and (args.voice is not None or args.speed is not None):
         raise CliError(f"--voice and --speed are for a speech model; {args.model!r} has no speech stage")
 

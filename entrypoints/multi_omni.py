@@ -37,6 +37,7 @@ from omni_runtime.outputs import OmniRequestOutput
 from omni_runtime.resolve import ResolvedConfig
 
 from .async_omni import AsyncOmni, EngineHealth, ValidRequest, load_resolved
+from .capabilities import ModelCapabilities
 
 __all__ = [
     "ModelCounts",
@@ -176,12 +177,9 @@ class ServedModel:
         #: Why it failed or died, or None.
         self.error: BaseException | None = None
         self.engine: AsyncOmni | None = None
-        finals = [s for s in self.config.stage_args if s.final_output]
-        self.image_stage = next((s.stage_id for s in finals if s.final_output_type == "image"), None)
-        self.video_stage = next((s.stage_id for s in finals if s.final_output_type == "video"), None)
-        self.audio_stage = next((s.stage_id for s in finals if s.final_output_type == "audio"), None)
-        #: What it makes: its final stages' output types (image, video, audio, text).
-        self.kinds = sorted({s.final_output_type for s in finals if s.final_output_type})
+        #: What it can do: worked out from its config now, completed with its stages' limits
+        #: once its engine has loaded (see :meth:`ModelCapabilities.loaded`).
+        self.capabilities = ModelCapabilities.of(resolved)
         #: Requests holding it (acquired, not released) and requests waiting for it to come back:
         #: the budget evicts only a model with neither (and no request in its engine).
         self.leases = 0
@@ -200,6 +198,11 @@ class ServedModel:
         self.lock = asyncio.Lock()
         #: The task bringing it back, shared by every request that waits for it.
         self.coming_up: asyncio.Future[None] | None = None
+
+    @property
+    def kinds(self) -> list[str]:
+        """What it makes: its final stages' output types (image, video, audio, text)."""
+        return list(self.capabilities.kinds)
 
     def health(self) -> EngineHealth | None:
         """Its engine's health, or None while it has no engine (loading, failed)."""
@@ -338,6 +341,7 @@ class MultiOmni:
             return
         model.loads += 1
         model.last_used = time.monotonic()
+        model.capabilities = model.capabilities.loaded(engine.constraints(), engine.max_input_pixels())
         engine.on_dead(lambda error: self._died(model, engine, error))
         await self._measure(model)
 

@@ -24,17 +24,18 @@ from omni_runtime.media import ALIASES, AudioItem, MediaItem, items_of
 from omni_runtime.outputs import OmniRequestOutput, RequestProgress
 from omni_runtime.params import MAX_PROMPT_CHARS
 
-from ..async_omni import AsyncOmni, ValidRequest
+from ..async_omni import ValidRequest
 from . import protocol as proto
-from .dependencies import AUTH, JSON_BODY, State
+from .body import BodyRoute
+from .dependencies import AUTH, JSON_BODY, ChatModel, State
 from .fields import FieldMap
 from .images import chat_image
 from .protocol import DISCONNECTED, error_body
 from .responses import json_with_id
 from .speech import PCM_CHUNK_SAMPLES
-from .state import ServerState
+from .state import ModelHandle, ServerState
 
-router = APIRouter(prefix="/v1", dependencies=[AUTH])
+router = APIRouter(prefix="/v1", dependencies=[AUTH], route_class=BodyRoute)
 
 #: Request field -> engine param (shared by every stage that takes it), and back in errors.
 CHAT_FIELDS = FieldMap(
@@ -59,16 +60,16 @@ CHAT_FIELDS = FieldMap(
 
 
 @router.post("/chat/completions", dependencies=[JSON_BODY])
-async def chat(body: proto.ChatCompletionRequest, request: Request, state: State) -> Response:
-    answer = await chat_completion(state, body, request)
+async def chat(body: proto.ChatCompletionRequest, request: Request, state: State, model: ChatModel) -> Response:
+    answer = await chat_completion(state, model, body, request)
     return answer if isinstance(answer, Response) else json_with_id(answer)
 
 
 async def chat_completion(
-    state: ServerState, body: proto.ChatCompletionRequest, request: Request
+    state: ServerState, model: ModelHandle, body: proto.ChatCompletionRequest, request: Request
 ) -> StreamingResponse | tuple[dict[str, Any], str]:
-    """The streamed answer, or the whole one with its request id."""
-    omni = await state.check_request(body.model)
+    """The streamed answer on ``model``, or the whole one with its request id."""
+    omni = model.engine
     try:
         prompt, where = body.prompt()
     except ValueError as e:
@@ -81,10 +82,10 @@ async def chat_completion(
     # Audio asked for without text: a text stage still delivers its answer (the audio's
     # transcript), which the message then leaves out.
     kinds = {ALIASES.get(m, m) for m in modalities or ()}
-    hide_text = "audio" in kinds and "text" not in kinds and _has_text_output(state)
+    hide_text = "audio" in kinds and "text" not in kinds and "text" in model.capabilities.kinds
     if hide_text and modalities is not None:
         modalities.append("text")
-    image = await chat_image(state, body)
+    image = await chat_image(model, body)
     try:
         valid = omni.validate(prompt, omni.sampling_params(image=image, shared=shared), modalities=modalities)
     except InvalidRequestError as e:
@@ -97,8 +98,8 @@ async def chat_completion(
     spoken = Spoken(body.audio.encoder_format() if body.audio else DEFAULT_AUDIO_FORMAT, hide_text, prompt)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream_chat(state, omni, request, rid, valid, include_usage, spoken)
-    out = await state.until_disconnect(request, [rid], state.collect(omni, valid, rid))
+        return await _stream_chat(state, model, request, rid, valid, include_usage, spoken)
+    out = await state.until_disconnect(request, [rid], state.collect(model, valid, rid))
     texts = [r.text for _, r in sorted(out.outputs_by_stage.items()) if r.text is not None]
     clips = [c for c in items_of(list(out.media), "audio") if isinstance(c, AudioItem)]
     audio = None
@@ -112,7 +113,7 @@ async def chat_completion(
     )
     usage, finish = proto.usage_of(out, valid.params)
     choice = proto.ChatChoice(message=message, finish_reason=finish)
-    resp = proto.ChatCompletionResponse(id=rid, model=state.model_name, choices=[choice], usage=usage)
+    resp = proto.ChatCompletionResponse(id=rid, model=model.name, choices=[choice], usage=usage)
     return resp.model_dump(exclude_none=True), rid
 
 
@@ -137,10 +138,6 @@ class Spoken:
     def transcript(self, out: OmniRequestOutput) -> str:
         texts = [r.text for _, r in sorted(out.outputs_by_stage.items()) if r.text is not None]
         return "\n".join(texts) if texts else self.prompt
-
-
-def _has_text_output(state: ServerState) -> bool:
-    return any(s.config.final_output and s.config.final_output_type == "text" for s in state.resolved.stages)
 
 
 def _audio_piece(data: bytes, transcript: str | None, audio_id: str | None = None) -> dict[str, Any]:
@@ -191,13 +188,14 @@ async def _image_parts(media: Sequence[MediaItem]) -> list[dict[str, Any]]:
 
 async def _stream_chat(
     state: ServerState,
-    omni: AsyncOmni,
+    model: ModelHandle,
     request: Request,
     rid: str,
     valid: ValidRequest,
     include_usage: bool,
     spoken: Spoken,
 ) -> StreamingResponse:
+    omni = model.engine
     agen = omni.generate(valid, request_id=rid)
     state.inflight.add(rid)
     try:
@@ -212,7 +210,7 @@ async def _stream_chat(
 
     def chunk(delta: proto.DeltaMessage | None, finish: str | None = None, usage: proto.Usage | None = None) -> str:
         choices = [] if delta is None else [proto.ChunkChoice(delta=delta, finish_reason=finish)]
-        c = proto.ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=choices, usage=usage)
+        c = proto.ChatCompletionChunk(id=rid, created=created, model=model.name, choices=choices, usage=usage)
         return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
 
     async def events() -> AsyncIterator[str]:
@@ -250,7 +248,7 @@ async def _stream_chat(
                     break
                 out = await agen.__anext__()
             finished = True
-            state.metrics.observe_output(out)
+            state.metrics.observe_output(out, model.name)
             usage, finish = proto.usage_of(out, valid.params)
             yield chunk(proto.DeltaMessage(), finish)
             if include_usage:

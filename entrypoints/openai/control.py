@@ -8,18 +8,19 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from omni_runtime.messages import RpcReplicaResult
 
 from ..async_omni import AsyncOmni
 from . import protocol as proto
+from .body import BodyRoute
 from .dependencies import AUTH, JSON_BODY, State
-from .protocol import ApiError
 from .responses import SafeJSONResponse
+from .state import LEASES
 
-router = APIRouter(prefix="/v1/omni", dependencies=[AUTH])
+router = APIRouter(prefix="/v1/omni", dependencies=[AUTH], route_class=BodyRoute)
 
 #: Seconds a call waits for its replicas when the request names no timeout: a hung replica
 #: cannot hold an HTTP request forever.
@@ -27,14 +28,14 @@ DEFAULT_TIMEOUT_S = 30.0
 
 
 @router.post("/collective_rpc", dependencies=[JSON_BODY])
-async def collective_rpc(body: proto.CollectiveRpcRequest, state: State) -> JSONResponse:
+async def collective_rpc(body: proto.CollectiveRpcRequest, request: Request, state: State) -> JSONResponse:
     timeout = body.timeout if body.timeout is not None else DEFAULT_TIMEOUT_S
     targets: list[tuple[str | None, AsyncOmni]]
+    state.check_draining()
     if body.model is not None or not state.several:
-        targets = [(state.model_name if state.several else None, await state.check_request(body.model))]
+        model = await state.serve(state.model(body.model), request.scope.get(LEASES))
+        targets = [(model.name if state.several else None, model.engine)]
     else:
-        if state.draining:
-            raise ApiError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
         # Every loaded model, not those evicted or loading: a control call brings none back.
         targets = [(m.name, m.engine) for m in state.multi.models.values() if m.state == "loaded" and m.engine]
 

@@ -1,5 +1,6 @@
-"""The checks a route declares with ``Depends``: the API key and the body's content type, and the
-shared state a route reads (:data:`State`).
+"""The checks a route declares with ``Depends``: the API key and the body's content type, the
+shared state a route reads (:data:`State`), and the model a request runs on (:func:`model_for`:
+resolved once per request from what it names, and checked to serve the route's task).
 
 A router declares :data:`AUTH` for all its routes and a POST route declares one of
 :data:`JSON_BODY`, :data:`MULTIPART_BODY` or :data:`JSON_OR_MULTIPART_BODY`;
@@ -10,15 +11,17 @@ a 413 and a 415), and they run again as the route's dependencies."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Annotated, Any
 
 from fastapi import Depends
-from starlette.requests import HTTPConnection
+from starlette.requests import HTTPConnection, Request
 
+from ..capabilities import Task, UnsupportedTaskError
+from .body import requested_model
 from .job_manager import JobManager
 from .protocol import ApiError
-from .state import ServerState, get_state
+from .state import LEASES, ModelHandle, ServerState, get_state
 
 #: The shared state, as a handler parameter: ``state: State``.
 State = Annotated[ServerState, Depends(get_state)]
@@ -66,6 +69,49 @@ def get_jobs(state: State) -> JobManager:
 
 
 Jobs = Annotated[JobManager, Depends(get_jobs)]
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate: no name, and nothing a message can carry
+        return False
+    return True
+
+
+def model_for(task: Task | None) -> Callable[[Request, ServerState], Awaitable[ModelHandle]]:
+    """The dependency that resolves the model a request runs on, once: the name its body (or
+    form, or query) gives as ``model`` (the only model when one is served and none is named);
+    404 ``model_not_found`` for an unknown name, 400 naming ``model`` when several are served and
+    none is named or when the model cannot do ``task`` (None: the route checks the task it reads
+    from the body); 503 while draining or while the model cannot serve. The model is held until
+    the HTTP request ends."""
+
+    async def resolve(request: Request, state: State) -> ModelHandle:
+        state.check_draining()
+        name = await requested_model(request)
+        if name is not None and (not isinstance(name, str) or not _encodable(name)):
+            raise ApiError(400, "`model` must be the name of a served model", param="model", code="invalid_value")
+        served = state.model(name)
+        if task is not None:
+            try:
+                served.capabilities.require(served.name, task)
+            except UnsupportedTaskError as e:
+                raise ApiError(400, str(e), param="model", code=e.code) from None
+        return await state.serve(served, request.scope.get(LEASES))
+
+    return resolve
+
+
+#: A route's model, as a handler parameter (``model: ImageModel``), for each task.
+ImageModel = Annotated[ModelHandle, Depends(model_for("text2image"))]
+EditModel = Annotated[ModelHandle, Depends(model_for("image_edit"))]
+VariationModel = Annotated[ModelHandle, Depends(model_for("image_variation"))]
+VideoModel = Annotated[ModelHandle, Depends(model_for("text2video"))]
+SpeechModel = Annotated[ModelHandle, Depends(model_for("text2speech"))]
+ChatModel = Annotated[ModelHandle, Depends(model_for("chat"))]
+#: A model for a task the route reads from its body (``/v1/generate``).
+AnyModel = Annotated[ModelHandle, Depends(model_for(None))]
 
 AUTH = Depends(require_api_key)
 JSON_BODY = Depends(require_json)

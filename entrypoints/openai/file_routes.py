@@ -6,11 +6,12 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from .body import BodyRoute
 from .dependencies import AUTH, State
 from .files import FILE_ID
 from .protocol import ApiError
 
-router = APIRouter(prefix="/v1/files", dependencies=[AUTH])
+router = APIRouter(prefix="/v1/files", dependencies=[AUTH], route_class=BodyRoute)
 
 
 @router.get("/{file_id}")

@@ -12,18 +12,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from omni_runtime.engine.status import EngineHealth, ReplicaState, StageStatus
-from omni_runtime.exceptions import UnknownModelError
-from omni_runtime.params import SpeechSamplingParams
 
 from ..multi_omni import ServedModel
 from . import protocol as proto
+from .body import BodyRoute
 from .dependencies import AUTH, State
 from .metrics import CONTENT_TYPE
-from .protocol import ApiError
 from .responses import SafeJSONResponse
 from .state import ServerState
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 _HOSTNAME = socket.gethostname()  # the node name of this machine's own replicas
 
@@ -211,11 +209,12 @@ def _remote_replicas(h: EngineHealth) -> int:
 async def health(state: State) -> JSONResponse:
     if state.several:
         return _several_health(state)
-    if state.omni is None:
+    model = state.only
+    if model.engine is None:
         if state.failed is not None:
             return _json(HealthReport(status="failed", reason=str(state.failed)), 503)
         return _json(HealthReport(status="loading"), 503, headers={"Retry-After": "1"})
-    h = state.started.health()
+    h = model.engine.health()
     if h.ok:
         return _json(HealthReport(status="ok"))
     if h.status == "dead":
@@ -230,7 +229,8 @@ async def readyz(request: Request, state: State) -> JSONResponse:
             verdict = _several_verdict(state)
             return _json(ReadyVerdict(ready=verdict, draining=state.draining), 200 if verdict else 503)
         return _several_ready(state, await _job_store_status(state))
-    h = state.started.health()
+    model = state.only
+    h = state.engine_of(model).health()
     if not state.authorized(request.scope):
         # Open to orchestrators without the key, but only the verdict: the stages, hosts,
         # queues and gateway id are for whoever holds it.
@@ -242,7 +242,7 @@ async def readyz(request: Request, state: State) -> JSONResponse:
         ready=ready,
         dead=h.reason if h.status == "dead" else None,
         draining=state.draining,
-        model=state.model_name,
+        model=model.name,
         pending=h.pending,
         max_pending=h.max_pending,
         stages=[ReadyStage.of(s) for s in h.stages],
@@ -265,36 +265,23 @@ async def list_models(state: State) -> JSONResponse:
 
 @router.get("/v1/models/{model_id:path}", dependencies=[AUTH])
 async def get_model(model_id: str, state: State) -> JSONResponse:
-    if state.several:  # any state: a failed model's card says so
-        try:
-            model = state.multi.model(model_id)
-        except UnknownModelError as e:
-            raise ApiError(404, str(e), param="model", code="model_not_found") from None
-    else:
-        state.select(model_id)
-        _ = state.started
-        model = state.current
+    model = state.model(model_id)
+    if not state.several:  # one model: its card once it serves (503 while loading or failed)
+        state.engine_of(model)
     return SafeJSONResponse(_card(state, model).model_dump())
 
 
 def _card(state: ServerState, model: ServedModel) -> proto.ModelCard:
+    caps = model.capabilities
     return proto.ModelCard(
-        id=model.name, created=state.created, kinds=model.kinds, tasks=_tasks(model), state=model.status()
+        id=model.name,
+        created=state.created,
+        kinds=list(caps.kinds),
+        tasks=caps.generate_tasks(),
+        serves=list(caps.tasks),
+        voices=list(caps.voices),
+        state=model.status(),
     )
-
-
-def _tasks(model: ServedModel) -> list[str]:
-    """The ``/v1/generate`` tasks the model serves, by its final stages' outputs (image to video
-    where the video stage's model has that form: a 400 naming it otherwise)."""
-    tasks = []
-    if model.image_stage is not None:
-        tasks.append("text2image")
-    if model.video_stage is not None:
-        tasks += ["text2video", "image2video"]
-    if model.audio_stage is not None:
-        stage = model.resolved.stage(model.audio_stage)
-        tasks.append("text2speech" if issubclass(stage.params_cls, SpeechSamplingParams) else "text2audio")
-    return tasks
 
 
 async def _job_store_status(state: ServerState) -> JobStoreStatus:

@@ -19,11 +19,11 @@ from omni_runtime.media import ImageItem, items_of
 
 from ..async_omni import AsyncOmni, ValidRequest
 from . import protocol as proto
-from .dependencies import AUTH, JSON_BODY, MULTIPART_BODY, State
+from .body import BodyRoute
+from .dependencies import AUTH, JSON_BODY, MULTIPART_BODY, EditModel, ImageModel, State, VariationModel
 from .fields import FieldMap
-from .protocol import ApiError
 from .responses import json_with_id
-from .state import ServerState
+from .state import ModelHandle, ServerState
 from .uploads import Upload, decode_async, decode_data_url, decode_image, image_params, read_image_form
 
 T = TypeVar("T")
@@ -77,18 +77,14 @@ async def gather_or_abort(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
             t.cancel()
 
 
-async def images_engine(state: ServerState, model: str | None, n: int) -> AsyncOmni:
-    """The engine for an images request of ``n`` images, or the error that refuses it."""
-    omni = await state.check_request(model)
-    if state.image_stage is None:
-        raise ApiError(400, f"the model `{state.model_name}` has no image output", param="model", code="no_image")
-    max_pending = omni.health().max_pending
+def check_n(model: ModelHandle, n: int) -> None:
+    """Refuse an images request of more images than the model's admission limit."""
+    max_pending = model.engine.health().max_pending
     if n > max_pending:
         # A 429 would invite retries that can never succeed.
         raise InvalidRequestError(
             f"n={n} images exceed this server's admission limit of {max_pending} requests", param="n"
         )
-    return omni
 
 
 def validate_images(
@@ -111,7 +107,7 @@ def validate_images(
 
 async def run_images(
     state: ServerState,
-    omni: AsyncOmni,
+    model: ModelHandle,
     request: Request,
     valid: list[ValidRequest],
     body: proto.ImageGenerationRequest | proto.ImageEditForm | proto.ImageVariationForm,
@@ -122,14 +118,14 @@ async def run_images(
     base = f"img-{uuid.uuid4().hex}"
     ids = [f"{base}-{i}" for i in range(n)]
     outs = await state.until_disconnect(
-        request, ids, gather_or_abort([state.collect(omni, valid[i], ids[i]) for i in range(n)])
+        request, ids, gather_or_abort([state.collect(model, valid[i], ids[i]) for i in range(n)])
     )
     images = [(img, out) for out in outs for img in items_of(out.media, "image") if isinstance(img, ImageItem)]
     fmt = body.output_format
     encoded = await encoders.encode_all([img for img, _ in images], fmt, quality=body.output_compression)
     data = []
-    image_stage = state.image_stage
-    assert image_stage is not None  # images_engine refuses a model without one
+    image_stage = model.capabilities.stage("text2image")
+    assert image_stage is not None  # the route's model dependency refuses a model without one
     for (img, out), blob in zip(images, encoded, strict=True):
         seed = out.outputs_by_stage.get(image_stage)
         item = proto.ImageData(seed=seed.metrics.get("seed") if seed else None)
@@ -145,7 +141,7 @@ async def run_images(
     return resp.model_dump(exclude_none=True), base
 
 
-async def chat_image(state: ServerState, body: proto.ChatCompletionRequest) -> dict[str, Any] | None:
+async def chat_image(model: ModelHandle, body: proto.ChatCompletionRequest) -> dict[str, Any] | None:
     """The input image of a chat request (an ``image_url`` data URL part of the last user
     message) as diffusion params, or None. Remote URLs are refused, never fetched."""
     urls = body.image_urls()
@@ -154,44 +150,44 @@ async def chat_image(state: ServerState, body: proto.ChatCompletionRequest) -> d
     if len(urls) > 1:
         raise InvalidRequestError(f"one input image per request; got {len(urls)} image_url parts", param=urls[1][1])
     url, where = urls[0]
-    if not any(stage.takes_image_params for stage in state.resolved.stages):
-        raise InvalidRequestError(f"the model `{state.model_name}` takes no input image", param=where)
-    limit = state.started.max_input_pixels()
+    if not model.capabilities.image_input:
+        raise InvalidRequestError(f"the model `{model.name}` takes no input image", param=where)
+    limit = model.engine.max_input_pixels()
     decoded = await decode_async(decode_image, Upload(decode_data_url(url, where), where, limit))
     return {"image": decoded.rgb}
 
 
-router = APIRouter(prefix="/v1/images", dependencies=[AUTH])
+router = APIRouter(prefix="/v1/images", dependencies=[AUTH], route_class=BodyRoute)
 
 
 @router.post("/generations", dependencies=[JSON_BODY])
-async def create_images(body: proto.ImageGenerationRequest, request: Request, state: State) -> JSONResponse:
-    omni = await images_engine(state, body.model, body.n)
+async def create_images(
+    body: proto.ImageGenerationRequest, request: Request, state: State, model: ImageModel
+) -> JSONResponse:
+    check_n(model, body.n)
     image = GENERATION_FIELDS.params(body)
-    valid = validate_images(omni, body.prompt, image, body.n, body.seed, GENERATION_FIELDS)
-    return json_with_id(await run_images(state, omni, request, valid, body))
+    valid = validate_images(model.engine, body.prompt, image, body.n, body.seed, GENERATION_FIELDS)
+    return json_with_id(await run_images(state, model, request, valid, body))
 
 
 @router.post("/edits", dependencies=[MULTIPART_BODY])
-async def edit_images(request: Request, state: State) -> JSONResponse:
+async def edit_images(request: Request, state: State, model: EditModel) -> JSONResponse:
     body, files = await read_image_form(request, proto.ImageEditForm)
-    omni = await images_engine(state, body.model, body.n)
+    check_n(model, body.n)
     # Without a mask, the image's own transparent pixels are the region to edit (as OpenAI's
     # edits take it); an opaque image without a mask is redrawn as a whole (img2img).
-    params = await image_params(
-        body, files, body.strength, alpha_as_mask=True, limit=omni.max_input_pixels(), fields=INPUT_IMAGE_FIELDS
-    )
-    valid = validate_images(omni, body.prompt, params, body.n, body.seed, INPUT_IMAGE_FIELDS)
-    return json_with_id(await run_images(state, omni, request, valid, body))
+    limit = model.engine.max_input_pixels()
+    params = await image_params(body, files, body.strength, alpha_as_mask=True, limit=limit, fields=INPUT_IMAGE_FIELDS)
+    valid = validate_images(model.engine, body.prompt, params, body.n, body.seed, INPUT_IMAGE_FIELDS)
+    return json_with_id(await run_images(state, model, request, valid, body))
 
 
 @router.post("/variations", dependencies=[MULTIPART_BODY])
-async def image_variations(request: Request, state: State) -> JSONResponse:
+async def image_variations(request: Request, state: State, model: VariationModel) -> JSONResponse:
     body, files = await read_image_form(request, proto.ImageVariationForm)
-    omni = await images_engine(state, body.model, body.n)
+    check_n(model, body.n)
     strength = body.strength if body.strength is not None else proto.VARIATION_STRENGTH
-    params = await image_params(
-        body, files, strength, alpha_as_mask=False, limit=omni.max_input_pixels(), fields=INPUT_IMAGE_FIELDS
-    )
-    valid = validate_images(omni, "", params, body.n, body.seed, INPUT_IMAGE_FIELDS)
-    return json_with_id(await run_images(state, omni, request, valid, body))
+    limit = model.engine.max_input_pixels()
+    params = await image_params(body, files, strength, alpha_as_mask=False, limit=limit, fields=INPUT_IMAGE_FIELDS)
+    valid = validate_images(model.engine, "", params, body.n, body.seed, INPUT_IMAGE_FIELDS)
+    return json_with_id(await run_images(state, model, request, valid, body))

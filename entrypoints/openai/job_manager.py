@@ -37,9 +37,9 @@ from omni_runtime.bounds import MAX_SPEECH_CHARS
 from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, UnavailableError
 from omni_runtime.media import AudioItem, ImageItem, VideoItem, items_of
 from omni_runtime.outputs import RequestProgress
-from omni_runtime.params import SpeechSamplingParams
 
-from ..async_omni import AsyncOmni, ValidRequest
+from ..async_omni import ValidRequest
+from ..capabilities import UnsupportedTaskError
 from ..jobs.record import JobRecord
 from ..jobs.store import (
     TERMINAL,
@@ -58,7 +58,7 @@ from .protocol import ApiError, GenerateRequest
 from .uploads import Upload, decode_async, decode_data_url, decode_image
 
 if TYPE_CHECKING:
-    from .state import ServerState
+    from .state import ModelHandle, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -141,10 +141,10 @@ class _LocalJob:
     """A job this gateway runs: its engine request, the fence of its writes (this gateway, its
     attempt), whether a cancel was asked for, and whether it was dropped (claimed elsewhere)."""
 
-    __slots__ = ("cancelled", "dropped", "fence", "job_id", "request_id", "started", "task", "unwritten")
+    __slots__ = ("cancelled", "dropped", "fence", "job_id", "model", "request_id", "started", "task", "unwritten")
 
-    def __init__(self, job_id: str, fence: Fence) -> None:
-        self.job_id, self.fence = job_id, fence
+    def __init__(self, job_id: str, fence: Fence, model: str = "") -> None:
+        self.job_id, self.fence, self.model = job_id, fence, model
         self.request_id = f"{job_id}-{fence[1]}"
         self.cancelled = False
         self.dropped = False
@@ -283,30 +283,27 @@ class JobManager:
 
     # ------------------------------------------------------------------ submit
 
-    async def _validate(self, omni: AsyncOmni, body: GenerateRequest) -> ValidRequest:
+    async def _validate(self, model: ModelHandle, body: GenerateRequest) -> ValidRequest:
         kind = TASK_KINDS[body.task]
-        stages = {"image": self.state.image_stage, "video": self.state.video_stage, "audio": self.state.audio_stage}
-        if stages[kind] is None:
-            message = f"the model `{self.state.model_name}` has no {kind} output (task `{body.task}`)"
-            raise ApiError(400, message, param="model", code=f"no_{kind}")
+        try:
+            model.capabilities.require(model.name, body.task)
+        except UnsupportedTaskError as e:
+            raise ApiError(400, str(e), param="model", code=e.code) from None
+        omni = model.engine
         fmt = body.config.output_format
         if fmt is not None and kind != "video" and fmt not in encoders.formats(kind):
             known = list(encoders.formats(kind))
             message = f"task `{body.task}` makes {kind}; `config.output_format` is one of {known}"
             raise ApiError(400, message, param="config.output_format", code="invalid_value")
         if body.task == "text2speech":
-            return self._validate_speech(omni, body)
+            return self._validate_speech(model, body)
         if body.inputs.voice is not None or body.inputs.speed is not None:
             field = "inputs.voice" if body.inputs.voice is not None else "inputs.speed"
             message = f"task `{body.task}` takes no `{field}`; speech is task `text2speech`"
             raise ApiError(400, message, param=field, code="invalid_value")
-        diffusion = {s.stage_id for s in omni.resolved.stages if s.takes_image_params}
-        if kind == "audio" and stages[kind] not in diffusion:
-            message = f"the model `{self.state.model_name}` makes speech, not text-to-audio clips (task `text2speech`)"
-            raise ApiError(400, message, param="task", code="no_audio")
         # ``priority`` reaches every stage whose params take it (and none where no params class does).
         try:
-            image = await self._input_image(omni, body)
+            image = await self._input_image(model, body)
             params = omni.sampling_params(
                 image=JOB_IMAGE_FIELDS.params(body) | image, shared=JOB_SHARED_FIELDS.params(body)
             )
@@ -315,12 +312,10 @@ class JobManager:
             JOB_FIELDS.rename(e)
             raise
 
-    def _validate_speech(self, omni: AsyncOmni, body: GenerateRequest) -> ValidRequest:
+    def _validate_speech(self, model: ModelHandle, body: GenerateRequest) -> ValidRequest:
         """Task ``text2speech``: the prompt spoken by the model's speech stage, with ``voice``,
         ``speed`` and ``seed``; the diffusion fields are refused, as the stage has none of them."""
-        if not any(issubclass(s.params_cls, SpeechSamplingParams) for s in omni.resolved.stages):
-            message = f"the model `{self.state.model_name}` has no speech stage (task `text2speech`)"
-            raise ApiError(400, message, param="model", code="no_speech")
+        omni = model.engine
         given = [f for f in JOB_IMAGE_FIELDS.params(body) if f != "seed"] + ["image"] * (body.inputs.image is not None)
         if given:
             field = JOB_FIELDS.field(given[0])
@@ -335,7 +330,7 @@ class JobManager:
             (JOB_SPEECH_FIELDS | JOB_SHARED_FIELDS).rename(e)
             raise
 
-    async def _input_image(self, omni: AsyncOmni, body: GenerateRequest) -> dict[str, Any]:
+    async def _input_image(self, model: ModelHandle, body: GenerateRequest) -> dict[str, Any]:
         """``inputs.image`` decoded (``{"image": rgb}``, resized to ``inputs.size`` if given), or
         nothing: required by the image tasks, refused by the others; a model that takes no input
         image is a 400 before any decode."""
@@ -350,28 +345,28 @@ class JobManager:
             raise InvalidRequestError(
                 f"task `{body.task}` takes no `{param}`; image to video is task `image2video`", param=param
             )
-        if not any(stage.takes_image_params for stage in self.state.resolved.stages):
-            raise InvalidRequestError(f"the model `{self.state.model_name}` takes no input image", param=param)
+        if not model.capabilities.image_input:
+            raise InvalidRequestError(f"the model `{model.name}` takes no input image", param=param)
         # Resized to the size asked for, if any, as the edits route resizes its upload.
-        upload = Upload(decode_data_url(url, param), param, omni.max_input_pixels(), body.inputs.dimensions())
+        limit = model.engine.max_input_pixels()
+        upload = Upload(decode_data_url(url, param), param, limit, body.inputs.dimensions())
         return {"image": (await decode_async(decode_image, upload)).rgb}
 
-    async def submit(self, body: GenerateRequest, base_url: str, traceparent: str | None = None) -> dict[str, Any]:
-        """Admit a job and store it; returns its record (``queued``). Raises the engine's
-        admission errors (400, 429, 503) before anything is stored."""
-        # A model that is not loaded (lazy, or evicted by the budget) is brought back first; the
-        # job's `loading` event then says from what and how long it took.
-        was = self.state.select(body.model).state
-        waited = time.time()
-        omni = await self.state.check_request(body.model)
-        loading = {"model": self.state.model_name, "from": was, "loaded_s": round(time.time() - waited, 3)}
-        valid = await self._validate(omni, body)
+    async def submit(
+        self, body: GenerateRequest, base_url: str, model: ModelHandle, traceparent: str | None = None
+    ) -> dict[str, Any]:
+        """Admit a job on ``model`` and store it; returns its record (``queued``). Raises the
+        engine's admission errors (400, 429, 503) before anything is stored. A model that was not
+        loaded (lazy, or evicted by the budget) when the request came was brought back by its
+        route's dependency: ``model.loaded`` says from what and how long it took (the job's
+        ``loading`` event)."""
+        valid = await self._validate(model, body)
         job_id = "job-" + secrets.token_urlsafe(18)
         now = time.time()
         record = JobRecord(
             job_id=job_id,
             task=body.task,
-            model=self.state.model_name,
+            model=model.name,
             priority=body.priority,
             created_at=now,
             owner=self.gateway_id,
@@ -379,20 +374,21 @@ class JobManager:
             base_url=base_url,
             traceparent=traceparent,
         )
-        await self._launch(record, omni, valid, new=True, loading=loading if was in ("unloaded", "asleep") else None)
+        await self._launch(record, model, valid, new=True, loading=model.loaded)
         return record.public()
 
     async def _launch(
         self,
         record: JobRecord,
-        omni: AsyncOmni,
+        model: ModelHandle,
         valid: ValidRequest,
         *,
         new: bool,
         loading: dict[str, Any] | None = None,
     ) -> None:
         job_id = record.job_id
-        job = _LocalJob(job_id, (self.gateway_id, record.attempts))
+        job = _LocalJob(job_id, (self.gateway_id, record.attempts), model.name)
+        omni = model.engine
         agen = omni.generate(valid, request_id=job.request_id)
         first = asyncio.ensure_future(agen.__anext__())
         # The engine admits the request in the generator's first step, which runs now: a full
@@ -451,7 +447,7 @@ class JobManager:
                 if out.finished:
                     break
                 out = await agen.__anext__()
-            self.state.metrics.observe_output(last)
+            self.state.metrics.observe_output(last, job.model)
             result = await self._result(record, last)
             await self.ends.end(job, record, "completed", result=result, out=last)
         except JobFencedError as e:
@@ -533,7 +529,7 @@ class JobManager:
             "execution_ms": m.get("execution_ms"),
         }
         if progress:
-            self.state.metrics.observe_stage(sid, m)  # final stages are observed with the result
+            self.state.metrics.observe_stage(sid, m, job.model)  # final stages are observed with the result
         await self._emit(job, "stage_done", done, {"trace": record.trace})
 
     def _files_base(self, record: JobRecord) -> str:
@@ -733,10 +729,10 @@ class JobManager:
         )
         self.state.metrics.jobs.labels("requeued").inc()
         try:
-            omni = await self.state.job_engine(record.model)
+            model = await self.state.job_model(record.model)
             body = GenerateRequest.model_validate(record.request | {"async_run": True})
-            valid = await self._validate(omni, body)
-            await self._launch(record, omni, valid, new=False)
+            valid = await self._validate(model, body)
+            await self._launch(record, model, valid, new=False)
         except Exception as e:
             await self.ends.end(job, record, "failed", error=error_of(e))
 

@@ -30,7 +30,8 @@ from omni_runtime import encoders
 from omni_runtime.exceptions import InvalidRequestError, UnavailableError
 
 from ..jobs.store import Event, JobStoreUnavailableError
-from .dependencies import AUTH, JSON_BODY, Jobs, State, get_jobs
+from .body import BodyRoute
+from .dependencies import AUTH, JSON_BODY, AnyModel, Jobs, State, get_jobs
 from .protocol import ApiError, ClientDisconnected, GenerateRequest, error_body
 from .responses import SafeJSONResponse
 
@@ -50,25 +51,25 @@ def _sse_error(exc: BaseException) -> str:
     return f"retry: 2000\nevent: error\ndata: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-router = APIRouter(prefix="/v1", dependencies=[AUTH])
+router = APIRouter(prefix="/v1", dependencies=[AUTH], route_class=BodyRoute)
 
 
 @router.post("/generate", dependencies=[JSON_BODY])
-async def generate(body: GenerateRequest, request: Request, state: State) -> JSONResponse:
+async def generate(body: GenerateRequest, request: Request, state: State, model: AnyModel) -> JSONResponse:
     manager = get_jobs(state)
     base_url = state.public_url or str(request.base_url).rstrip("/")
     traceparent = request.headers.get("traceparent")
     if traceparent is not None and len(traceparent) > 128:
         traceparent = None
     if body.async_run:
-        job = await manager.submit(body, base_url, traceparent)
+        job = await manager.submit(body, base_url, model, traceparent)
         headers = {"X-Request-Id": job["job_id"], "Location": f"/v1/jobs/{job['job_id']}"}
         return SafeJSONResponse(job, status_code=202, headers=headers)
     # The synchronous form: the same job, once it ended. A client that goes away cancels it.
     # Its wait takes a stream slot, before the job exists: no slot, no job (503).
     slot = manager.stream_slot()
     try:
-        job = await manager.submit(body, base_url, traceparent)
+        job = await manager.submit(body, base_url, model, traceparent)
         job_id = job["job_id"]
         headers = {"X-Request-Id": job_id, "Location": f"/v1/jobs/{job_id}"}
         try:

@@ -93,18 +93,19 @@ class _EngineCollector(Collector):
 
 class ServerMetrics:
     """Every metric the server exports. ``health`` returns the running engine's health, or None
-    (or each model's, by name). With ``model`` (the name of the model a request runs on, read
-    where it is observed), the per-model series carry a ``model`` label."""
+    (or each model's, by name). ``labelled``: the per-model series carry a ``model`` label,
+    the name of the model each observation is made for (``observe_output(out, model)``)."""
 
     def __init__(
         self,
         health: Callable[[], EngineHealth | Mapping[str, EngineHealth | None] | None],
-        model: Callable[[], str] | None = None,
+        *,
+        labelled: bool = False,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self._model = model
-        m = ["model"] if model is not None else []
+        self._labelled = labelled
+        m = ["model"] if labelled else []
         self.http_requests = Counter(
             "omni_http_requests", "HTTP requests by route and status code.", ["route", "method", "status"], registry=r
         )
@@ -191,30 +192,32 @@ class ServerMetrics:
         self._waves: OrderedDict[tuple[Any, Any, Any], None] = OrderedDict()
         r.register(_EngineCollector(health))
 
-    def observe_output(self, out: OmniRequestOutput | None) -> None:
-        """Record the engine metrics of one finished request (every final stage it went through)."""
+    def observe_output(self, out: OmniRequestOutput | None, model: str = "") -> None:
+        """Record the engine metrics of one finished request (every final stage it went through)
+        of ``model`` (the label of the per-model series, when labelled)."""
         if out is None:
             return
         e2e = out.metrics.get("e2e_ms")
         if isinstance(e2e, int | float):
-            self._series(self.e2e).observe(e2e / 1000.0)
+            self._series(self.e2e, model).observe(e2e / 1000.0)
             self.recent_e2e.append(e2e / 1000.0)
         for sid, result in out.outputs_by_stage.items():
             wait, size = result.metrics.get("queue_wait_ms"), result.metrics.get("batch_size")
             if isinstance(wait, int | float):
-                self._series(self.queue_wait, str(sid)).observe(wait / 1000.0)
+                self._series(self.queue_wait, model, str(sid)).observe(wait / 1000.0)
             if isinstance(size, int | float):
-                self._series(self.batch_size, str(sid)).observe(size)
-            self.observe_stage(sid, result.metrics)
+                self._series(self.batch_size, model, str(sid)).observe(size)
+            self.observe_stage(sid, result.metrics, model)
 
-    def observe_stage(self, sid: int, metrics: dict[str, Any]) -> None:
-        """The wave histogram and cost gauges, from one stage's output metrics (each wave counted once)."""
-        self._observe_cost(str(sid), metrics)
+    def observe_stage(self, sid: int, metrics: dict[str, Any], model: str = "") -> None:
+        """The wave histogram and cost gauges, from one stage's output metrics (each wave counted
+        once) of ``model``."""
+        self._observe_cost(model, str(sid), metrics)
         # Step execution: each cached request's own blocks, counted per request (not per wave).
         called, ran = metrics.get("request_cache_blocks_called"), metrics.get("request_cache_blocks_run")
         if isinstance(called, int) and isinstance(ran, int) and called >= ran >= 0:
-            self.cache_blocks.labels(str(sid), "run").inc(ran)
-            self.cache_blocks.labels(str(sid), "skipped").inc(called - ran)
+            self._series(self.cache_blocks, model, str(sid), "run").inc(ran)
+            self._series(self.cache_blocks, model, str(sid), "skipped").inc(called - ran)
         execution, batch = metrics.get("execution_ms"), metrics.get("batch_id")
         if not isinstance(execution, int | float):
             return
@@ -225,18 +228,18 @@ class ServerMetrics:
             self._waves[key] = None
             if len(self._waves) > 4096:
                 self._waves.popitem(last=False)
-        self._series(self.wave_seconds, str(sid)).observe(execution / 1000.0)
+        self._series(self.wave_seconds, model, str(sid)).observe(execution / 1000.0)
         self.recent_waves.setdefault(sid, deque(maxlen=RECENT)).append(execution / 1000.0)
         called, ran, weights = (metrics.get(k) for k in ("cache_blocks_called", "cache_blocks_run", "weight_bytes"))
         if isinstance(called, int) and isinstance(ran, int) and called >= ran >= 0:
-            self._series(self.cache_blocks, str(sid), "run").inc(ran)
-            self._series(self.cache_blocks, str(sid), "skipped").inc(called - ran)
+            self._series(self.cache_blocks, model, str(sid), "run").inc(ran)
+            self._series(self.cache_blocks, model, str(sid), "skipped").inc(called - ran)
         if isinstance(weights, int | float):
-            self._series(self.weight_bytes, str(sid)).set(weights)
+            self._series(self.weight_bytes, model, str(sid)).set(weights)
 
-    def _series(self, metric: _M, *labels: str) -> _M:
-        """``metric``'s series for ``labels``, with the current model first when labelled by model."""
-        values = (self._model(), *labels) if self._model is not None else labels
+    def _series(self, metric: _M, model: str, *labels: str) -> _M:
+        """``metric``'s series for ``labels``, with ``model`` first when labelled by model."""
+        values = (model, *labels) if self._labelled else labels
         return metric.labels(*values) if values else metric
 
     def job_counts(self) -> dict[str, int]:
@@ -248,17 +251,17 @@ class ServerMetrics:
                     counts[sample.labels["status"]] = int(sample.value)
         return counts
 
-    def _observe_cost(self, stage: str, metrics: dict[str, Any]) -> None:
+    def _observe_cost(self, model: str, stage: str, metrics: dict[str, Any]) -> None:
         key, fixed, per_item = metrics.get("cost_key"), metrics.get("cost_fixed_ms"), metrics.get("cost_per_item_ms")
         if not isinstance(key, str) or not isinstance(fixed, int | float) or not isinstance(per_item, int | float):
             return
-        keys = self._cost_keys.setdefault((self._model() if self._model is not None else "") + "/" + stage, set())
+        keys = self._cost_keys.setdefault(model + "/" + stage, set())
         if key not in keys:
             if len(keys) >= _COST_KEYS_PER_STAGE:
                 return
             keys.add(key)
-        self._series(self.cost_fixed, stage, key).set(fixed / 1000.0)
-        self._series(self.cost_per_item, stage, key).set(per_item / 1000.0)
+        self._series(self.cost_fixed, model, stage, key).set(fixed / 1000.0)
+        self._series(self.cost_per_item, model, stage, key).set(per_item / 1000.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,9 +17,10 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from .body import BodyRoute
 from .protocol import ApiError
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 WEB_DIR = Path(__file__).with_name("web")
 

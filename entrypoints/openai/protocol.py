@@ -55,15 +55,29 @@ MAX_IMAGES = 10
 #: Most chat messages in one request: only the last user message is used.
 MAX_MESSAGES = 1024
 
-_SIZE_RE = re.compile(r"^(\d{1,6})x(\d{1,6})$")
+#: ``WxH`` in ASCII digits, exactly (no spaces, no other case, no other script's digits).
+_SIZE_RE = re.compile(r"([0-9]{1,6})x([0-9]{1,6})", re.ASCII)
+#: Seconds of video: ASCII digits, optionally a decimal part (no sign, exponent or underscore).
+_SECONDS_RE = re.compile(r"[0-9]{1,6}(?:\.[0-9]{1,6})?", re.ASCII)
 
-Seed = Annotated[int, Field(**bounds("seed"))]
+
+def _not_bool(value: Any) -> Any:
+    # Lax mode (a form's "9" is 9) would also take JSON's true for 1: a boolean is no number.
+    if isinstance(value, bool):
+        raise ValueError("expected a number, not a boolean")
+    return value
+
+
+#: Refuses a boolean for a number field, in lax mode too.
+NotBool = BeforeValidator(_not_bool)
+
+Seed = Annotated[int, NotBool, Field(**bounds("seed"))]
 #: A per-request deadline in seconds (an extension: OpenAI has none in the body).
-Timeout = Annotated[float, Field(**bounds("timeout"))]
+Timeout = Annotated[float, NotBool, Field(**bounds("timeout"))]
 #: Higher is served first (an extension); see docs/configuration.md, "Priority".
-Priority = Annotated[int, Field(**bounds("priority"))]
+Priority = Annotated[int, NotBool, Field(**bounds("priority"))]
 #: A latency target (ms) at stages with ``batch_policy: learned`` (an extension).
-SloMs = Annotated[float, Field(**bounds("slo_ms"))]
+SloMs = Annotated[float, NotBool, Field(**bounds("slo_ms"))]
 
 
 def _image_format(value: str) -> str:
@@ -150,8 +164,9 @@ class _Request(BaseModel):
 
 
 def parse_size(value: str) -> tuple[int, int]:
-    """``"WxH"`` -> (width, height), each within [MIN_SIDE, MAX_SIDE]; ValueError otherwise."""
-    m = _SIZE_RE.fullmatch(value.strip().lower())
+    """``"WxH"`` (ASCII digits, exactly) -> (width, height), each within [MIN_SIDE, MAX_SIDE];
+    ValueError otherwise."""
+    m = _SIZE_RE.fullmatch(value)
     if not m:
         raise ValueError(f"size must look like '512x512' (WIDTHxHEIGHT), got {value[:40]!r}")
     width, height = int(m.group(1)), int(m.group(2))
@@ -201,7 +216,7 @@ class _SizedRequest(_Request):
     @field_validator("size")
     @classmethod
     def _check_size(cls, value: str | None) -> str | None:
-        if value is None or value.strip().lower() == "auto":
+        if value is None or value == "auto":
             return None
         parse_size(value)
         return value
@@ -425,11 +440,11 @@ class VideoCreateRequest(_SizedRequest):
     seconds: str | None = Field(None, max_length=16)
     #: ``WxH``; unset: the stage's default size.
     size: str | None = None
-    num_frames: Annotated[int, Field(**bounds("num_frames"))] | None = None
-    fps: Annotated[int, Field(**bounds("fps"))] | None = None
+    num_frames: Annotated[int, NotBool, Field(**bounds("num_frames"))] | None = None
+    fps: Annotated[int, NotBool, Field(**bounds("fps"))] | None = None
     negative_prompt: Annotated[str, Field(**bounds("negative_prompt"))] | None = None
-    num_inference_steps: Annotated[int, Field(**bounds("num_inference_steps"))] | None = None
-    guidance_scale: Annotated[float, Field(**bounds("guidance_scale"))] | None = None
+    num_inference_steps: Annotated[int, NotBool, Field(**bounds("num_inference_steps"))] | None = None
+    guidance_scale: Annotated[float, NotBool, Field(**bounds("guidance_scale"))] | None = None
     seed: Seed | None = None
     timeout: Timeout | None = None
     slo_ms: SloMs | None = None
@@ -451,11 +466,11 @@ MAX_SECONDS = 600.0
 
 
 def seconds_of(value: str) -> float:
-    """``"4"`` / ``"2.5"`` -> seconds, positive and at most MAX_SECONDS; ValueError otherwise."""
-    try:
-        seconds = float(value.strip())
-    except ValueError:
-        raise ValueError(f"seconds must be a number of seconds such as '4', got {value[:16]!r}") from None
+    """``"4"`` / ``"2.5"`` (ASCII digits, exactly) -> seconds, positive and at most MAX_SECONDS;
+    ValueError otherwise."""
+    if not _SECONDS_RE.fullmatch(value):
+        raise ValueError(f"seconds must be a number of seconds such as '4' or '2.5', got {value[:16]!r}")
+    seconds = float(value)
     if not 0 < seconds <= MAX_SECONDS:
         raise ValueError(f"seconds must be more than 0 and at most {MAX_SECONDS:g}, got {value[:16]!r}")
     return seconds
@@ -656,6 +671,11 @@ class ModelCard(BaseModel):
     #: The ``/v1/generate`` tasks it serves (``text2image``, ``text2video``, ``image2video``,
     #: ``text2audio``, ``text2speech``).
     tasks: list[str] = []
+    #: Every task it serves, routes included (``image_edit``, ``image_variation``, ``chat``...):
+    #: a route for another task answers 400 naming ``model``.
+    serves: list[str] = []
+    #: The voices its speech stage takes, once loaded (empty: any, or no speech).
+    voices: list[str] = []
     #: Where the model is: loading, loaded, failed (its requests fail with a 503 naming it), dead.
     state: str = "loaded"
 

@@ -43,7 +43,7 @@ from .dependencies import guards_of, require_api_key
 from .job_manager import JobSettings
 from .protocol import DISCONNECTED, ApiError, ClientDisconnected
 from .responses import SafeJSONResponse, error_response
-from .state import ServerState
+from .state import LEASES, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,8 @@ class _HttpMiddleware:
                 await error_response(e)(scope, receive, send_and_record)
                 return
             try:
-                async with self.state.holding():  # the models the request uses, until it ends
+                async with self.state.holding() as leases:  # the models the request uses, until it ends
+                    scope[LEASES] = leases
                     await self.app(scope, receive_limited, send_unless_over)
             except Exception:
                 if not over:

@@ -27,14 +27,14 @@ from fastapi.responses import Response, StreamingResponse
 from omni_runtime import encoders
 from omni_runtime.exceptions import InvalidRequestError, OmniError
 from omni_runtime.media import AudioItem, items_of
-from omni_runtime.params import SpeechSamplingParams
 
-from ..async_omni import AsyncOmni, ValidRequest
+from ..async_omni import ValidRequest
 from . import protocol as proto
-from .dependencies import AUTH, JSON_BODY, State
+from .body import BodyRoute
+from .dependencies import AUTH, JSON_BODY, SpeechModel, State
 from .fields import FieldMap
-from .protocol import ApiError, error_body
-from .state import ServerState
+from .protocol import error_body
+from .state import ModelHandle, ServerState
 
 #: Request field -> speech param (and back, in errors); the text is the engine's prompt.
 SPEECH_FIELDS = FieldMap(
@@ -48,37 +48,33 @@ PCM_CHUNK_SAMPLES = 4096
 FILE_CHUNK_BYTES = 8192
 
 
-def speech_stage(state: ServerState) -> int:
-    """The id of the model's final speech stage, or the 400 that names ``model``."""
-    for stage in state.resolved.stages:
-        if issubclass(stage.params_cls, SpeechSamplingParams) and stage.config.final_output:
-            return stage.stage_id
-    raise ApiError(400, f"the model `{state.model_name}` has no speech stage", param="model", code="no_speech")
-
-
-async def _validate(state: ServerState, body: proto.SpeechRequest) -> tuple[AsyncOmni, ValidRequest, int]:
-    omni: AsyncOmni = await state.check_request(body.model)
-    stage_id = speech_stage(state)
+def _validate(model: ModelHandle, body: proto.SpeechRequest) -> tuple[ValidRequest, int]:
+    """The request checked on ``model`` (its speech stage's fields), and that stage's id."""
+    stage_id = model.capabilities.stage("text2speech")
+    assert stage_id is not None  # the SpeechModel dependency refuses a model without one
+    omni = model.engine
     try:
         valid = omni.validate(body.input, omni.sampling_params(shared=SPEECH_FIELDS.params(body)))
     except InvalidRequestError as e:
         raise SPEECH_FIELDS.rename(e) from None
-    return omni, valid, stage_id
+    return valid, stage_id
 
 
-def _streams_chunks(state: ServerState, stage_id: int, body: proto.SpeechRequest) -> bool:
+def _streams_chunks(model: ModelHandle, body: proto.SpeechRequest) -> bool:
     """Whether this answer goes out chunk by chunk: a chunked speech stage, and a stream that can
     carry pieces (SSE, or raw PCM)."""
-    chunked = any(s.stage_id == stage_id and s.config.input_chunking is not None for s in state.resolved.stages)
+    chunked = model.capabilities.chunked_speech
     return chunked and (body.stream_format == "sse" or body.response_format == "pcm")
 
 
-async def synthesise(state: ServerState, request: Request, body: proto.SpeechRequest) -> tuple[AudioItem, int, str]:
-    """Run the request: the clip, its input token count and the request id."""
-    omni, valid, stage_id = await _validate(state, body)
+async def synthesise(
+    state: ServerState, model: ModelHandle, request: Request, body: proto.SpeechRequest
+) -> tuple[AudioItem, int, str]:
+    """Run the request on ``model``: the clip, its input token count and the request id."""
+    valid, stage_id = _validate(model, body)
     rid = f"speech-{uuid.uuid4().hex}"
     try:
-        out = await state.until_disconnect(request, [rid], state.collect(omni, valid, rid))
+        out = await state.until_disconnect(request, [rid], state.collect(model, valid, rid))
     except InvalidRequestError as e:  # the stage's own checks (no speakable character)
         raise SPEECH_FIELDS.rename(e) from None
     result = out.outputs_by_stage[stage_id]
@@ -107,7 +103,7 @@ def _sse(event: dict[str, object]) -> str:
     return f"data: {json.dumps(event)}\n\n"
 
 
-router = APIRouter(prefix="/v1/audio", dependencies=[AUTH])
+router = APIRouter(prefix="/v1/audio", dependencies=[AUTH], route_class=BodyRoute)
 
 
 def _usage(clip: AudioItem, input_tokens: int) -> dict[str, int]:
@@ -117,10 +113,11 @@ def _usage(clip: AudioItem, input_tokens: int) -> dict[str, int]:
 
 
 async def _stream_chunked(
-    state: ServerState, request: Request, body: proto.SpeechRequest, headers: dict[str, str]
+    state: ServerState, model: ModelHandle, request: Request, body: proto.SpeechRequest, headers: dict[str, str]
 ) -> Response:
     """Each chunk's audio as the speech stage makes it (see the module's docstring)."""
-    omni, valid, stage_id = await _validate(state, body)
+    valid, stage_id = _validate(model, body)
+    omni = model.engine
     rid = headers["X-Request-Id"] = f"speech-{uuid.uuid4().hex}"
     fmt, sse = body.response_format, body.stream_format == "sse"
     agen = omni.generate(valid, request_id=rid)
@@ -151,7 +148,7 @@ async def _stream_chunked(
                     break
                 out = await agen.__anext__()
             finished = True
-            state.metrics.observe_output(out)
+            state.metrics.observe_output(out, model.name)
             result = out.outputs_by_stage[stage_id]
             if sse:
                 usage = _usage(result.audios[0], int(result.metrics.get("input_tokens") or 0))
@@ -172,10 +169,11 @@ async def _stream_chunked(
 
 
 @router.post("/speech", dependencies=[JSON_BODY], response_model=None)
-async def create_speech(body: proto.SpeechRequest, request: Request, state: State) -> Response:
-    if _streams_chunks(state, speech_stage(state), body):
-        return await _stream_chunked(state, request, body, {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    clip, input_tokens, rid = await synthesise(state, request, body)
+async def create_speech(body: proto.SpeechRequest, request: Request, state: State, model: SpeechModel) -> Response:
+    if _streams_chunks(model, body):
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return await _stream_chunked(state, model, request, body, headers)
+    clip, input_tokens, rid = await synthesise(state, model, request, body)
     fmt = body.response_format
     headers = {"X-Request-Id": rid, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     if body.stream_format == "sse":

@@ -7,17 +7,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextvars import ContextVar
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from starlette.requests import HTTPConnection, Request
 from starlette.types import Receive, Scope
 
-from omni_runtime.config import DeployConfig
 from omni_runtime.exceptions import (
     ConfigError,
     EngineDeadError,
@@ -30,6 +30,7 @@ from omni_runtime.outputs import OmniRequestOutput
 from omni_runtime.resolve import ResolvedConfig
 
 from ..async_omni import AsyncOmni, ValidRequest
+from ..capabilities import ModelCapabilities
 from ..jobs.store import JobStore, MemoryJobStore
 from ..multi_omni import ModelSpec, MultiOmni, ServedModel
 from .files import MAX_REDIS_FILE_BYTES, FileStore, RedisFileStore
@@ -52,14 +53,39 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
+#: The ASGI scope key of an HTTP request's leases (the models it holds until it ends).
+LEASES = "omni.leases"
+
+
+@dataclass(frozen=True)
+class ModelHandle:
+    """The model a request runs on, resolved once from what the request names (see
+    ``dependencies.model_for``) and passed to whatever serves it: the served model (its name,
+    config and :class:`~..capabilities.ModelCapabilities`) and its engine, held for the request."""
+
+    served: ServedModel
+    engine: AsyncOmni
+    #: When the model was brought back for this request (lazy, or evicted): ``{"model", "from"
+    #: (its state before), "loaded_s"}``, what a job's ``loading`` event says; else None.
+    loaded: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.served.name
+
+    @property
+    def capabilities(self) -> ModelCapabilities:
+        return self.served.capabilities
+
+    @property
+    def resolved(self) -> ResolvedConfig:
+        return self.served.resolved
+
+
 class ServerState:
     """What the routes share: the models (a :class:`MultiOmni`), metrics, files, in-flight
-    request ids, drain state.
-
-    :meth:`check_request` binds the request's model to the request's context (a context
-    variable, so each request's task and the tasks it starts see their own): what a route reads
-    afterwards (``model_name``, ``image_stage``, ``video_stage``, ``resolved``, ``started``,
-    ``omni``) is that model's. Outside a request these are the first model's."""
+    request ids, drain state. Which model a request is for is never state here: a route gets it
+    as a :class:`ModelHandle` (``dependencies.model_for``), and what iterates models names each."""
 
     def __init__(
         self,
@@ -93,9 +119,6 @@ class ServerState:
         self.multi.on_dead.append(self._model_died)
         #: Whether several models are served: the bodies then say which, and metrics gain a label.
         self.several = len(self.multi.models) > 1
-        self._bound: ContextVar[str | None] = ContextVar(f"omni_model_{id(self)}", default=None)
-        #: The models the current HTTP request (or job launch) holds: released when it ends.
-        self._held: ContextVar[list[ServedModel] | None] = ContextVar(f"omni_held_{id(self)}", default=None)
         #: The base of result URLs when configured (``--public-url``); else the request's Host.
         self.public_url = public_url.rstrip("/") if public_url else None
         #: This gateway's own address (its listening socket), for the results of jobs it took
@@ -114,8 +137,7 @@ class ServerState:
         self.on_dead: list[Callable[[EngineError], None]] = []
         self._starting: asyncio.Task | None = None
         self.metrics = ServerMetrics(
-            (lambda: self.multi.health()) if self.several else (lambda: self.current.health()),
-            (lambda: self.current.name) if self.several else None,
+            (lambda: self.multi.health()) if self.several else (lambda: self.only.health()), labelled=self.several
         )
         self.metrics.registry.register(ModelCollector(self.multi))
         self.files: FileStore | RedisFileStore
@@ -131,55 +153,12 @@ class ServerState:
         self.draining = False
         self.created = int(time.time())
 
-    # ------------------------------------------------------------------ the request's model
+    # ------------------------------------------------------------------ the served models
 
     @property
-    def current(self) -> ServedModel:
-        """The model bound by :meth:`check_request` in this context, else the first one."""
-        name = self._bound.get()
-        model = self.multi.models.get(name) if name is not None else None
-        return model if model is not None else next(iter(self.multi.models.values()))
-
-    @property
-    def model_name(self) -> str:
-        return self.current.name
-
-    @model_name.setter
-    def model_name(self, name: str) -> None:
-        model = self.current
-        models = self.multi.models
-        self.multi.models = {(name if k == model.name else k): v for k, v in models.items()}
-        model.name = name
-
-    @property
-    def resolved(self) -> ResolvedConfig:
-        return self.current.resolved
-
-    @property
-    def config(self) -> DeployConfig:
-        return self.current.config
-
-    @property
-    def image_stage(self) -> int | None:
-        return self.current.image_stage
-
-    @property
-    def video_stage(self) -> int | None:
-        return self.current.video_stage
-
-    @property
-    def audio_stage(self) -> int | None:
-        return self.current.audio_stage
-
-    @property
-    def omni(self) -> AsyncOmni | None:
-        """The current model's engine once loaded (also after it died), else None."""
-        return self.current.engine
-
-    @omni.setter
-    def omni(self, engine: AsyncOmni | None) -> None:
-        model = self.current
-        model.engine, model.state = engine, ("loaded" if engine is not None else "loading")
+    def only(self) -> ServedModel:
+        """The first served model: the model, when only one is served."""
+        return next(iter(self.multi.models.values()))
 
     @property
     def failed(self) -> BaseException | None:
@@ -191,15 +170,6 @@ class ServerState:
         if len(failed) == 1:
             return failed[0].error
         return EngineError("; ".join(f"`{m.name}`: {m.error}" for m in failed))
-
-    @failed.setter
-    def failed(self, error: BaseException | None) -> None:
-        model = self.current
-        model.error = error
-        if error is not None:
-            model.state = "failed"
-        elif model.state == "failed":
-            model.state = "loading"
 
     @property
     def serving(self) -> bool:
@@ -252,6 +222,11 @@ class ServerState:
             logger.info("loading %s: %s", model.name, stages)
         # Stage processes load their models off the loop (all models at once), which keeps serving.
         await self.multi.start()
+        # What exists now (imports, configs, engines) lives as long as the server: out of the
+        # collector's generations, a full collection during traffic does not walk it (tens of
+        # milliseconds on this heap: long enough to split arrivals meant for one wave).
+        gc.collect()
+        gc.freeze()
         for model in self.multi.models.values():
             if model.state == "failed":
                 logger.critical("%s failed to start: %s", model.name, model.error)
@@ -295,11 +270,9 @@ class ServerState:
             self.metrics.aborted.labels("shutdown").inc(len(ids))
             self.abort(ids, RequestAbortedError(reason))
 
-    @property
-    def started(self) -> AsyncOmni:
-        """The current model's engine, or a 503 saying why there is none (still loading, or
-        failed)."""
-        model = self.current
+    def engine_of(self, model: ServedModel) -> AsyncOmni:
+        """``model``'s engine, or a 503 saying why there is none (still loading, failed, evicted,
+        unplaced)."""
         if model.engine is None:
             if model.state == "failed" and not self.several:
                 raise EngineError(f"the engine failed to start: {model.error}")
@@ -313,57 +286,51 @@ class ServerState:
             raise ModelUnavailableError(model.name, "unplaced", unplaced)
         return model.engine
 
-    def select(self, model: str | None) -> ServedModel:
-        """Make ``model`` the current one in this context (any state): 404 naming the served
-        models for an unknown one; 400 when several are served and none is named."""
+    def model(self, name: str | None) -> ServedModel:
+        """The served model named ``name`` (any state): a 404 naming the served models for an
+        unknown one; a 400 naming ``model`` when several are served and none is named."""
         try:
-            served = self.multi.model(model)
+            return self.multi.model(name)
         except UnknownModelError as e:
             raise ApiError(404, str(e), param="model", code="model_not_found") from None
-        self._bound.set(served.name)
-        return served
 
-    async def bind(self, model: str | None) -> AsyncOmni:
-        """Make ``model`` the current one in this context (see :meth:`select`) and return its
-        engine, held until the HTTP request (or :meth:`holding` block) ends so that the budget
-        does not evict it meanwhile. A model declared lazy, or evicted, is brought back first
-        (the request waits, at most the load timeout); one still in its first load at start is a
-        503 ``loading`` (see :attr:`started`)."""
-        served = self.select(model)
-        if served.state == "loading" and not served.lazy and served.loads == 0:
-            return self.started
-        if served.state in ("unloaded", "asleep", "loading", "loaded"):
-            held = await self.multi.acquire(served.name)
-            leases = self._held.get()
+    def check_draining(self) -> None:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
+
+    async def serve(self, model: ServedModel, leases: list[ServedModel] | None) -> ModelHandle:
+        """``model`` ready to run a request: its handle, with the engine held in ``leases`` (the
+        HTTP request's: given back when it ends, see :meth:`holding`) so that the budget does not
+        evict it meanwhile; None holds it only while the engine has the request. A model declared
+        lazy, or evicted, is brought back first (waiting at most the load timeout); one still in
+        its first load at start is a 503 ``loading``."""
+        was, waited = model.state, time.time()
+        if not model.starting and was in ("unloaded", "asleep", "loading", "loaded"):
+            held = await self.multi.acquire(model.name)
             if leases is not None:
                 leases.append(held)
             else:  # nothing would give it back: the engine's own pending count guards it from here
                 self.multi.release(held)
-        return self.started
+        loaded = None
+        if was in ("unloaded", "asleep"):
+            loaded = {"model": model.name, "from": was, "loaded_s": round(time.time() - waited, 3)}
+        return ModelHandle(model, self.engine_of(model), loaded)
 
     @contextlib.asynccontextmanager
-    async def holding(self) -> AsyncIterator[None]:
-        """Hold the models :meth:`bind` hands out inside the block until it ends (the HTTP
-        middleware wraps each request in one)."""
+    async def holding(self) -> AsyncIterator[list[ServedModel]]:
+        """The leases of one HTTP request (the middleware puts them in its scope as
+        :data:`LEASES`): the models :meth:`serve` held for it are given back when the block ends."""
         leases: list[ServedModel] = []
-        token = self._held.set(leases)
         try:
-            yield
+            yield leases
         finally:
-            self._held.reset(token)
             for model in leases:
                 self.multi.release(model)
 
-    async def check_request(self, model: str | None) -> AsyncOmni:
-        """The engine a request for ``model`` runs on (see :meth:`bind`); 503 while draining."""
-        if self.draining:
-            raise ApiError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
-        return await self.bind(model)
-
-    async def job_engine(self, model: str | None) -> AsyncOmni:
-        """The engine a job recorded for ``model`` runs on when taken over: with one model served,
+    async def job_model(self, name: str | None) -> ModelHandle:
+        """The model a job recorded for ``name`` runs on when taken over: with one model served,
         that one (a job store shared by gateways of one model under other names)."""
-        return await self.bind(model if self.several else None)
+        return await self.serve(self.model(name if self.several else None), None)
 
     def authorized(self, scope: Scope) -> bool:
         """Whether the request carries the API key (always, when none is set)."""
@@ -385,16 +352,16 @@ class ServerState:
 
     # ------------------------------------------------------------------ running requests
 
-    async def collect(self, omni: AsyncOmni, request: ValidRequest, request_id: str) -> OmniRequestOutput:
-        """Run one validated engine request to its end; its metrics go to Prometheus."""
+    async def collect(self, model: ModelHandle, request: ValidRequest, request_id: str) -> OmniRequestOutput:
+        """Run one validated engine request on ``model`` to its end; its metrics go to Prometheus."""
         last = None
         self.inflight.add(request_id)
         try:
-            async for out in omni.generate(request, request_id=request_id):
+            async for out in model.engine.generate(request, request_id=request_id):
                 last = out
         finally:
             self.inflight.discard(request_id)
-        self.metrics.observe_output(last)
+        self.metrics.observe_output(last, model.name)
         assert last is not None  # generate always yields a finished output or raises
         return last
 

@@ -23,12 +23,14 @@ from fastapi.responses import JSONResponse
 
 from omni_runtime.engine.status import EngineState, ReplicaState
 
-from ..multi_omni import ModelCounts
+from ..async_omni import AsyncOmni
+from ..multi_omni import ModelCounts, ServedModel
+from .body import BodyRoute
 from .dependencies import AUTH, State
 from .responses import SafeJSONResponse
 from .state import ServerState
 
-router = APIRouter(prefix="/v1", dependencies=[AUTH])
+router = APIRouter(prefix="/v1", dependencies=[AUTH], route_class=BodyRoute)
 
 #: Seconds a status call waits for the replicas' counters: a hung replica shows as unanswered.
 STATS_TIMEOUT_S = 2.0
@@ -145,11 +147,8 @@ def _rates(request: Request, model: str) -> WaveRates:
     return by_model.setdefault(model, WaveRates())
 
 
-async def _replica_stats(state: ServerState) -> dict[tuple[int, int], dict[str, Any]]:
-    omni = state.omni
-    if omni is None:
-        return {}
-    results = await omni.collective_rpc("get_stats", timeout=STATS_TIMEOUT_S)
+async def _replica_stats(engine: AsyncOmni) -> dict[tuple[int, int], dict[str, Any]]:
+    results = await engine.collective_rpc("get_stats", timeout=STATS_TIMEOUT_S)
     return {(r.stage_id, r.replica_id): r.result for r in results if r.ok and isinstance(r.result, dict)}
 
 
@@ -157,9 +156,8 @@ def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-async def build_status(state: ServerState, rates: WaveRates) -> StatusReport:
-    """The report of the current model (see :meth:`ServerState.select`)."""
-    model = state.current
+async def build_status(state: ServerState, model: ServedModel, rates: WaveRates) -> StatusReport:
+    """The report of ``model``."""
     counts = ModelCounts(
         state=model.state,
         loads=model.loads,
@@ -177,8 +175,9 @@ async def build_status(state: ServerState, rates: WaveRates) -> StatusReport:
             draining=state.draining, stages=[], e2e_p50_ms=None, e2e_p99_ms=None, jobs=None,
             **msgspec.structs.asdict(counts),
         )  # fmt: skip
-    h = state.started.health()
-    stats = await _replica_stats(state)
+    engine = state.engine_of(model)
+    h = engine.health()
+    stats = await _replica_stats(engine)
     now = time.time()
     stages: list[StageReport] = []
     for s in h.stages:
@@ -225,7 +224,7 @@ async def build_status(state: ServerState, rates: WaveRates) -> StatusReport:
             active=state.jobs.active(), reached=state.metrics.job_counts(), stored=state.jobs.store.count()
         )
     return StatusReport(
-        model=state.model_name,
+        model=model.name,
         time=round(now, 3),
         status=h.status,
         pending=h.pending,
@@ -245,12 +244,10 @@ async def status(request: Request, state: State, model: str | None = None) -> JS
     none named, every model's (``{"models": [...]}``)."""
     report: StatusReport | MultiStatusReport
     if model is not None or not state.several:
-        served = state.select(model)
-        report = await build_status(state, _rates(request, served.name))
+        served = state.model(model)
+        report = await build_status(state, served, _rates(request, served.name))
     else:
-        reports = []
-        for name in state.multi.names:
-            state.select(name)
-            reports.append(await build_status(state, _rates(request, name)))
+        served_models = list(state.multi.models.values())
+        reports = [await build_status(state, m, _rates(request, m.name)) for m in served_models]
         report = MultiStatusReport(models=reports)
     return SafeJSONResponse(msgspec.to_builtins(report), headers={"Cache-Control": "no-store"})

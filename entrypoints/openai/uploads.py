@@ -274,7 +274,7 @@ async def read_image_form(request: Any, form_cls: type[T]) -> tuple[T, dict[str,
     from pydantic import ValidationError
     from starlette.datastructures import UploadFile
 
-    form = await _parse_form(request)
+    form = await parse_form(request)
     try:
         fields: dict[str, str] = {}
         files: dict[str, list[bytes]] = {}
@@ -312,7 +312,7 @@ async def read_image_form(request: Any, form_cls: type[T]) -> tuple[T, dict[str,
     return body, out
 
 
-async def _parse_form(request: Any) -> Any:
+async def parse_form(request: Any) -> Any:
     """The request's multipart form (at most 4 files and 64 fields), or a 400 for a body that does
     not parse."""
     try:
@@ -331,7 +331,7 @@ async def read_text_form(request: Any, refused: Mapping[str, str]) -> dict[str, 
     """
     from starlette.datastructures import UploadFile
 
-    form = await _parse_form(request)
+    form = await parse_form(request)
     try:
         fields: dict[str, str] = {}
         for key, value in form.multi_items():
@@ -357,7 +357,7 @@ async def read_form(request: Any, file_fields: Collection[str]) -> tuple[dict[st
     """
     from starlette.datastructures import UploadFile
 
-    form = await _parse_form(request)
+    form = await parse_form(request)
     try:
         fields: dict[str, str] = {}
         files: dict[str, bytes] = {}

@@ -15,7 +15,6 @@ takes over still has it) and is decoded and bounded as the images routes' upload
 from __future__ import annotations
 
 import base64
-import json
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -26,13 +25,14 @@ from pydantic import ValidationError
 from omni_runtime.bounds import MAX_FRAMES
 from omni_runtime.exceptions import InvalidRequestError
 
-from ..async_omni import AsyncOmni
 from ..jobs.record import JobRecord
-from .dependencies import AUTH, JSON_OR_MULTIPART_BODY, Jobs, State
+from .body import BodyRoute
+from .dependencies import AUTH, JSON_OR_MULTIPART_BODY, Jobs, State, VideoModel
 from .fields import FieldMap
 from .job_manager import TASK_KINDS, JobManager
 from .protocol import ApiError, GenerateRequest, VideoCreateRequest, VideoReference, seconds_of
 from .responses import SafeJSONResponse
+from .state import ModelHandle
 from .uploads import read_form
 
 #: The playback rate ``seconds`` is counted at when a request names no ``fps`` (Wan's rate).
@@ -82,11 +82,11 @@ def frames_for(seconds: float, fps: int, step: int) -> int:
     return step * max(1, round(seconds * fps / step)) + 1
 
 
-def _generate_request(body: VideoCreateRequest, omni: AsyncOmni) -> GenerateRequest:
+def _generate_request(body: VideoCreateRequest, model: ModelHandle) -> GenerateRequest:
     frames, fps = body.num_frames, body.fps
     if body.seconds is not None:
         fps = fps or DEFAULT_FPS
-        wanted = frames_for(seconds_of(body.seconds), fps, omni.frames_step() or 1)
+        wanted = frames_for(seconds_of(body.seconds), fps, model.capabilities.frames_step or 1)
         if frames is not None and frames != wanted:
             raise InvalidRequestError(
                 f"seconds={body.seconds} at {fps} fps is {wanted} frames, but num_frames is {frames}: "
@@ -114,7 +114,7 @@ def _generate_request(body: VideoCreateRequest, omni: AsyncOmni) -> GenerateRequ
     return GenerateRequest.model_validate(
         {
             "task": "text2video" if inputs["image"] is None else "image2video",
-            "model": body.model,
+            "model": model.name,
             "inputs": inputs,
             "config": {"timeout": body.timeout, "slo_ms": body.slo_ms},
             "priority": body.priority,
@@ -216,31 +216,27 @@ def _file_ids(result: dict[str, Any] | None) -> list[str]:
 
 
 async def video_request(request: Request) -> VideoCreateRequest:
-    """The body of ``POST /v1/videos``: JSON, or multipart/form-data with the same fields as text
-    fields (as ``client.videos.create`` sends them), both validated by :class:`VideoCreateRequest`
-    in pydantic's lax mode, so a form's ``"9"`` passes as JSON's 9 does and a bad value is the same
-    400 naming the field. The content type was checked by the route's guard."""
+    """The body of ``POST /v1/videos``: JSON (parsed as every route's, body.py), or
+    multipart/form-data with the same fields as text fields (as ``client.videos.create`` sends
+    them), both validated by :class:`VideoCreateRequest` in pydantic's lax mode, so a form's
+    ``"9"`` passes as JSON's 9 does (a boolean never does) and a bad value is the same 400 naming
+    the field. The content type was checked by the route's guard."""
     data: Any
     if request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
         data = _form_data(*await read_form(request, (REFERENCE,)))
+    elif not await request.body():
+        # As FastAPI answers a JSON body parameter: the errors keep its shape (``body`` in loc).
+        missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
+        raise RequestValidationError([missing])
     else:
-        # As FastAPI parses a JSON body parameter: the errors keep its shape (``body`` in loc).
-        raw = await request.body()
-        if not raw:
-            missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
-            raise RequestValidationError([missing])
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            error = {"type": "json_invalid", "loc": ("body", getattr(e, "pos", 0)), "msg": "JSON decode error"}
-            raise RequestValidationError([error | {"input": {}, "ctx": {"error": str(e)}}]) from None
+        data = await request.json()
     try:
         return VideoCreateRequest.model_validate(data)
     except ValidationError as e:
         raise RequestValidationError([err | {"loc": ("body", *err["loc"])} for err in e.errors()]) from None
 
 
-router = APIRouter(prefix="/v1/videos", dependencies=[AUTH])
+router = APIRouter(prefix="/v1/videos", dependencies=[AUTH], route_class=BodyRoute)
 
 
 def _create_body() -> dict[str, Any]:
@@ -258,14 +254,15 @@ def _create_body() -> dict[str, Any]:
 
 @router.post("", dependencies=[JSON_OR_MULTIPART_BODY], openapi_extra=_create_body())
 async def create_video(
-    body: Annotated[VideoCreateRequest, Depends(video_request)], request: Request, state: State, manager: Jobs
+    body: Annotated[VideoCreateRequest, Depends(video_request)],
+    request: Request,
+    state: State,
+    manager: Jobs,
+    model: VideoModel,
 ) -> SafeJSONResponse:
-    omni = await state.check_request(body.model)
-    if state.video_stage is None:
-        raise ApiError(400, f"the model `{state.model_name}` has no video output", param="model", code="no_video")
     try:
-        job = _generate_request(body, omni)
-        record = await manager.submit(job, state.public_url or str(request.base_url).rstrip("/"))
+        job = _generate_request(body, model)
+        record = await manager.submit(job, state.public_url or str(request.base_url).rstrip("/"), model)
     except InvalidRequestError as e:
         job_field, e.param = e.param, _video_field(e.param)
         if job_field == "inputs.image":  # the image's errors name the field as this route's clients send it

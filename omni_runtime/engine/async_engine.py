@@ -206,6 +206,10 @@ class AsyncOmniEngine:
         ]
         return min([MAX_IMAGE_PIXELS, *limits])
 
+    def constraints(self) -> dict[int, StageConstraints]:
+        """What each loaded stage allows, as its replicas reported it in READY (by stage id)."""
+        return dict(self._orchestrator.constraints)
+
     def frames_step(self) -> int | None:
         """A video model's frame step (it makes ``step * k + 1`` frames), as its stages reported
         it in their READY messages; None when no stage makes videos."""

@@ -54,12 +54,12 @@ def engine_health(status: str = "ok", reason: str | None = None, dead_stages: li
 @pytest.fixture
 def served():
     app = create_app("tiny-sd", api_key=KEY)
-    state = app.state.omni
-    state.model_name = "tiny-sd"
+    model = app.state.omni.multi.models["tiny-sd"]
 
     def serve(health: EngineHealth | None, failed: BaseException | None = None) -> TestClient:
-        state.omni = None if health is None else FakeEngine(health)
-        state.failed = failed
+        model.engine = None if health is None else FakeEngine(health)
+        model.state = "failed" if failed is not None else "loading" if health is None else "loaded"
+        model.error = failed
         return TestClient(app)  # not entered: no lifespan, no engine
 
     return serve

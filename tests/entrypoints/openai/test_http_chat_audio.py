@@ -186,7 +186,7 @@ def test_text2speech_job_with_voice_and_speed(http):
             {"task": "text2speech", "inputs": {"prompt": "hi"}, "config": {"output_format": "png"}},
             "config.output_format",
         ),
-        ({"task": "text2audio", "inputs": {"prompt": "hi"}}, "task"),
+        ({"task": "text2audio", "inputs": {"prompt": "hi"}}, "model"),  # "...it serves `text2speech`..."
         ({"task": "text2image", "inputs": {"prompt": "hi"}}, "model"),
     ],
 )

@@ -65,7 +65,7 @@ def served():
             if client.get("/readyz").status_code == 200:
                 break
             time.sleep(0.1)
-        yield client, client.portal.call(app.state.omni.check_request, None)
+        yield client, app.state.omni.multi.engine(None)
 
 
 def call(served, make: Any) -> Any:

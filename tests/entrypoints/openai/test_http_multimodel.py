@@ -1,7 +1,11 @@
-"""One real server with two models (tiny-sd and an echo model from a models file, with an
-admission limit of its own) and the real openai client: routing by ``model``, /v1/models with
-states and kinds, per-model /health, /readyz and /metrics, jobs routed by their model, and one
-model's overload (429) leaving the other answering."""
+"""One real server with three models (tiny-sd first, tiny-tts, and an echo model from a models
+file, with an admission limit of its own) behind an API key, and the real openai client: routing
+by ``model``, /v1/models with states and kinds, per-model /health, /readyz and /metrics, jobs
+routed by their model, and one model's overload (429) leaving the others answering.
+
+The combination matrix: every route and job task against the model that serves it (the right
+kind of output), an unknown model (404), no model (400), a model that cannot do it (400 naming
+``model``), and no key (401); every POST route refusing hostile JSON alike (400)."""
 
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ pytestmark = pytest.mark.e2e
 
 #: The echo model's own admission limit (the models file's ``max_pending``).
 LIMIT = 3
+KEY = "multimodel-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODELS = {"tiny-sd", "tiny-tts", "echo"}
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +38,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("multimodel")
     flaky_echo_config(tmp / "flaky.yaml", delay_ms=20)
     (tmp / "models.yaml").write_text(f"echo: {{config: flaky.yaml, max_pending: {LIMIT}}}\n")
-    srv = start_server("tiny-sd", "--models-file", str(tmp / "models.yaml"), log=tmp / "server.log")
+    args = ("tiny-sd", "tiny-tts", "--models-file", str(tmp / "models.yaml"), "--api-key", KEY)
+    srv = start_server(*args, log=tmp / "server.log")
     try:
-        # /health answers 200 once one model serves; both are wanted here.
-        loaded = lambda: {m["state"] for m in httpx.get(f"{srv.url}/v1/models").json()["data"]} == {"loaded"}  # noqa: E731
+        # /health answers 200 once one model serves; all are wanted here.
+        def loaded() -> bool:
+            models = httpx.get(f"{srv.url}/v1/models", headers=AUTH).json()["data"]
+            return {m["state"] for m in models} == {"loaded"}
+
         assert wait_for(loaded, timeout=120), srv.log()[-3000:]
         yield srv
     finally:
@@ -43,12 +54,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
 def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with httpx.Client(base_url=server.url, timeout=60, headers=AUTH) as c:
         yield c
 
 
@@ -59,15 +70,18 @@ def chat(prompt: str, model: str | None = "echo") -> dict:
 
 def test_models_lists_both_with_state_and_kinds(client: openai.OpenAI) -> None:
     models = {m.id: m for m in client.models.list().data}
-    assert set(models) == {"tiny-sd", "echo"}
-    assert [models["tiny-sd"].kinds, models["echo"].kinds] == [["image"], ["text"]]  # type: ignore[attr-defined]
+    assert set(models) == MODELS
+    kinds = [models[name].kinds for name in ("tiny-sd", "tiny-tts", "echo")]  # type: ignore[attr-defined]
+    assert kinds == [["image"], ["audio"], ["text"]]
+    assert models["tiny-tts"].tasks == ["text2speech"]  # type: ignore[attr-defined]
+    assert models["tiny-sd"].serves == ["text2image", "image_edit", "image_variation", "chat"]  # type: ignore[attr-defined]
     assert {m.state for m in models.values()} == {"loaded"}  # type: ignore[attr-defined]
     assert client.models.retrieve("echo").id == "echo"
 
 
 def test_interleaved_requests_reach_their_model(server: ServerProcess) -> None:
     async def run() -> list:
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0) as c:
 
             async def image(i: int) -> object:
                 return await c.images.generate(
@@ -91,7 +105,7 @@ def test_interleaved_requests_reach_their_model(server: ServerProcess) -> None:
 def test_unknown_model_is_404_naming_both_and_a_missing_one_400(client: openai.OpenAI, http: httpx.Client) -> None:
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
-    assert "`nope`" in str(err.value) and "`tiny-sd`" in str(err.value) and "`echo`" in str(err.value)
+    assert "`nope`" in str(err.value) and all(f"`{name}`" in str(err.value) for name in MODELS)
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
     missing = http.post("/v1/chat/completions", json=chat("x", model=None))
@@ -111,18 +125,15 @@ def test_jobs_route_by_model(http: httpx.Client) -> None:
 
 def test_health_readyz_and_metrics_per_model(http: httpx.Client) -> None:
     health = http.get("/health").json()
-    assert health == {"status": "ok", "models": {"tiny-sd": {"status": "ok"}, "echo": {"status": "ok"}}}
+    assert health == {"status": "ok", "models": {name: {"status": "ok"} for name in ("tiny-sd", "tiny-tts", "echo")}}
     ready = http.get("/readyz").json()
-    assert ready["ready"] and {n: m["state"] for n, m in ready["models"].items()} == {
-        "tiny-sd": "loaded",
-        "echo": "loaded",
-    }
+    assert ready["ready"] and {n: m["state"] for n, m in ready["models"].items()} == dict.fromkeys(MODELS, "loaded")
     assert ready["models"]["echo"]["max_pending"] == LIMIT
     families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
     limits = {s.labels["model"]: s.value for s in families["omni_engine_max_pending"].samples}
     assert limits["echo"] == LIMIT and limits["tiny-sd"] > 1
     e2e = {s.labels["model"] for s in families["omni_request_e2e_seconds"].samples}
-    assert e2e == {"tiny-sd", "echo"}
+    assert {"tiny-sd", "echo"} <= e2e <= MODELS
 
 
 def test_one_models_overload_is_429_while_the_other_answers(server: ServerProcess, http: httpx.Client) -> None:
@@ -130,7 +141,7 @@ def test_one_models_overload_is_429_while_the_other_answers(server: ServerProces
         return http.get("/readyz").json()["models"]["echo"]["pending"]
 
     async def run() -> None:
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as a:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, headers=AUTH) as a:
             # Hold echo's admission slots until their clients go away.
             holds = [a.post("/v1/chat/completions", json=chat(f"hang until aborted {i}")) for i in range(LIMIT)]
             hold = asyncio.gather(*holds)
@@ -157,11 +168,160 @@ def test_one_models_overload_is_429_while_the_other_answers(server: ServerProces
 def test_any_model_value_is_routed_or_refused_by_name(http: httpx.Client, model: object) -> None:
     """Any ``model``: a served name is answered, anything else a 4xx that names the field."""
     response = http.post("/v1/chat/completions", json={**chat("x", model=None), "model": model})
-    if model in ("echo", "tiny-sd"):  # served: answered by that model
+    if isinstance(model, str) and model in MODELS:  # served: answered by that model
         assert response.status_code in (200, 400), response.text
         return
     assert response.status_code in (400, 404), response.text
     error = response.json()["error"]
     assert error["param"] == "model"
     if response.status_code == 404:
-        assert "`tiny-sd`" in error["message"] and "`echo`" in error["message"]
+        assert all(f"`{name}`" in error["message"] for name in MODELS)
+
+
+# --------------------------------------------------------------------------- the combination matrix
+
+
+def _png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 80, 40)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+PNG = _png()
+
+
+def send(http: httpx.Client, task: str, model: str | None, headers: dict[str, str] | None = None) -> httpx.Response:
+    """One request for ``task`` (a route, or ``job:<task>`` for ``/v1/generate``) naming ``model``."""
+    named = {} if model is None else {"model": model}
+    if task == "text2image":
+        return http.post("/v1/images/generations", json={"prompt": "x", "size": "32x32", **named}, headers=headers)
+    if task in ("image_edit", "image_variation"):
+        path, fields = ("edits", {"prompt": "x"}) if task == "image_edit" else ("variations", {})
+        files = {"image": ("a.png", PNG, "image/png")}
+        return http.post(f"/v1/images/{path}", data={**fields, **named}, files=files, headers=headers)
+    if task == "text2speech":
+        speech = {"input": "hello", "voice": "alloy", "response_format": "wav", **named}
+        return http.post("/v1/audio/speech", json=speech, headers=headers)
+    if task == "chat":
+        return http.post("/v1/chat/completions", json={**chat("hi", None), **named}, headers=headers)
+    if task == "text2video":
+        return http.post("/v1/videos", json={"prompt": "x", **named}, headers=headers)
+    job = task.removeprefix("job:")
+    inputs = {"prompt": "x", **({"size": "32x32"} if job == "text2image" else {})}
+    return http.post("/v1/generate", json={"task": job, "inputs": inputs, "async_run": False, **named}, headers=headers)
+
+
+def _image(r: httpx.Response) -> None:
+    png = base64.b64decode(r.json()["data"][0]["b64_json"])
+    assert Image.open(io.BytesIO(png)).format == "PNG"
+
+
+def _job(kind: str):
+    def check(r: httpx.Response) -> None:
+        job = r.json()
+        assert job["status"] == "completed" and job["result"][kind], job
+
+    return check
+
+
+def _speech(r: httpx.Response) -> None:
+    assert r.headers["content-type"].startswith("audio/") and r.content[:4] == b"RIFF"
+
+
+def _chat(r: httpx.Response) -> None:
+    assert r.json()["choices"][0]["message"]["content"] == "hi"
+
+
+#: task -> (the model serving it, the check of its output)
+SERVED = {
+    "text2image": ("tiny-sd", _image),
+    "image_edit": ("tiny-sd", _image),
+    "image_variation": ("tiny-sd", _image),
+    "text2speech": ("tiny-tts", _speech),
+    "chat": ("echo", _chat),
+    "job:text2image": ("tiny-sd", _job("images")),
+    "job:text2speech": ("tiny-tts", _job("audios")),
+}
+#: (task, a model that cannot do it): the first model (tiny-sd) for speech is the issue's case.
+REFUSED = [
+    ("text2image", "tiny-tts"),
+    ("image_edit", "echo"),
+    ("image_variation", "tiny-tts"),
+    ("text2speech", "tiny-sd"),
+    ("text2speech", "echo"),
+    ("text2video", "tiny-sd"),
+    ("job:text2image", "echo"),
+    ("job:text2speech", "tiny-sd"),
+    ("job:text2video", "tiny-tts"),
+    ("job:image2video", "tiny-sd"),
+    ("job:text2audio", "tiny-tts"),
+]
+TASKS = [*SERVED, "text2video", "job:text2video"]
+
+
+@pytest.mark.parametrize("task", list(SERVED))
+def test_the_model_named_serves_its_task(http: httpx.Client, task: str) -> None:
+    model, check = SERVED[task]
+    r = send(http, task, model)
+    assert r.status_code == 200, r.text
+    check(r)
+
+
+@pytest.mark.parametrize(("task", "model"), REFUSED)
+def test_a_model_that_cannot_do_the_task_is_400_naming_model(http: httpx.Client, task: str, model: str) -> None:
+    r = send(http, task, model)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "model" and f"`{model}`" in error["message"], error
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_an_unknown_or_missing_model_and_no_key(http: httpx.Client, task: str) -> None:
+    unknown = send(http, task, "nope")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found", unknown.text
+    missing = send(http, task, None)
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "model", missing.text
+    no_key = send(http, task, SERVED.get(task, ("tiny-sd",))[0], headers={"Authorization": "Bearer wrong"})
+    assert no_key.status_code == 401, no_key.text
+
+
+def test_the_openai_clients_speech_reaches_the_speech_model(client: openai.OpenAI) -> None:
+    """The issue's report: tiny-sd is served first, and speech went to it (400) every time."""
+    audio = client.audio.speech.create(model="tiny-tts", voice="alloy", input="hello there", response_format="wav")
+    assert audio.content[:4] == b"RIFF"
+
+
+#: Every POST route with a JSON body.
+JSON_ROUTES = [
+    "/v1/images/generations",
+    "/v1/chat/completions",
+    "/v1/audio/speech",
+    "/v1/videos",
+    "/v1/generate",
+    "/v1/omni/collective_rpc",
+]
+HOSTILE = {
+    "deep": b"[" * 5000 + b"]" * 5000,
+    "deep_in_a_field": b'{"model": "tiny-sd", "prompt": "x", "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    "huge_int": b'{"model": "tiny-sd", "prompt": "x", "seed": ' + b"9" * 5000 + b"}",
+    "huge_float": b'{"model": "tiny-sd", "prompt": "x", "seed": 1.' + b"5" * 5000 + b"}",
+}
+
+
+@pytest.mark.parametrize("route", JSON_ROUTES)
+def test_every_post_route_refuses_hostile_json_alike(http: httpx.Client, route: str) -> None:
+    for name, raw in HOSTILE.items():
+        r = http.post(route, content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", (name, r.text)
+    assert http.get("/health").status_code == 200
+    assert _chat(send(http, "chat", "echo")) is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("size", "32X32"), ("size", " 32x32"), ("size", "\uff13\uff12x32"), ("seconds", "\u0661"),
+     ("seconds", "1_0"), ("num_frames", True), ("fps", True), ("slo_ms", True)],
+)  # fmt: skip
+def test_video_fields_are_strict(http: httpx.Client, field: str, value: object) -> None:
+    r = http.post("/v1/videos", json={"model": "tiny-sd", "prompt": "x", field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

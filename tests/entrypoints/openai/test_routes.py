@@ -11,6 +11,7 @@ import re
 import pytest
 from fastapi.routing import APIRoute, APIWebSocketRoute
 from fastapi.testclient import TestClient
+from omni_runtime.entrypoints.openai.body import BodyRoute
 from omni_runtime.entrypoints.openai.dependencies import BODY_GUARDS, guards_of
 from omni_runtime.entrypoints.openai.server import api_routes, create_app
 from starlette.websockets import WebSocketDisconnect
@@ -71,6 +72,7 @@ def test_every_post_route_refuses_a_wrong_content_type(app, client):
             continue
         declared = [g for g in guards_of(route) if g in BODY_GUARDS]
         assert len(declared) == 1, (route.path, declared)  # one declared body content type
+        assert isinstance(route, BodyRoute), route.path  # its JSON goes through the one parser
         for content_type in ("text/plain", "application/x-www-form-urlencoded"):
             r = client.post(concrete(route.path), content=b"{}", headers=auth | {"content-type": content_type})
             assert r.status_code == 415, (route.path, content_type, r.text)
