@@ -147,7 +147,9 @@ def sync() -> None:
     lock = lock_path(current_python())
     uv = [sys.executable, "-m", "uv", "pip"]
     links = [arg for folder in find_links() for arg in ("--find-links", folder)]
-    quiet = ["--quiet", "--python", sys.executable]
+    # Bytecode compiled as pip does: where PYTHONDONTWRITEBYTECODE is set, nothing is cached at
+    # import, and every stage process and server would compile torch's sources anew.
+    quiet = ["--quiet", "--python", sys.executable, "--compile-bytecode"]
     subprocess.run([*uv, "sync", *quiet, "--only-binary", ":all:", *links, str(lock)], check=True)
     subprocess.run([*uv, "install", *quiet, "--no-deps", "--no-build-isolation", "-e", str(REPO)], check=True)
 
