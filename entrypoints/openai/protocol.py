@@ -71,13 +71,13 @@ def _not_bool(value: Any) -> Any:
 #: Refuses a boolean for a number field, in lax mode too.
 NotBool = BeforeValidator(_not_bool)
 
-Seed = Annotated[int, NotBool, Field(**bounds("seed"))]
+Seed = Annotated[int, Field(**bounds("seed")), NotBool]
 #: A per-request deadline in seconds (an extension: OpenAI has none in the body).
-Timeout = Annotated[float, NotBool, Field(**bounds("timeout"))]
+Timeout = Annotated[float, Field(**bounds("timeout")), NotBool]
 #: Higher is served first (an extension); see docs/configuration.md, "Priority".
-Priority = Annotated[int, NotBool, Field(**bounds("priority"))]
+Priority = Annotated[int, Field(**bounds("priority")), NotBool]
 #: A latency target (ms) at stages with ``batch_policy: learned`` (an extension).
-SloMs = Annotated[float, NotBool, Field(**bounds("slo_ms"))]
+SloMs = Annotated[float, Field(**bounds("slo_ms")), NotBool]
 
 
 def _image_format(value: str) -> str:
@@ -440,11 +440,11 @@ class VideoCreateRequest(_SizedRequest):
     seconds: str | None = Field(None, max_length=16)
     #: ``WxH``; unset: the stage's default size.
     size: str | None = None
-    num_frames: Annotated[int, NotBool, Field(**bounds("num_frames"))] | None = None
-    fps: Annotated[int, NotBool, Field(**bounds("fps"))] | None = None
+    num_frames: Annotated[int, Field(**bounds("num_frames")), NotBool] | None = None
+    fps: Annotated[int, Field(**bounds("fps")), NotBool] | None = None
     negative_prompt: Annotated[str, Field(**bounds("negative_prompt"))] | None = None
-    num_inference_steps: Annotated[int, NotBool, Field(**bounds("num_inference_steps"))] | None = None
-    guidance_scale: Annotated[float, NotBool, Field(**bounds("guidance_scale"))] | None = None
+    num_inference_steps: Annotated[int, Field(**bounds("num_inference_steps")), NotBool] | None = None
+    guidance_scale: Annotated[float, Field(**bounds("guidance_scale")), NotBool] | None = None
     seed: Seed | None = None
     timeout: Timeout | None = None
     slo_ms: SloMs | None = None

@@ -192,9 +192,12 @@ def _ensure_builtins() -> None:
 
 
 def families() -> list[FamilySpec]:
-    """Every registered family, builtins first."""
+    """Every registered family: the builtins in :data:`BUILTIN_FAMILIES` order, then the others as
+    they registered, whichever module was imported first (a family's ``tiny`` builder imports its
+    package, and with it registers that family ahead of the rest)."""
     _ensure_builtins()
-    return list(_REGISTRY.values())
+    rank = {name: i for i, name in enumerate(BUILTIN_FAMILIES)}
+    return sorted(_REGISTRY.values(), key=lambda spec: rank.get(spec.name, len(rank)))
 
 
 def family(name: str) -> FamilySpec:
