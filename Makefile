@@ -62,11 +62,14 @@ chromium:
 TEST_WORKERS ?= 2
 # The type check runs beside the tests (the two workers leave about half a core idle while they
 # wait on processes and sockets); the target fails if either fails.
+# So does the check that the CPython 3.12 lock still resolves from binary wheels (that Python is not
+# on these machines; tools/lock.py verify): it waits on the package index, not on a core.
 test: $(STAMP) lock-check redis-server chromium
 	$(PY) -m ruff check .
 	$(PY) -m mypy & mypy=$$!; \
+	$(PY) tools/lock.py verify 3.12 & verify=$$!; \
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS); rc=$$?; \
-	wait $$mypy || rc=1; exit $$rc
+	wait $$mypy || rc=1; wait $$verify || rc=1; exit $$rc
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.overhead

@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "verify":
         problems = verify(args.python)
+        if problems:
+            print(f"{lock_path(args.python).relative_to(REPO)} resolves to another set:", file=sys.stderr)
         for line in problems:
             print(f"  {line}", file=sys.stderr)
         return 1 if problems else 0
