@@ -33,6 +33,7 @@ import select
 import signal
 import socket
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -142,9 +143,14 @@ class _Launcher:
                     pass
                 self.reap()
             if self.sock.fileno() in readable:
-                data = self.sock.recv(MAX_PACKET)
-                if not data:
-                    return  # the engine closed its end (or died)
+                try:
+                    data = self.sock.recv(MAX_PACKET)
+                except ConnectionError:
+                    # The engine closed its end with our reports unread in it: gone, as at a close.
+                    data = b""
+                if not data:  # the engine closed its end (or died)
+                    self.reap_before_exit()
+                    return
                 try:
                     msg = self.decoder.decode(data)
                 except msgspec.DecodeError as e:
@@ -164,6 +170,23 @@ class _Launcher:
             if pid == 0:
                 return
             self.send(Exited(pid=pid, code=os.waitstatus_to_exitcode(status)))
+
+    def reap_before_exit(self, within_s: float = 0.5) -> None:
+        """Collect the replicas that have exited before this process goes. The engine closes its
+        replicas (reading their exits from pidfds) before it closes the launcher, and their
+        SIGCHLD may come after its close: a replica not collected here would be left a zombie,
+        handed to an init that may never collect it. One still running is not waited for past
+        ``within_s`` (the engine kills what it started)."""
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return  # no child left
+            if pid == 0:
+                if time.monotonic() >= deadline:
+                    return
+                time.sleep(0.01)
 
     def launch(self, msg: Launch) -> None:
         try:

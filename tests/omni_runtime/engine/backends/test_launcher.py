@@ -45,6 +45,22 @@ def test_replicas_are_forked_from_the_launcher_and_named(no_leaks):
         assert [o.text for o in omni.generate(["a", "b", "c"], use_tqdm=False)] == ["a", "b", "c"]
 
 
+def test_a_closed_engine_leaves_no_replica_a_zombie(no_leaks):
+    """The engine reads its replicas' exits from pidfds and closes the launcher right after: the
+    launcher collects them before it goes, or they are left zombies of an init that may never
+    collect them (a fresh-clone run left two)."""
+    for _ in range(3):
+        with Omni(make_config([echo_stage(runtime={"num_replicas": 2})])) as omni:
+            replicas = stage_processes()
+            assert len(replicas) == 2
+            assert [o.text for o in omni.generate(["a"], use_tqdm=False)] == ["a"]
+
+        def collected(replicas: list[psutil.Process] = replicas) -> bool:
+            return not [p for p in replicas if p.is_running()]  # a zombie is still "running"
+
+        assert wait_for(collected, timeout=5), [(p.pid, p.status()) for p in replicas if p.is_running()]
+
+
 def test_a_killed_replica_is_restarted_from_the_launcher(no_leaks):
     with Omni(make_config([echo_stage(runtime={"max_restarts": 2})])) as omni:
         (launcher,) = launchers()
