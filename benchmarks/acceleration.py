@@ -94,11 +94,13 @@ def runner_for(family: str, option: str, steps: int | None = None) -> Any:
 
 def generate(runner: Any, family: str, steps: int) -> tuple[np.ndarray, float, float]:
     """One image (seed 3), the wall seconds it took and the CPU seconds this process spent on it."""
+    from omni_runtime.params import DiffusionSamplingParams, resolve_params
     from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 
     size = FAMILIES[family]["size"]
     params = {"height": size, "width": size, "num_inference_steps": steps, "output_type": "np", "seed": 3}
-    request = RunnerRequest(request_id="r", prompt="a lighthouse at dusk", params=params)
+    resolved = resolve_params(DiffusionSamplingParams, {}, params)
+    request = RunnerRequest(request_id="r", prompt="a lighthouse at dusk", params=resolved)
     start, cpu = time.perf_counter(), time.process_time()
     (output,) = runner.execute([request], ExecuteContext(lambda rid: False))
     assert output.error is None, output.error
@@ -197,6 +199,7 @@ def step_mixes(steps: int, rounds: int) -> list[dict[str, Any]]:
     import torch
 
     from omni_runtime.config import StageConfig
+    from omni_runtime.params import DiffusionSamplingParams, resolve_params
     from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
     from omni_runtime.stage.runners.diffusion import DiffusionRunner
 
@@ -210,7 +213,11 @@ def step_mixes(steps: int, rounds: int) -> list[dict[str, Any]]:
     def run(mix: list[Any]) -> tuple[float, dict[str, np.ndarray]]:
         params = {"height": size, "width": size, "num_inference_steps": steps, "output_type": "np"}
         requests = [
-            RunnerRequest(request_id=f"r{i}", prompt=f"a lighthouse {i}", params={**params, "seed": i, "cache": c})
+            RunnerRequest(
+                request_id=f"r{i}",
+                prompt=f"a lighthouse {i}",
+                params=resolve_params(DiffusionSamplingParams, {}, {**params, "seed": i, "cache": c}),
+            )
             for i, c in enumerate(mix)
         ]
         running: list[str] = []

@@ -287,9 +287,11 @@ class Kit:
 
     def execute(self, runner: Any, params: dict[str, Any]) -> np.ndarray:
         """One latent-output request through ``runner``; its latents."""
+        from omni_runtime.params import resolve_params
         from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 
-        request = RunnerRequest(request_id="r", prompt=PROMPT, params={"seed": 0, "output_type": "latent", **params})
+        resolved = resolve_params(runner.params_cls, {}, {"seed": 0, "output_type": "latent", **params})
+        request = RunnerRequest(request_id="r", prompt=PROMPT, params=resolved)
         (out,) = runner.execute([request], ExecuteContext(lambda rid: False))
         if out.error is not None:
             raise out.error

@@ -60,7 +60,7 @@ class ProducerRunner(StageRunner):
     def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
         outputs = []
         for req in batch:
-            n = int(req.params["nbytes"]) // 4
+            n = int(req.params.nbytes) // 4
             if n not in self._cache:
                 self._cache[n] = np.arange(n, dtype=np.float32)
             outputs.append(RunnerOutput(tensors={"payload": self._cache[n]}))
@@ -79,7 +79,7 @@ class ConsumerRunner(StageRunner):
         outputs = []
         for req in batch:
             arr = req.inputs["payload"]
-            if req.params.get("touch"):
+            if req.params.touch:
                 arr.sum()
             outputs.append(RunnerOutput(text=f"{arr.nbytes}:{float(arr[-1])}"))
         return outputs

@@ -1,9 +1,9 @@
 """AsyncOmni: the asyncio API, for servers. Runs in the caller's event loop (any loop).
 
 Its public surface is what the HTTP server and the CLI use, and all they use: :meth:`validate`
-(a request checked once, which :meth:`generate` then takes as it is), :meth:`generate`,
-:meth:`abort`, :meth:`collective_rpc`, :meth:`health`, :meth:`sampling_params` (which stages take
-which params) and :meth:`on_dead`.
+(a request checked once, which :meth:`generate` then takes as it is), :meth:`generate` (and
+:meth:`events`, the same request read as typed events), :meth:`abort`, :meth:`collective_rpc`,
+:meth:`health`, :meth:`sampling_params` (which stages take which params) and :meth:`on_dead`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 from omni_runtime.config import DeployConfig, load_config, with_engine_overrides, with_ray_address
 from omni_runtime.engine.async_engine import AsyncOmniEngine, EngineHealth, PendingRequest, ValidRequest
+from omni_runtime.events import Event, events_of
 from omni_runtime.exceptions import EngineDeadError
 from omni_runtime.messages import EngineOutput, RpcReplicaResult, StageConstraints
 from omni_runtime.outputs import OmniRequestOutput, RequestProgress, StageResult
@@ -98,6 +99,29 @@ class AsyncOmni:
         try:
             async for out in outputs:
                 yield out
+        finally:
+            await outputs.aclose()
+
+    async def events(
+        self,
+        prompt: str | ValidRequest,
+        sampling_params: Any = None,
+        request_id: str | None = None,
+        *,
+        modalities: Sequence[str] | None = None,
+        streaming_input: bool = False,
+    ) -> AsyncGenerator[Event, None]:
+        """:meth:`generate`'s request, yielding what each output says as typed events
+        (``omni_runtime.events``: Progress, TextDelta, MediaDelta, StageDone, then one Final with
+        the whole output) instead of the outputs. Admission, errors (raised after the events
+        delivered), cancellation and ``streaming_input`` are :meth:`generate`'s."""
+        outputs = self.generate(
+            prompt, sampling_params, request_id, modalities=modalities, streaming_input=streaming_input
+        )
+        try:
+            async for out in outputs:
+                for event in events_of(out):
+                    yield event
         finally:
             await outputs.aclose()
 
@@ -220,6 +244,7 @@ def apply_output(out: OmniRequestOutput, msg: EngineOutput) -> None:
     out.finished = msg.finished
     out.metrics = payload.metrics.as_dict()
     out.progress = None
+    out.stage_finished = msg.stage_finished
     out.media_delta = [] if msg.stage_finished else list(payload.media)
     if not msg.stage_finished and payload.text is None:
         if payload.progress is not None:

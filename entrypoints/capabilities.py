@@ -1,14 +1,14 @@
 """What a served model can do, worked out once: from its resolved config when it is configured
-(its tasks, output kinds and which stage serves each task), then from what its stages reported
-in READY once its engine has loaded (limits, voices, cache types, LoRA). The HTTP routes, the
-jobs, ``/v1/models`` and the CLI read this instead of looking at stages themselves.
+(which of the task registry's tasks it serves, its output kinds and which stage serves each
+task), then from what its stages reported in READY once its engine has loaded (limits, voices,
+cache types, LoRA). The HTTP routes, the jobs, ``/v1/models`` and the CLI read this instead of
+looking at stages themselves.
 
 Pure data; no engine is called after the load."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal, get_args
 
 import msgspec
 
@@ -16,32 +16,9 @@ from omni_runtime.messages import StageConstraints
 from omni_runtime.params import SpeechSamplingParams
 from omni_runtime.resolve import ResolvedConfig
 
-__all__ = ["GENERATE_TASKS", "TASKS", "ModelCapabilities", "Task", "UnsupportedTaskError"]
+from .tasks.registry import JOB_TASKS, TASKS, TaskName
 
-#: Every task a route or a job asks a model for.
-Task = Literal[
-    "text2image",
-    "image_edit",
-    "image_variation",
-    "text2video",
-    "image2video",
-    "text2audio",
-    "text2speech",
-    "chat",
-]
-TASKS: tuple[Task, ...] = get_args(Task)
-#: The tasks ``POST /v1/generate`` takes (a job's ``task``).
-GENERATE_TASKS: tuple[Task, ...] = ("text2image", "text2video", "image2video", "text2audio", "text2speech")
-#: The media kind a task's final stage makes (chat: whatever the model makes).
-TASK_KIND: dict[str, str] = {
-    "text2image": "image",
-    "image_edit": "image",
-    "image_variation": "image",
-    "text2video": "video",
-    "image2video": "video",
-    "text2audio": "audio",
-    "text2speech": "audio",
-}
+__all__ = ["ModelCapabilities", "UnsupportedTaskError"]
 
 
 class UnsupportedTaskError(ValueError):
@@ -51,16 +28,18 @@ class UnsupportedTaskError(ValueError):
         shown = ", ".join(f"`{t}`" for t in serves) or "nothing"
         super().__init__(f"the model `{model}` cannot do `{task}`; it serves {shown}")
         self.model, self.task = model, task
-        #: The short code of the refusal (``no_image``, ``no_video``, ``no_audio``, ``no_speech``).
-        kind = TASK_KIND.get(task)
-        self.code = "no_speech" if task == "text2speech" else f"no_{kind}" if kind else "unsupported_task"
+        #: The short code of the refusal: ``no_`` and the capability the task needs (``no_image``,
+        #: ``no_video``, ``no_audio``, ``no_speech``).
+        known = TASKS.get(task)
+        needs = known.capability if known else None
+        self.code = f"no_{needs}" if needs else "unsupported_task"
 
 
 class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True):
     """A model's tasks, output kinds and limits (see the module docstring)."""
 
-    #: The tasks it serves, in :data:`TASKS` order.
-    tasks: tuple[Task, ...]
+    #: The tasks it serves, in the registry's order (entrypoints/tasks/registry.py).
+    tasks: tuple[TaskName, ...]
     #: What its final stages make (image, video, audio, text), sorted.
     kinds: tuple[str, ...]
     #: The final stage that serves each task (chat has none: every final stage answers).
@@ -93,21 +72,21 @@ class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True):
                 by_kind[kind] = stage.stage_id
         image_input = any(s.takes_image_params for s in resolved.stages)
         speech = next((s for s in finals if issubclass(s.params_cls, SpeechSamplingParams)), None)
-        stages: dict[str, int] = {}
-        if "image" in by_kind:
-            stages["text2image"] = by_kind["image"]
-            if image_input:
-                stages["image_edit"] = stages["image_variation"] = by_kind["image"]
-        if "video" in by_kind:
-            stages["text2video"] = by_kind["video"]
-            if image_input:
-                stages["image2video"] = by_kind["video"]
         audio = by_kind.get("audio")
-        if audio is not None and resolved.stage(audio).takes_image_params:
-            stages["text2audio"] = audio  # a diffusion audio model (Stable Audio): clips, not speech
-        if speech is not None:
-            stages["text2speech"] = speech.stage_id
-        tasks = tuple(t for t in TASKS if t in stages or (t == "chat" and finals))
+        # The final stage of each capability a task may need (registry.Capability).
+        serving = {
+            "image": by_kind.get("image"),
+            "video": by_kind.get("video"),
+            # A diffusion audio model (Stable Audio): clips, not speech.
+            "audio": audio if audio is not None and resolved.stage(audio).takes_image_params else None,
+            "speech": speech.stage_id if speech is not None else None,
+        }
+        stages: dict[str, int] = {}
+        for task in TASKS.values():
+            sid = serving[task.capability] if task.capability is not None else None
+            if sid is not None and (image_input or not task.needs_image):
+                stages[task.name] = sid
+        tasks = tuple(t.name for t in TASKS.values() if t.name in stages or (t.capability is None and finals))
         return cls(
             tasks=tasks,
             kinds=tuple(sorted(by_kind)),
@@ -148,4 +127,4 @@ class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True):
 
     def generate_tasks(self) -> list[str]:
         """The ``/v1/generate`` tasks it serves (``/v1/models`` lists them)."""
-        return [t for t in self.tasks if t in GENERATE_TASKS]
+        return [t for t in self.tasks if t in JOB_TASKS]

@@ -16,14 +16,11 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 import msgspec
-import yaml
 
-from omni_runtime.config import DeployConfig
 from omni_runtime.exceptions import (
     ConfigError,
     EngineDeadError,
@@ -34,16 +31,30 @@ from omni_runtime.exceptions import (
 )
 from omni_runtime.messages import RpcReplicaResult
 from omni_runtime.outputs import OmniRequestOutput
-from omni_runtime.resolve import ResolvedConfig
 
 from .async_omni import AsyncOmni, EngineHealth, ValidRequest, load_resolved
-from .capabilities import ModelCapabilities
+from .model_specs import (
+    EvictMode,
+    ModelCounts,
+    ModelSource,
+    ModelSpec,
+    ModelState,
+    load_models_file,
+    parse_model_arg,
+)
+from .residency import Eviction, ModelUse, ResidencyBudget
+from .served_model import ServedModel
 
 __all__ = [
+    "EvictMode",
+    "Eviction",
     "ModelCounts",
+    "ModelSource",
     "ModelSpec",
     "ModelState",
+    "ModelUse",
     "MultiOmni",
+    "ResidencyBudget",
     "ServedModel",
     "load_models_file",
     "parse_model_arg",
@@ -53,187 +64,6 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a sleep, wake-up or stats call waits for a model's replicas.
 RPC_TIMEOUT_S = 600.0
-
-#: Where a model is in its life: unloaded (lazy and not asked for yet, or stopped by the budget:
-#: no processes), loading (its stages start, or wake up), loaded (serving), asleep (evicted by the
-#: budget: weights released, processes kept), failed (its load raised; ``error`` says why), dead
-#: (its engine died for good), closed. A request for an unloaded or asleep model brings it back.
-#: unplaced is reported (by :meth:`ServedModel.status`) for a loaded model while no node can host
-#: one of its stages (on Ray, its declaring workers are gone): its requests fail at once until a
-#: node takes it again.
-ModelState = Literal["unloaded", "loading", "loaded", "asleep", "failed", "dead", "closed", "unplaced"]
-
-#: How the budget evicts a model: ``sleep`` (runners release their weights, the stage processes
-#: stay: the cheaper way back for models whose processes are slow to start) or ``stop`` (the engine
-#: closes: all its memory and processes go; the way back is a cold load).
-EvictMode = Literal["sleep", "stop"]
-
-ModelSource = str | Path | DeployConfig | ResolvedConfig
-
-
-class ModelCounts(msgspec.Struct, kw_only=True, frozen=True):
-    """A model's state and what the budget did to it so far (``MultiOmni.counts``)."""
-
-    state: ModelState
-    loads: int
-    wakes: int
-    evictions: int
-    #: Weight bytes its runners reported resident when last loaded (None: none reported).
-    resident_bytes: int | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """One model to serve: where its config comes from, the name it is served under (None: the
-    config's ``model:``), and its own admission limit (None: the server-wide one)."""
-
-    source: ModelSource
-    name: str | None = None
-    max_pending: int | None = None
-    #: Loaded on its first request instead of at start.
-    lazy: bool = False
-    #: How the budget evicts it (see :data:`EvictMode`).
-    evict: EvictMode = "sleep"
-
-
-def parse_model_arg(arg: str) -> ModelSpec:
-    """``NAME=CONFIG`` (served as NAME) or ``CONFIG`` (served under the config's own name); an
-    existing path containing ``=`` is a path. A trailing ``@lazy`` loads it on its first request;
-    ``@stop`` makes the budget stop it rather than put it to sleep (``@lazy@stop`` both)."""
-    lazy = evict_stop = False
-    while not Path(arg).exists():
-        if arg.endswith("@lazy"):
-            arg, lazy = arg[: -len("@lazy")], True
-        elif arg.endswith("@stop"):
-            arg, evict_stop = arg[: -len("@stop")], True
-        else:
-            break
-    evict: EvictMode = "stop" if evict_stop else "sleep"
-    name, sep, source = arg.partition("=")
-    if not sep or Path(arg).exists() or not name or "/" in name:
-        return ModelSpec(source=arg, lazy=lazy, evict=evict)
-    return ModelSpec(source=source, name=name, lazy=lazy, evict=evict)
-
-
-def load_models_file(path: str | Path) -> list[ModelSpec]:
-    """The models of a models file: a YAML mapping of served name to a config (a bundled name, a
-    deploy YAML or a model dir, relative paths from the file's folder), or to a mapping with
-    ``config`` and optional ``max_pending``, ``lazy`` (bool) and ``evict`` (``sleep`` or
-    ``stop``). ConfigError naming the entry otherwise."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"cannot read the models file: {e}", source=str(path)) from None
-    if not isinstance(data, dict) or not data:
-        raise ConfigError("expected a mapping of model name to config", source=str(path))
-    specs: list[ModelSpec] = []
-    for name, entry in data.items():
-        where = f"{name}"
-        if isinstance(entry, str):
-            entry = {"config": entry}
-        if not isinstance(name, str) or not isinstance(entry, dict) or not isinstance(entry.get("config"), str):
-            raise ConfigError("expected `NAME: CONFIG` or `NAME: {config: CONFIG, max_pending: N}`", path=where,
-                              source=str(path))  # fmt: skip
-        unknown = set(entry) - {"config", "max_pending", "lazy", "evict"}
-        if unknown:
-            raise ConfigError(f"unknown field `{sorted(unknown)[0]}`", path=where, source=str(path))
-        limit = entry.get("max_pending")
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            raise ConfigError(f"expected int >= 1, got {limit!r}", path=f"{where}.max_pending", source=str(path))
-        lazy = entry.get("lazy", False)
-        if not isinstance(lazy, bool):
-            raise ConfigError(f"expected true or false, got {lazy!r}", path=f"{where}.lazy", source=str(path))
-        evict = entry.get("evict", "sleep")
-        if evict not in ("sleep", "stop"):
-            raise ConfigError(f"expected sleep or stop, got {evict!r}", path=f"{where}.evict", source=str(path))
-        config = entry["config"]
-        local = path.parent / config
-        source = str(local) if local.exists() else config
-        specs.append(ModelSpec(source=source, name=name, max_pending=limit, lazy=lazy, evict=evict))
-    return specs
-
-
-class ServedModel:
-    """One named model of a :class:`MultiOmni`: its config, its engine once loaded, its state, and
-    what the budget needs (requests holding it, when it was last used, its resident bytes)."""
-
-    def __init__(
-        self,
-        name: str,
-        resolved: ResolvedConfig,
-        max_pending: int | None,
-        *,
-        lazy: bool = False,
-        evict: EvictMode = "sleep",
-    ) -> None:
-        self.name = name
-        self.resolved = resolved
-        self.config = resolved.config
-        self.max_pending = max_pending
-        self.lazy = lazy
-        self.evict: EvictMode = evict
-        self.state: ModelState = "unloaded" if lazy else "loading"
-        #: Why it failed or died, or None.
-        self.error: BaseException | None = None
-        self.engine: AsyncOmni | None = None
-        #: What it can do: worked out from its config now, completed with its stages' limits
-        #: once its engine has loaded (see :meth:`ModelCapabilities.loaded`).
-        self.capabilities = ModelCapabilities.of(resolved)
-        #: Requests holding it (acquired, not released) and requests waiting for it to come back:
-        #: the budget evicts only a model with neither (and no request in its engine).
-        self.leases = 0
-        self.waiters = 0
-        #: When a request last took or gave it back (monotonic seconds): the budget evicts the
-        #: least recently used idle model first.
-        self.last_used = 0.0
-        #: Weight bytes its runners reported resident (``get_stats`` ``weight_bytes``) when last
-        #: loaded; kept while evicted as what bringing it back will take. None: none reported.
-        self.resident_bytes: int | None = None
-        #: Cold loads (engine started), wakes from sleep, and evictions (sleep or stop) so far.
-        self.loads = 0
-        self.wakes = 0
-        self.evictions = 0
-        #: Held through each transition (load, wake, sleep, stop): one at a time per model.
-        self.lock = asyncio.Lock()
-        #: The task bringing it back, shared by every request that waits for it.
-        self.coming_up: asyncio.Future[None] | None = None
-
-    @property
-    def kinds(self) -> list[str]:
-        """What it makes: its final stages' output types (image, video, audio, text)."""
-        return list(self.capabilities.kinds)
-
-    def health(self) -> EngineHealth | None:
-        """Its engine's health, or None while it has no engine (loading, failed)."""
-        return self.engine.health() if self.engine is not None else None
-
-    @property
-    def starting(self) -> bool:
-        """In its first load at start (not lazy): the server is not ready until it is done."""
-        return self.state == "loading" and not self.lazy and self.loads == 0
-
-    def idle(self) -> bool:
-        """No request holds it, waits for it, or runs in its engine."""
-        if self.leases or self.waiters:
-            return False
-        health = self.health()
-        return health is None or health.pending == 0
-
-    def unplaced(self) -> str | None:
-        """Why this loaded model cannot serve now because no node can host one of its stages
-        (a stage without a live replica whose restart waits for a node), or None."""
-        h = self.health() if self.state == "loaded" else None
-        if h is None:
-            return None
-        return next((s.unplaced for s in h.stages if s.live_replicas == 0 and s.unplaced), None)
-
-    def status(self) -> ModelState:
-        """Its state as reported: ``unplaced`` while :meth:`unplaced`, else :attr:`state`."""
-        return "unplaced" if self.unplaced() is not None else self.state
-
-    def unavailable(self) -> ModelUnavailableError:
-        return ModelUnavailableError(self.name, self.state, str(self.error) if self.error is not None else None)
 
 
 class MultiOmni:
@@ -268,13 +98,8 @@ class MultiOmni:
         load_timeout: float | None = None,
         **engine_args: Any,
     ) -> None:
-        if max_loaded_models is not None and max_loaded_models < 1:
-            raise ConfigError(f"max_loaded_models: expected int >= 1, got {max_loaded_models}")
-        if max_resident_bytes is not None and max_resident_bytes < 1:
-            raise ConfigError(f"max_resident_bytes: expected int >= 1, got {max_resident_bytes}")
+        self.budget = ResidencyBudget(max_loaded_models, max_resident_bytes)
         self._default_timeout = default_timeout
-        self.max_loaded_models = max_loaded_models
-        self.max_resident_bytes = max_resident_bytes
         self.load_timeout = load_timeout
         self.models: dict[str, ServedModel] = {}
         for item in models:
@@ -294,7 +119,7 @@ class MultiOmni:
         self._closed = False
         self._lock = threading.Lock()
         #: Held while the budget picks and evicts models.
-        self._budget = asyncio.Lock()
+        self._evicting = asyncio.Lock()
         self._tasks: set[asyncio.Future[None]] = set()
         #: Called on the loop that ran :meth:`start` when a loaded model dies for good.
         self.on_dead: list[Callable[[ServedModel, EngineDeadError], None]] = []
@@ -302,6 +127,22 @@ class MultiOmni:
     @property
     def names(self) -> list[str]:
         return list(self.models)
+
+    @property
+    def max_loaded_models(self) -> int | None:
+        return self.budget.max_loaded_models
+
+    @max_loaded_models.setter
+    def max_loaded_models(self, value: int | None) -> None:
+        self.budget.max_loaded_models = value
+
+    @property
+    def max_resident_bytes(self) -> int | None:
+        return self.budget.max_resident_bytes
+
+    @max_resident_bytes.setter
+    def max_resident_bytes(self, value: int | None) -> None:
+        self.budget.max_resident_bytes = value
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -328,7 +169,7 @@ class MultiOmni:
             else:
                 await self._load(model)
         # 3) its real size may be over what was estimated
-        await self._enforce()
+        await self._make_room()
 
     async def _load(self, model: ServedModel) -> None:
         model.state = "loading"
@@ -414,31 +255,18 @@ class MultiOmni:
 
     # ------------------------------------------------------------------ the budget
 
-    def _over(self, coming: ServedModel | None = None) -> bool:
-        """Whether the models holding memory (and ``coming``, about to) exceed the budget."""
-        held = [m for m in self.models.values() if m.state in ("loaded", "loading") or m is coming]
-        if self.max_loaded_models is not None and len(held) > self.max_loaded_models:
-            return True
-        size = sum(m.resident_bytes or 0 for m in held)
-        return self.max_resident_bytes is not None and size > self.max_resident_bytes
+    def _uses(self) -> list[ModelUse]:
+        return [m.usage() for m in self.models.values()]
 
-    def _victim(self, spare: ServedModel | None) -> ServedModel | None:
-        """The least recently used loaded model that is idle and in no transition."""
-        idle = [
-            m for m in self.models.values()
-            if m is not spare and m.state == "loaded" and not m.lock.locked() and m.idle()
-        ]  # fmt: skip
-        return min(idle, key=lambda m: m.last_used, default=None)
-
-    async def _make_room(self, coming: ServedModel) -> None:
-        async with self._budget:
-            while self._over(coming) and (victim := self._victim(coming)) is not None:
-                await self._evict(victim)
-
-    async def _enforce(self) -> None:
-        async with self._budget:
-            while self._over() and (victim := self._victim(None)) is not None:
-                await self._evict(victim)
+    async def _make_room(self, coming: ServedModel | None = None) -> None:
+        """Evict what the budget names, one model at a time, until it holds or no model can go
+        (``coming``: a model about to load or wake)."""
+        async with self._evicting:
+            name = coming.name if coming is not None else None
+            while (step := self.budget.next_eviction(self._uses(), name)).victim is not None:
+                await self._evict(self.models[step.victim])
+        if step.over:
+            logger.debug("over the budget until a model is idle: %s", step.reason)
 
     async def _evict(self, model: ServedModel) -> None:
         """Put ``model`` to sleep or stop it. Its state changes before the first await, so a
@@ -493,8 +321,8 @@ class MultiOmni:
         """Give back what :meth:`acquire` held; the budget may now evict it (on the loop)."""
         model.leases -= 1
         model.last_used = time.monotonic()
-        if self._over() and not self._closed:
-            task = asyncio.ensure_future(self._enforce())
+        if not self._closed and self.budget.excess(m.usage() for m in self.models.values()) is not None:
+            task = asyncio.ensure_future(self._make_room())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from omni_runtime.config import DeployConfig
+from omni_runtime.events import Progress, StageDone, events_of
 from omni_runtime.exceptions import (
     EngineClosedError,
     EngineError,
@@ -156,8 +157,12 @@ class Omni:
                 async with self._slots:
                     agen = self._async.generate(request, request_id=request_id, streaming_input=streaming_input)
                     async for out in agen:
-                        if out.progress is None:  # progress notices carry nothing to return
-                            last = out
+                        for event in events_of(out):
+                            match event:
+                                case Progress() | StageDone(result=None):
+                                    pass  # progress notices carry nothing to return
+                                case _:
+                                    last = out
             except OmniError as e:
                 last = last or OmniRequestOutput(request_id=request_id, stage_id=-1)
                 last.error, last.finished = e, True

@@ -16,6 +16,7 @@ import msgspec
 
 from omni_runtime.bounds import meta
 from omni_runtime.exceptions import ConfigError
+from omni_runtime.serialization import find_unencodable
 
 _Cache = {"kw_only": True, "forbid_unknown_fields": True, "tag_field": "type", "frozen": True}
 _Struct = {"kw_only": True, "forbid_unknown_fields": True}
@@ -197,8 +198,6 @@ def parse_cache(value: Any) -> StepCache | Literal["off"] | None:
         # msgspec reads a string (lax mode parses text) as UTF-8, which a lone surrogate has none
         # of: the value is malformed like any other, so the caller gets the same typed error,
         # naming where it is.
-        from omni_runtime.serialization import find_unencodable
-
         found = find_unencodable(value)
         where, why = found if found is not None else ("", "cannot be encoded as UTF-8")
         raise msgspec.ValidationError(f"{why} - at `$.{where}`" if where else why) from None

@@ -1,7 +1,7 @@
 """The bounds of every request field, declared once.
 
 The engine's params classes (:mod:`omni_runtime.params`, msgspec) build their field types with
-:meth:`Bounds.meta`, and the HTTP request models (``entrypoints/openai/protocol.py``, pydantic)
+:meth:`Bounds.meta`, and the HTTP request models (``entrypoints/openai/protocol/``, pydantic)
 their ``Field(...)`` constraints with :meth:`Bounds.pydantic`, so a request over HTTP and one from
 Python are held to the same limits. ``tests/omni_runtime/test_bounds.py`` walks both families of
 models and fails when a field declares a bound of its own. The fields that a deploy YAML and a
@@ -38,6 +38,9 @@ MAX_AUDIO_SECONDS = 3600.0
 
 #: Longest text a speech request may speak, in characters (OpenAI's limit for ``input``).
 MAX_SPEECH_CHARS = 4096
+#: Most tokens any text request may ask for (a stage's ``engine_args.max_output_tokens`` and its
+#: model's context apply on top).
+MAX_TOKENS = 8192
 
 #: The keyword names of a bound, as both msgspec.Meta and pydantic's Field take them.
 BOUND_NAMES = ("ge", "gt", "le", "lt", "min_length", "max_length", "pattern")
@@ -130,7 +133,7 @@ REQUEST_BOUNDS: dict[str, Bounds] = {
     "cache.retention_ratio": Bounds(ge=0, le=1),
     "cache.spatial_attention_block_skip_range": Bounds(ge=2, le=100),
     # Text.
-    "max_tokens": Bounds(ge=1, le=8192),
+    "max_tokens": Bounds(ge=1, le=MAX_TOKENS),
     #: OpenAI's range; past 2 sampling is noise.
     "temperature": Bounds(ge=0, le=2),
     "top_p": Bounds(gt=0, le=1),

@@ -15,10 +15,13 @@ import msgspec
 import yaml
 
 from omni_runtime.acceleration import LayerwiseCasting, Offload, Quantization, StepCache, check_acceleration
-from omni_runtime.bounds import FIELD_BOUNDS, LORA_NAME_PATTERN
+from omni_runtime.backend_registry import BACKENDS, backend_options
+from omni_runtime.bounds import FIELD_BOUNDS, LORA_NAME_PATTERN, MAX_TOKENS
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
 from omni_runtime.media import OUTPUT_TYPES, OutputType
 from omni_runtime.params import check_lora_path
+from omni_runtime.serialization import find_unencodable
+from omni_runtime.stage.runners.stage_types import stage_types
 
 _Struct = {"kw_only": True, "forbid_unknown_fields": True}
 
@@ -54,7 +57,7 @@ def check_control_kwargs(method: str, kwargs: dict[str, Any], prefix: str = "") 
 
 
 #: Where a stage's replicas run: a name in the backend registry
-#: (:mod:`omni_runtime.engine.backends.registry`): ``process`` (a spawned process each, ZMQ and
+#: (:mod:`omni_runtime.backend_registry`): ``process`` (a spawned process each, ZMQ and
 #: shared memory), ``inproc`` (in the orchestrator's own process; for tests and for debugging a
 #: runner) or ``ray`` (Ray actors placed across a Ray cluster; ``pip install omni_runtime[ray]``).
 Backend = str
@@ -92,8 +95,6 @@ class RuntimeConfig(msgspec.Struct, **_Struct):
     options: Any = None
 
     def __post_init__(self) -> None:
-        from omni_runtime.engine.backends.registry import BACKENDS, backend_options
-
         if self.process is not None:
             implied = "process" if self.process else "inproc"
             if self.backend is not None and self.backend != implied:
@@ -124,8 +125,6 @@ def _split_runtime(runtime: Any, at: str, source: str) -> Any:
     ``options:`` as a loaded config shows them) decoded into its options struct, at ``options``.
     Keys another backend declares are accepted and dropped, as that backend would ignore them
     here; any other key is left for :class:`RuntimeConfig` to report as unknown."""
-    from omni_runtime.engine.backends.registry import BACKENDS, backend_options
-
     if not isinstance(runtime, dict):
         return runtime
     backend = runtime.get("backend")
@@ -267,6 +266,11 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: length"). What a clip holds while it is made grows with its length (about 4 MB a second
     #: for tiny-tts on a CPU), and a wave holds ``max_num_seqs`` of them.
     max_speech_seconds: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
+    #: Most tokens one request to a text stage (``text``, ``omni_thinker``) may generate: a request
+    #: whose ``max_tokens`` is larger is refused before it is queued, and the stage's default
+    #: ``max_tokens`` is bounded by it (docs/configuration.md, "Text length"). ``null``: no bound
+    #: but the model's context and ``max_tokens``' own range (1 to 8192).
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] | None = None
     #: Give memory a forward freed back to the system at once: glibc's mmap threshold fixed at
     #: 4 MiB in the replica's process (its dynamic raise off), so that every block of that size or
     #: more is mapped for itself and unmapped when freed. Without it a stage whose forwards vary
@@ -458,8 +462,6 @@ def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
         raise _decode_error(e, data, "", source) from None
     # Every stage process gets its config as msgpack: a value it cannot carry (a lone surrogate,
     # an integer past 64 bits) is this file's error, not a failure to start a replica.
-    from omni_runtime.serialization import find_unencodable
-
     found = find_unencodable(msgspec.to_builtins(config))
     if found is not None:
         raise ConfigError(found[1], path=found[0], source=source)
@@ -478,8 +480,6 @@ def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
 
 def validate_graph(config: DeployConfig, source: str = "<config>") -> None:
     """Stage ids unique, sources known, no cycles, every stage reaches a final output."""
-    from omni_runtime.stage.runners.stage_types import stage_types  # the one stage-type registry
-
     known = stage_types()
     ids: dict[int, int] = {}
     for i, s in enumerate(config.stage_args):

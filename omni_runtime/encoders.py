@@ -15,12 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+# The registry is encoder_registry.py (below media.py, whose items render through it); its names
+# are this module's too.
+from omni_runtime.encoder_registry import Encode, encode, register_encoder
+from omni_runtime.encoder_registry import Encoder as Encoder
+from omni_runtime.encoder_registry import encoder as encoder
+from omni_runtime.encoder_registry import formats as formats
+from omni_runtime.encoder_registry import media_type as media_type
+from omni_runtime.encoder_registry import media_types as media_types
+from omni_runtime.encoder_registry import unregister_encoder as unregister_encoder
 from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.media import AudioItem, ImageItem, MediaItem, VideoItem
 
@@ -29,62 +37,6 @@ INLINE_ENCODE_PIXELS = 512 * 512
 #: Audio samples (all channels) encoded inline; more go to a worker thread. A compressed codec
 #: costs more per sample than PNG per pixel: a quarter second of 44.1 kHz stereo stays inline.
 INLINE_ENCODE_SAMPLES = 22_050
-
-Encode = Callable[..., bytes]
-
-
-@dataclass(frozen=True)
-class Encoder:
-    """One registered format of one kind."""
-
-    kind: str
-    format: str
-    media_type: str
-    fn: Encode
-
-
-_REGISTRY: dict[str, dict[str, Encoder]] = {}
-
-
-def register_encoder(kind: str, format: str, media_type: str, fn: Encode) -> None:
-    """Make ``format`` available for items of ``kind`` (a later registration replaces one of the
-    same kind and format)."""
-    _REGISTRY.setdefault(kind, {})[format] = Encoder(kind, format, media_type, fn)
-
-
-def unregister_encoder(kind: str, format: str) -> None:
-    """Remove a format (tests that register a throwaway one)."""
-    formats = _REGISTRY.get(kind, {})
-    formats.pop(format, None)
-    if not formats:
-        _REGISTRY.pop(kind, None)
-
-
-def formats(kind: str) -> tuple[str, ...]:
-    """The formats items of ``kind`` can be encoded to, in registration order."""
-    return tuple(_REGISTRY.get(kind, {}))
-
-
-def media_type(kind: str, format: str) -> str:
-    """The media type (``image/png``) of ``format`` for ``kind``; KeyError if not registered."""
-    return encoder(kind, format).media_type
-
-
-def media_types() -> dict[str, str]:
-    """Every registered format's media type by format name (what a file store serves)."""
-    return {e.format: e.media_type for kinds in _REGISTRY.values() for e in kinds.values()}
-
-
-def encoder(kind: str, format: str) -> Encoder:
-    try:
-        return _REGISTRY[kind][format]
-    except KeyError:
-        raise KeyError(f"no {format!r} encoder for {kind} items; registered: {list(formats(kind))}") from None
-
-
-def encode(item: MediaItem, format: str, **options: Any) -> bytes:
-    """``item`` as the bytes of a ``format`` file."""
-    return encoder(item.kind, format).fn(item, **options)
 
 
 def _pixels(item: MediaItem) -> int:

@@ -3,7 +3,8 @@ media items (arrays with their metadata) that carry them from a runner to the ca
 
 The kinds (``image``, ``video``, ``audio``, ``text``, ``tensor``) are declared here once: a stage's
 ``final_output_type`` (config.py), the ``modalities`` a caller asks for (the engine and the HTTP
-protocol) and the encoder registry (:mod:`omni_runtime.encoders`) all read this module. Text and
+protocol) and the encoders (:mod:`omni_runtime.encoders`) all read this module; an item's ``save``
+renders through the encoder registry (:mod:`omni_runtime.encoder_registry`), below both. Text and
 named tensors travel as the ``text`` and ``tensors`` fields of a
 :class:`~omni_runtime.messages.Payload` (text streams as deltas); every other kind is a media item
 in ``Payload.media``.
@@ -23,6 +24,8 @@ from typing import Any, ClassVar, Literal, get_args
 
 import msgspec
 import numpy as np
+
+from omni_runtime.encoder_registry import encode
 
 #: The kinds of output, once for the whole project.
 Kind = Literal["image", "video", "audio", "text", "tensor"]
@@ -105,8 +108,6 @@ class VideoItem(msgspec.Struct, tag="video", **_Item):
     def save(self, path: str | os.PathLike[str], **options: Any) -> None:
         """Write the video to ``path`` in the format its suffix names (``.mp4``; ``.png`` writes the
         poster frame), through the encoder registry; ``options`` go to the encoder."""
-        from omni_runtime.encoders import encode
-
         suffix = Path(path).suffix.lstrip(".").lower()
         if not suffix:
             raise ValueError(f"cannot tell the format of {str(path)!r}: give it a suffix such as .mp4")
@@ -152,8 +153,6 @@ class AudioItem(msgspec.Struct, tag="audio", **_Item):
         """Write the clip to ``path`` in the format its suffix names (``.wav``, ``.flac``,
         ``.mp3``, ``.aac``, ``.opus`` or ``.ogg`` (Opus), ``.pcm``), through the encoder registry;
         ``options`` go to the encoder."""
-        from omni_runtime.encoders import encode
-
         suffix = Path(path).suffix.lstrip(".").lower()
         if not suffix:
             raise ValueError(f"cannot tell the format of {str(path)!r}: give it a suffix such as .wav")

@@ -9,7 +9,8 @@ Two more cross the janus queues between the caller's thread and the orchestrator
 
 from __future__ import annotations
 
-from typing import Any
+import unicodedata
+from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 
@@ -72,12 +73,18 @@ def encodable_text(text: str) -> str:
 # --------------------------------------------------------------------------- orchestrator -> worker
 
 
-class StageRequest(msgspec.Struct, tag="request", **_Msg):
+#: The type of a :class:`StageRequest`'s params: a stage decodes its requests as
+#: ``StageRequest[its runner's params class]`` (:func:`omni_runtime.serialization.inbound_decoder`).
+P = TypeVar("P")
+
+
+class StageRequest(msgspec.Struct, Generic[P], tag="request", **_Msg):
     request_id: str
     #: The caller's prompt, or what this stage's input function made of upstream outputs.
     prompt: Any
-    #: Resolved sampling params (stage defaults applied) as a plain dict.
-    params: dict[str, Any]
+    #: The request's resolved params for this stage (:func:`omni_runtime.params.resolve_params`:
+    #: a tagged params struct, every default in force filled in), as the runner reads them.
+    params: P
     #: Upstream outputs: ``text`` and named arrays / tensors.
     inputs: dict[str, Any] = {}
     #: When the caller submitted it (``time.time()``), for end-to-end metrics.
@@ -140,6 +147,49 @@ class SpeechBound(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         return tokens * (int(self.token_frames / speed) + 1) * self.frame_s
 
 
+class TextBound(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How many tokens a text stage's request may take, reported at READY so that a request that
+    cannot fit is refused before it is queued, not by the stage after its wait.
+
+    The prompt and the answer (``max_tokens``) share the model's ``context``. Only the stage's
+    tokenizer knows a prompt's tokens exactly; where it is a byte-level BPE (every token stands for
+    at most ``bytes_per_token`` bytes of the text), :meth:`fewest_tokens` bounds them from below from
+    the characters, so that the caller refuses only a prompt that cannot fit however it is
+    tokenized, and the stage checks the rest with the tokens it made."""
+
+    #: Tokens the model attends over, prompt and answer together (its ``max_position_embeddings``);
+    #: None: the model does not say.
+    context: int | None = None
+    #: Most tokens one request may generate (``engine_args.max_output_tokens``); None: no bound but
+    #: the context (and ``max_tokens``' own range).
+    max_tokens: int | None = None
+    #: Most bytes of the prompt (UTF-8, after ``normalization``) that one token stands for; None:
+    #: the tokenizer is not a byte-level BPE, and the prompt's tokens are not bounded from its text.
+    bytes_per_token: int | None = None
+    #: The Unicode normalization the tokenizer applies before it splits the text, or None.
+    normalization: Literal["NFC", "NFD", "NFKC", "NFKD"] | None = None
+    #: Texts the tokenizer makes one token of wherever a prompt holds them (its special tokens).
+    special_tokens: tuple[str, ...] = ()
+    #: Tokens every prompt gets besides its text's (a BOS, a template's); an empty prompt is one token.
+    extra_tokens: int = 0
+
+    def fewest_tokens(self, prompt: str) -> int | None:
+        """The fewest tokens the stage's tokenizer can make of ``prompt``, or None when it cannot be
+        told from the text. Each special token the prompt holds is taken to cover its bytes in one
+        token, and every other token at most ``bytes_per_token`` bytes of what is left."""
+        if self.bytes_per_token is None:
+            return None
+        text = unicodedata.normalize(self.normalization, prompt) if self.normalization else prompt
+        size = len(text.encode("utf-8", "surrogatepass"))
+        special = sum(len(s.encode()) * max(prompt.count(s), text.count(s)) for s in self.special_tokens if s)
+        return max(1, self.extra_tokens + -(-max(size - special, 0) // self.bytes_per_token))
+
+    @property
+    def shortest_prompt(self) -> int:
+        """Tokens of the shortest prompt (an empty one)."""
+        return max(1, self.extra_tokens)
+
+
 class StageConstraints(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """What a stage's loaded model allows, reported in its READY message and checked by the caller
     before enqueue (:func:`omni_runtime.params.check_constraints`). Every field's default checks
@@ -191,6 +241,18 @@ class StageConstraints(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     voices: tuple[str, ...] = ()
     #: How long a speech stage's clip can get; None: the stage makes no speech.
     speech: SpeechBound | None = None
+    #: How many tokens a text stage's request may take (its model's context, its
+    #: ``engine_args.max_output_tokens``); None: the stage makes no text.
+    text: TextBound | None = None
+    #: Most codes a decoder stage (``omni_code2wav``) takes in one request or one chunk (its DiT's
+    #: positions / repeats); None: the stage takes no codes.
+    max_input_codes: int | None = None
+    #: Most codes a request may ask a talker stage to make (``max_codes``): set by the engine from
+    #: the ``max_input_codes`` of the stage the talker feeds, where that stage takes the codes whole
+    #: (or in chunks larger than that); None: not bounded here.
+    max_codes: int | None = None
+    #: Why, for the error.
+    max_codes_reason: str | None = None
     #: The step-cache types a request's ``cache`` may name (empty: none); None: not checked here.
     cache_types: tuple[str, ...] | None = None
     #: Why other types are refused, for the error.
@@ -367,8 +429,9 @@ class EngineRequest(msgspec.Struct, tag="request", **_Msg):
     #: The caller's output channel (one per event loop that uses the engine).
     channel: int
     prompt: Any
-    #: Resolved params per stage id.
-    params: dict[int, dict[str, Any]]
+    #: Resolved params per stage id: each stage's params struct (``omni_runtime.params``), sent
+    #: on to the stage as it is.
+    params: dict[int, Any]
     #: The final stages this caller wants (a subset of the config's, e.g. for ``modalities``).
     final_stage_ids: list[int]
     arrival_time: float

@@ -57,7 +57,8 @@ class OmniRequestOutput:
 
     ``Omni.generate`` returns one per prompt, in input order, with every requested final output.
     ``AsyncOmni.generate`` yields one each time a final stage delivers (and for each streamed text
-    delta); fields accumulate, and the last one has ``finished=True``.
+    delta); fields accumulate, and the last one has ``finished=True``. ``omni_runtime.events``
+    reads one as typed events (``AsyncOmni.events`` yields those instead).
     """
 
     request_id: str
@@ -85,6 +86,9 @@ class OmniRequestOutput:
     #: (sent at most every 0.3 s or so), or that a stage that is not a final one is done. None on
     #: every other output.
     progress: RequestProgress | None = None
+    #: True when this output completes stage ``stage_id``: its whole result is in
+    #: ``outputs_by_stage`` (a final stage's output, not a streamed piece or a progress notice).
+    stage_finished: bool = False
 
     @property
     def images(self) -> list[Any]:

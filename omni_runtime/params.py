@@ -1,27 +1,55 @@
-"""Typed sampling parameters, one class per stage type.
+"""Typed sampling parameters, one class per stage type, and their resolution.
 
 A plain ``dict`` of the same fields is accepted wherever a params object is. Unset fields
-(``None``) take the stage's ``default_sampling_params`` from the deploy YAML. Validation happens
-once, in the caller's thread, before anything is enqueued: errors are
-:class:`~omni_runtime.exceptions.InvalidRequestError` naming the field.
+(``None``) take the stage's ``default_sampling_params`` from the deploy YAML, then the class's
+``fallbacks`` (what its runner takes a field to be when neither says). Validation happens once, in
+the caller's thread, before anything is enqueued (:func:`resolve_params`): errors are
+:class:`~omni_runtime.exceptions.InvalidRequestError` naming the field. The resolved object is what
+travels to the stage's runner, unchanged: every class is tagged (``params_class``, its name), so a
+message carries it natively (its arrays as raw buffers, :mod:`omni_runtime.serialization`) and
+:data:`StageParams` decodes any builtin one.
+
+The checks against what a stage's model allows are in :mod:`omni_runtime.checks` (their names
+are importable from here too).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgspec
-import numpy as np
 
-from omni_runtime.acceleration import StepCache, cache_type, parse_cache
+from omni_runtime.acceleration import StepCache, parse_cache
 from omni_runtime.bounds import LORA_NAME_PATTERN as LORA_NAME_PATTERN
 from omni_runtime.bounds import MAX_LORA_SCALE as MAX_LORA_SCALE
 from omni_runtime.bounds import MAX_PROMPT_CHARS as MAX_PROMPT_CHARS
-from omni_runtime.bounds import MAX_SIDE, MIN_SIDE, meta
+from omni_runtime.bounds import meta
+from omni_runtime.checks import AUDIO_PARAMS as AUDIO_PARAMS
+from omni_runtime.checks import DEFAULT_MAX_CODES as DEFAULT_MAX_CODES
+from omni_runtime.checks import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS
+from omni_runtime.checks import MAX_IMAGE_PIXELS as MAX_IMAGE_PIXELS
+from omni_runtime.checks import MAX_IMAGE_SIDE as MAX_IMAGE_SIDE
+from omni_runtime.checks import MIN_IMAGE_SIDE as MIN_IMAGE_SIDE
+from omni_runtime.checks import bounded_defaults as bounded_defaults
+from omni_runtime.checks import check_audio as check_audio
+from omni_runtime.checks import check_cache as check_cache
+from omni_runtime.checks import check_constraints as check_constraints
+from omni_runtime.checks import check_frames as check_frames
+from omni_runtime.checks import check_image_capability as check_image_capability
+from omni_runtime.checks import check_image_params
+from omni_runtime.checks import check_max_codes as check_max_codes
+from omni_runtime.checks import check_max_tokens as check_max_tokens
+from omni_runtime.checks import check_prompt_tokens as check_prompt_tokens
+from omni_runtime.checks import check_speech_length as check_speech_length
+from omni_runtime.checks import check_step_range as check_step_range
+from omni_runtime.checks import check_text_length as check_text_length
+from omni_runtime.checks import check_video_pixels as check_video_pixels
+from omni_runtime.checks import check_voice as check_voice
+from omni_runtime.checks import link_constraints as link_constraints
 from omni_runtime.exceptions import InvalidRequestError
-from omni_runtime.messages import StageConstraints
 from omni_runtime.serialization import check_encodable
 
 Seed = Annotated[int, meta("seed")]
@@ -33,9 +61,14 @@ Priority = Annotated[int, meta("priority")]
 SloMs = Annotated[float, meta("slo_ms")]
 #: ``max_pixels`` of a stage when neither its config nor its model says: 2048 x 2048.
 FALLBACK_MAX_PIXELS = 2048 * 2048
+#: The tag field of every params class: its class name, on the wire.
+TAG_FIELD = "params_class"
+
+_T = TypeVar("_T")
+_P = TypeVar("_P", bound=msgspec.Struct)
 
 
-class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field=TAG_FIELD, tag=True):
     """Base of the typed params, with what every stage type takes: ``timeout`` (seconds), a
     per-request deadline, and ``priority`` (higher first, default 0). Either may be set in any
     stage's params; it applies to the whole request. ``slo_ms`` is a latency target at the stage
@@ -43,6 +76,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     #: Which ``stage_type`` these params are for.
     stage_type: ClassVar[str] = ""
+    #: What a field is when neither the request nor the stage's ``default_sampling_params`` set it:
+    #: filled in by :func:`resolve_params`, so that the runner reads the value in force (never None
+    #: for these). A field left out here whose value depends on the loaded model (a native size, a
+    #: pipeline's own step count, the first speaker) stays None, and the runner reads its model's.
+    fallbacks: ClassVar[Mapping[str, Any]] = {}
     timeout: Timeout | None = None
     priority: Priority | None = None
     slo_ms: SloMs | None = None
@@ -87,6 +125,7 @@ class DiffusionSamplingParams(SamplingParams):
     """Parameters of a diffusion (text-to-image, text-to-video, text-to-audio) request."""
 
     stage_type: ClassVar[str] = "diffusion"
+    fallbacks: ClassVar[Mapping[str, Any]] = {"output_type": "pil"}
 
     height: Annotated[int, meta("height")] | None = None
     width: Annotated[int, meta("width")] | None = None
@@ -124,11 +163,25 @@ class DiffusionSamplingParams(SamplingParams):
     #: ``engine_args.cache``), or ``"off"``; unset: the stage's ``engine_args.cache``.
     cache: StepCache | Literal["off"] | None = None
 
+    @property
+    def per_prompt(self) -> int:
+        """Outputs per prompt: ``num_images_per_prompt``, or an audio request's
+        ``num_waveforms_per_prompt`` (an audio stage refuses the former, so at most one is set);
+        one when neither is."""
+        return int(self.num_images_per_prompt or self.num_waveforms_per_prompt or 1)
+
 
 class TextSamplingParams(SamplingParams):
     """Parameters of a text-generation request."""
 
     stage_type: ClassVar[str] = "text"
+    fallbacks: ClassVar[Mapping[str, Any]] = {
+        "max_tokens": DEFAULT_MAX_TOKENS,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "stop": [],
+    }
 
     max_tokens: Annotated[int, meta("max_tokens")] | None = None
     temperature: Annotated[float, meta("temperature")] | None = None
@@ -142,6 +195,7 @@ class SpeechSamplingParams(SamplingParams):
     """Parameters of a text-to-speech request (the ``speech`` stage)."""
 
     stage_type: ClassVar[str] = "speech"
+    fallbacks: ClassVar[Mapping[str, Any]] = {"speed": 1.0}
 
     #: A speaker of the model by name, or one of OpenAI's voice names (mapped onto the model's
     #: speakers, see docs/models.md); unset: the model's first speaker.
@@ -156,6 +210,14 @@ class TalkerSamplingParams(SamplingParams):
     """Parameters of an omni talker (``omni_talker``): codec codes from the thinker's states."""
 
     stage_type: ClassVar[str] = "omni_talker"
+    #: ``max_codes``: a request validated against a decoder's bound gets the default within it
+    #: (:func:`~omni_runtime.checks.bounded_defaults`) as the stage's, over this one.
+    fallbacks: ClassVar[Mapping[str, Any]] = {
+        "max_codes": DEFAULT_MAX_CODES,
+        "temperature": 0.9,
+        "top_p": 1.0,
+        "top_k": 40,
+    }
 
     #: Most codes to generate (the talker also stops at its end-of-codec token).
     max_codes: Annotated[int, meta("max_codes")] | None = None
@@ -176,118 +238,49 @@ class EchoSamplingParams(SamplingParams):
     """Parameters of the ``echo`` stage: it returns its input after ``delay_ms``."""
 
     stage_type: ClassVar[str] = "echo"
+    fallbacks: ClassVar[Mapping[str, Any]] = {"delay_ms": 0.0}
 
     delay_ms: Annotated[float, meta("delay_ms")] | None = None
 
 
-class GenericSamplingParams(msgspec.Struct, kw_only=True):
-    """Params of a custom runner that declares no class of its own: any JSON-like fields."""
+class GenericSamplingParams(msgspec.Struct, kw_only=True, tag_field=TAG_FIELD, tag=True):
+    """Params of a custom runner that declares no class of its own: any JSON-like fields. Those it
+    does not declare travel in ``extra`` (by name; a field named ``extra`` too); :meth:`get` reads
+    either."""
 
     stage_type: ClassVar[str] = "custom"
+    fallbacks: ClassVar[Mapping[str, Any]] = {}
     timeout: Timeout | None = None
     priority: Priority | None = None
     slo_ms: SloMs | None = None
+    #: The fields this class does not declare, as given (those that are set).
+    extra: dict[str, Any] = {}
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """A field by name, declared or extra; ``default`` when it is unset."""
+        value = getattr(self, name) if name in self.__struct_fields__ and name != "extra" else self.extra.get(name)
+        return default if value is None else value
 
 
-#: Largest input image accepted anywhere (a stage's own ``max_pixels`` applies on top).
-MAX_IMAGE_PIXELS = 4096 * 4096
-#: Smallest and largest side of an input image, as of ``height`` / ``width``.
-MIN_IMAGE_SIDE, MAX_IMAGE_SIDE = MIN_SIDE, MAX_SIDE
+#: Every builtin params class, as the tagged union a message decodes them with (a custom runner's
+#: own class is tagged by its name too, and its stage decodes it as that class).
+StageParams = (
+    DiffusionSamplingParams
+    | TextSamplingParams
+    | SpeechSamplingParams
+    | TalkerSamplingParams
+    | Code2WavSamplingParams
+    | EchoSamplingParams
+    | GenericSamplingParams
+)
 
 
-def _is_pil(value: Any) -> bool:
-    return type(value).__module__.startswith("PIL.") and hasattr(value, "convert")
-
-
-def _as_uint8(value: Any, name: str, what: str) -> np.ndarray:
-    """``value`` (a numpy array or a PIL image) as a uint8 numpy array, not yet copied: a view of
-    the caller's array, so that no check before the copy reads a pixel. A PIL image's size is
-    checked before it is converted (which copies)."""
-    if _is_pil(value):
-        _check_sides(name, *value.size)
-        value = np.asarray(value.convert("L" if name == "mask_image" else "RGB"))
-    if not isinstance(value, np.ndarray):
-        raise InvalidRequestError(
-            f"invalid sampling param `{name}`: expected {what} (a numpy array) or a PIL image, "
-            f"got {type(value).__name__}",
-            param=name,
-        )
-    if value.dtype != np.uint8:
-        raise InvalidRequestError(
-            f"invalid sampling param `{name}`: expected a uint8 array ({what}), got dtype {value.dtype}", param=name
-        )
+def in_force(value: _T | None) -> _T:
+    """A field of resolved params that has a fallback (``fallbacks``), typed as set: never None once
+    :func:`resolve_params` made the params. ValueError for params that did not come from it."""
+    if value is None:
+        raise ValueError("a params field with a fallback is unset: these params were not made by resolve_params")
     return value
-
-
-def _check_sides(name: str, w: int, h: int) -> None:
-    if not (MIN_IMAGE_SIDE <= h <= MAX_IMAGE_SIDE and MIN_IMAGE_SIDE <= w <= MAX_IMAGE_SIDE):
-        raise InvalidRequestError(
-            f"invalid sampling param `{name}`: each side must be {MIN_IMAGE_SIDE}..{MAX_IMAGE_SIDE} pixels, "
-            f"got {w}x{h}",
-            param=name,
-        )
-    if h * w > MAX_IMAGE_PIXELS:
-        raise InvalidRequestError(
-            f"invalid sampling param `{name}`: {w}x{h} exceeds {MAX_IMAGE_PIXELS} pixels", param=name
-        )
-
-
-def check_image_params(merged: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """Validate and normalise the image inputs of a diffusion request (caller's thread).
-
-    ``merged`` is the request's params over the stage defaults, ``given`` the request's own.
-    Returns what replaces them in ``merged``: ``image`` as a uint8 HxWx3 array, ``mask_image`` as
-    uint8 HxW, and ``height`` / ``width`` set to the image's size (the output has the size of its
-    input, so a default size never conflicts; an explicit different size is an error). Raises
-    InvalidRequestError naming the param.
-    """
-    image, mask = merged.get("image"), merged.get("mask_image")
-    if image is None:
-        for name in ("mask_image", "strength"):
-            if given.get(name) is not None:
-                raise InvalidRequestError(f"invalid sampling param `{name}`: it needs an input `image`", param=name)
-        return {}
-    image = _as_uint8(image, "image", "uint8 HxWx3")
-    if image.ndim != 3 or image.shape[2] != 3:
-        raise InvalidRequestError(
-            f"invalid sampling param `image`: expected shape (height, width, 3) (RGB), got {image.shape}",
-            param="image",
-        )
-    h, w = image.shape[:2]
-    _check_sides("image", w, h)
-    for name, side in (("height", h), ("width", w)):
-        asked = given.get(name)
-        if asked is not None and asked != side:
-            raise InvalidRequestError(
-                f"invalid sampling param `{name}`: {asked}, but the input image is {w}x{h} (WxH); the output has "
-                "the input's size: resize the image, or leave height and width out",
-                param=name,
-            )
-    # Every size is checked before the copy: a huge view (np.broadcast_to costs no memory) is
-    # refused without reading it. A copy, as the caller may reuse its array while the request waits.
-    out: dict[str, Any] = {"image": np.array(image, dtype=np.uint8, order="C", copy=True), "height": h, "width": w}
-    if mask is not None:
-        mask = _as_uint8(mask, "mask_image", "uint8 HxW, HxWx1 or HxWx3")
-        if mask.ndim not in (2, 3) or (mask.ndim == 3 and mask.shape[2] not in (1, 3)):
-            raise InvalidRequestError(
-                f"invalid sampling param `mask_image`: expected shape (height, width), (height, width, 1) or "
-                f"(height, width, 3), got {mask.shape}",
-                param="mask_image",
-            )
-        if mask.shape[:2] != (h, w):
-            raise InvalidRequestError(
-                f"invalid sampling param `mask_image`: its size {mask.shape[1]}x{mask.shape[0]} differs from "
-                f"the image's {w}x{h}",
-                param="mask_image",
-            )
-        if mask.ndim == 3 and mask.shape[2] == 1:
-            mask = mask[:, :, 0]
-        elif mask.ndim == 3:
-            # Luminance, as PIL's "L" conversion (ITU-R 601-2) that pipelines apply to masks.
-            weights = np.array([299, 587, 114], dtype=np.uint32)
-            mask = ((mask.astype(np.uint32) @ weights + 500) // 1000).astype(np.uint8)
-        out["mask_image"] = np.array(mask, dtype=np.uint8, order="C", copy=True)
-    return out
 
 
 _PATH_RE = re.compile(r" - at `\$\.?([^`]*)`")
@@ -304,11 +297,27 @@ def _field_of(err: msgspec.ValidationError) -> tuple[str, str | None]:
 
 
 def params_to_dict(params: Any) -> dict[str, Any]:
-    """Fields of a params object or dict that are set (not ``None``)."""
+    """Fields of a params object or dict that are set (not ``None``). Of a params object, as plain
+    values: ``lora`` the dict of its set fields, ``cache`` its mapping with ``type`` (or ``"off"``),
+    and a generic class's ``extra`` fields beside the declared ones. The dict view of resolved
+    params (what a caller reads of a validated request: ``ValidRequest.params``)."""
     if params is None:
         return {}
     if isinstance(params, msgspec.Struct):
-        return {k: v for k, v in msgspec.structs.asdict(params).items() if v is not None}
+        out: dict[str, Any] = {}
+        for name in params.__struct_fields__:
+            value = getattr(params, name)
+            if value is None:
+                continue
+            if name == "extra" and not params.__struct_config__.forbid_unknown_fields and isinstance(value, dict):
+                out = {**{k: v for k, v in value.items() if v is not None}, **out}
+            elif isinstance(value, LoraRequest):
+                out[name] = {f: x for f, x in msgspec.structs.asdict(value).items() if x is not None}
+            elif name == "cache":
+                out[name] = msgspec.to_builtins(value)
+            else:
+                out[name] = value
+        return out
     if isinstance(params, dict):
         return {k: v for k, v in params.items() if v is not None}
     raise InvalidRequestError(
@@ -317,10 +326,11 @@ def params_to_dict(params: Any) -> dict[str, Any]:
     )
 
 
-def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], params: Any) -> dict[str, Any]:
-    """Merge ``params`` over the stage ``defaults``, validate them with ``params_cls`` and return
-    the fields that are set. A params class that does not forbid unknown fields (the generic
-    params of a custom runner) keeps them: that runner reads them.
+def resolve_params(params_cls: type[_P], defaults: Mapping[str, Any], params: Any, *, fill: bool = True) -> _P:
+    """``params`` over the stage ``defaults`` over the class's ``fallbacks`` (with ``fill``; without,
+    as a stage's own defaults are checked), validated: the ``params_cls`` object the stage's runner
+    gets as it is. A params class that does not forbid unknown fields (the generic params of a
+    custom runner) keeps them in its ``extra`` mapping: that runner reads them.
 
     Raises InvalidRequestError naming the field (unknown key, wrong type, out of range, or a value
     no message can carry: a lone surrogate, an integer past 64 bits; the one encodability check
@@ -332,14 +342,19 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
             param="sampling_params",
         )
     given = params_to_dict(params)
-    merged = {**defaults, **given}
+    fallbacks: Mapping[str, Any] = getattr(params_cls, "fallbacks", {}) if fill else {}
+    merged = {**fallbacks, **defaults, **given}
     images = check_image_params(merged, given) if issubclass(params_cls, DiffusionSamplingParams) else {}
     merged.update(images)
-    if merged.get("cache") is not None and "cache" in params_cls.__struct_fields__:
+    declared = params_cls.__struct_fields__
+    if merged.get("cache") is not None and "cache" in declared:
         merged["cache"] = _cache_param(merged["cache"])
-    typed: msgspec.Struct | None = None
+    generic = not params_cls.__struct_config__.forbid_unknown_fields
+    # A generic class's undeclared fields (and one named ``extra``) go to its ``extra`` mapping.
+    extra = {k: v for k, v in merged.items() if k not in declared or k == "extra"} if generic else {}
+    typed: _P | None = None
     try:
-        typed = msgspec.convert(merged, params_cls, strict=False)
+        typed = msgspec.convert({k: v for k, v in merged.items() if k not in extra}, params_cls, strict=False)
     except msgspec.ValidationError as e:
         message, field = _field_of(e)
         name = f"`{field}`: " if field else ""
@@ -350,21 +365,12 @@ def resolve_params(params_cls: type[msgspec.Struct], defaults: dict[str, Any], p
     # extra ones) can travel; the error names the path of what cannot.
     check_encodable(merged, "")
     assert typed is not None  # only an unencodable key fails the conversion without a ValidationError
-    # ``lora`` travels as a plain dict of its set fields, ``cache`` as its dict with ``type``, like
-    # the rest of the params.
-    fields = {
-        k: {f: x for f, x in msgspec.structs.asdict(v).items() if x is not None}
-        if isinstance(v, LoraRequest)
-        else msgspec.to_builtins(v)
-        if k == "cache"
-        else v
-        for k, v in msgspec.structs.asdict(typed).items()
-        if v is not None
-    }
-    if not params_cls.__struct_config__.forbid_unknown_fields:
-        extra = {k: v for k, v in merged.items() if k not in params_cls.__struct_fields__ and v is not None}
-        fields = {**extra, **fields}
-    return fields
+    if extra:
+        if "extra" not in declared:
+            unknown = next(iter(extra))
+            raise InvalidRequestError(f"invalid sampling param `{unknown}`: unknown field", param=unknown)
+        typed = msgspec.structs.replace(typed, extra=extra)
+    return typed
 
 
 def _cache_param(value: Any) -> Any:
@@ -377,233 +383,3 @@ def _cache_param(value: Any) -> Any:
         message, field = _field_of(e)
         path = f"cache.{field}" if field else "cache"
         raise InvalidRequestError(f"invalid sampling param `{path}`: {message}", param=path) from None
-
-
-def check_constraints(params: dict[str, Any], constraints: StageConstraints) -> None:
-    """Checks that need the loaded model: what a stage reported in its READY message (each field
-    is described on :class:`~omni_runtime.messages.StageConstraints`).
-
-    ``size_multiple``, ``max_side`` and ``max_pixels`` bound height and width; the step range bounds
-    ``num_inference_steps``; ``lora`` and ``image_inputs`` say which of those params the stage
-    takes at all, and ``requires_image`` that it needs an input image. With an input image the
-    size is the image's, and size errors name ``image``.
-    """
-    if params.get("lora") is not None and not constraints.lora:
-        raise InvalidRequestError(
-            "invalid sampling param `lora`: this stage's model does not take LoRA adapters", param="lora"
-        )
-    has_image = params.get("image") is not None
-    check_image_capability(params, constraints)
-    check_frames(params, constraints)
-    check_audio(params, constraints)
-    check_voice(params, constraints)
-    check_cache(params, constraints)
-    check_step_range(params.get("num_inference_steps"), constraints)
-    h = params.get("height")
-    w = params.get("width")
-    multiple = constraints.size_multiple
-    if multiple:
-        for name, value in (("height", h), ("width", w)):
-            if value is not None and value % multiple:
-                why = constraints.size_multiple_reason or "the model's VAE scale factor"
-                param, shown = ("image", f"the input image's {name} {value}") if has_image else (name, str(value))
-                raise InvalidRequestError(
-                    f"invalid sampling param `{param}`: {shown} is not a multiple of {multiple} ({why})",
-                    param=param,
-                )
-    longest = constraints.max_side
-    for name, value in (("height", h), ("width", w)):
-        if longest and value is not None and value > longest:
-            why = constraints.max_side_reason or "the model's positional table"
-            param, shown = ("image", f"the input image's {name} {value}") if has_image else (name, str(value))
-            raise InvalidRequestError(
-                f"invalid sampling param `{param}`: {shown} is more than the {longest} pixels a side may have ({why})",
-                param=param,
-            )
-    max_pixels = constraints.max_pixels
-    if max_pixels and h is not None and w is not None and h * w > max_pixels:
-        native = constraints.native_size
-        made_for = f"; the model was made for {native[1]}x{native[0]}" if native else ""
-        if has_image:
-            raise InvalidRequestError(
-                f"invalid sampling param `image`: the input image is {w}x{h}, more than this stage's limit of "
-                f"{max_pixels} pixels (engine_args.max_pixels{made_for})",
-                param="image",
-            )
-        raise InvalidRequestError(
-            f"invalid sampling param `height`/`width`: {w}x{h} exceeds this stage's limit of {max_pixels} "
-            f"pixels (engine_args.max_pixels{made_for})",
-            param="size",
-        )
-
-
-def check_frames(params: dict[str, Any], constraints: StageConstraints) -> None:
-    """Refuse video params on an image stage, and a frame count the video model cannot make."""
-    step = constraints.frames_step
-    for name in ("num_frames", "fps"):
-        if params.get(name) is not None and step is None:
-            raise InvalidRequestError(
-                f"invalid sampling param `{name}`: this stage's model makes images, not videos", param=name
-            )
-    frames = params.get("num_frames")
-    if frames is None or step is None:
-        return
-    why = constraints.frames_reason or "the model's VAE temporal compression"
-    if (frames - 1) % step:
-        below = (frames - 1) // step * step + 1
-        raise InvalidRequestError(
-            f"invalid sampling param `num_frames`: {frames} is not of the form {step}k+1 ({why}); "
-            f"the nearest are {below} and {below + step}",
-            param="num_frames",
-        )
-    most = constraints.max_frames
-    if most is not None and frames > most:
-        raise InvalidRequestError(
-            f"invalid sampling param `num_frames`: {frames} is more than the {most} this stage's model can make",
-            param="num_frames",
-        )
-    check_video_pixels(params, constraints)
-
-
-def check_video_pixels(params: dict[str, Any], constraints: StageConstraints) -> None:
-    """Refuse a video whose frames x pixels exceed the stage's ``max_video_pixels``: what its
-    latents, activations and decode take grows with both, so this is its memory bound."""
-    limit, frames = constraints.max_video_pixels, params.get("num_frames")
-    h, w = params.get("height"), params.get("width")
-    if limit is None or frames is None or h is None or w is None:
-        return
-    count = int(params.get("num_images_per_prompt") or 1)
-    total = frames * h * w * count
-    if total <= limit:
-        return
-    terms = f"num_frames x height x width{' x num_images_per_prompt' if count > 1 else ''}"
-    values = f"{frames} x {h} x {w}{f' x {count}' if count > 1 else ''}"
-    raise InvalidRequestError(
-        f"invalid sampling param `num_frames`: {terms} = {values} = {total} exceeds this stage's limit of "
-        f"{limit} (engine_args.max_video_pixels); ask for fewer frames or a smaller size",
-        param="num_frames",
-    )
-
-
-#: The params only an audio model takes.
-AUDIO_PARAMS = ("audio_end_in_s", "audio_start_in_s", "num_waveforms_per_prompt")
-
-
-def check_cache(params: dict[str, Any], constraints: StageConstraints) -> None:
-    """A request's ``cache`` names a type the stage runs (``cache_types``)."""
-    value = params.get("cache")
-    if value is None or value == "off" or constraints.cache_types is None:
-        return
-    name = cache_type(parse_cache(value))  # type: ignore[arg-type]  # neither None nor "off" here
-    if name not in constraints.cache_types:
-        raise InvalidRequestError(
-            f"invalid sampling param `cache`: {constraints.cache_note or f'this stage runs no {name} cache'}",
-            param="cache",
-        )
-
-
-def check_voice(params: dict[str, Any], constraints: StageConstraints) -> None:
-    """Refuse a voice the speech stage's model does not have (``voices`` lists those it takes)."""
-    voice = params.get("voice")
-    if voice is not None and constraints.voices and voice not in constraints.voices:
-        shown = ", ".join(constraints.voices)
-        raise InvalidRequestError(
-            f"invalid sampling param `voice`: {voice[:64]!r} is not a voice of this model; expected one of {shown}",
-            param="voice",
-        )
-
-
-def check_speech_length(prompt: str, params: dict[str, Any], constraints: StageConstraints) -> None:
-    """Refuse a text that a speech stage could speak for longer than its ``max_seconds`` at the
-    request's ``speed`` (before it is queued: a clip's memory grows with its length). Counts
-    characters, an upper bound of the tokens the stage's tokenizer makes of them (its case folding
-    included); a stage whose tokenizer can make more checks its own tokens."""
-    bound = constraints.speech
-    if bound is None or bound.tokens_per_char is None:
-        return
-    speed = float(params.get("speed") or 1.0)
-    tokens = bound.tokens_per_char * len(prompt.lower()) + bound.extra_tokens
-    longest = bound.longest_s(tokens, speed)
-    if longest <= bound.max_seconds:
-        return
-    per_char = bound.longest_s(bound.tokens_per_char, speed)
-    most = max(int((bound.max_seconds - bound.longest_s(bound.extra_tokens, speed)) / per_char), 0)
-    # ``speed`` is named when the text fits at speed 1, so that speaking slower is what passes the limit.
-    fits = bound.longest_s(tokens, 1.0) <= bound.max_seconds
-    param = "speed" if fits and speed < 1.0 else "prompt"
-    raise InvalidRequestError(
-        f"invalid sampling param `{param}`: {len(prompt)} characters at speed {speed:g} could make up to "
-        f"{longest:.0f} s of audio, more than the {bound.max_seconds:g} s one request may make "
-        f"(engine_args.max_speech_seconds); at this speed a request may speak {most} characters: split the text"
-        + (" or speak faster" if param == "speed" else ""),
-        param=param,
-    )
-
-
-def check_audio(params: dict[str, Any], constraints: StageConstraints) -> None:
-    """Refuse audio params on a stage that makes no audio, and a clip the audio model cannot make:
-    it ends past the model's window, or before it starts."""
-    most = constraints.max_audio_s
-    for name in AUDIO_PARAMS:
-        if params.get(name) is not None and most is None:
-            raise InvalidRequestError(f"invalid sampling param `{name}`: this stage's model makes no audio", param=name)
-    if most is None:
-        return
-    if params.get("num_images_per_prompt") is not None:
-        raise InvalidRequestError(
-            "invalid sampling param `num_images_per_prompt`: this stage's model makes audio; "
-            "use `num_waveforms_per_prompt`",
-            param="num_images_per_prompt",
-        )
-    end = params.get("audio_end_in_s")
-    start = params.get("audio_start_in_s") or 0.0
-    why = constraints.audio_reason or "the model's window"
-    if end is not None and end > most:
-        raise InvalidRequestError(
-            f"invalid sampling param `audio_end_in_s`: {end} s is past the {most:g} s this stage's model can make "
-            f"({why})",
-            param="audio_end_in_s",
-        )
-    if start >= (most if end is None else end):
-        raise InvalidRequestError(
-            f"invalid sampling param `audio_start_in_s`: {start} s is not before the clip's end "
-            f"({most if end is None else end:g} s)",
-            param="audio_start_in_s",
-        )
-
-
-def check_step_range(steps: int | None, constraints: StageConstraints) -> None:
-    """Refuse a step count the stage's scheduler cannot run (it would fail mid-denoise)."""
-    fewest, most = constraints.min_inference_steps, constraints.max_inference_steps
-    if steps is None or fewest is None or most is None or fewest <= steps <= most:
-        return
-    scheduler = constraints.inference_steps_reason or "the model's scheduler"
-    raise InvalidRequestError(
-        f"invalid sampling param `num_inference_steps`: {steps} is outside {fewest}..{most}, the step counts "
-        f"this stage's {scheduler} can run",
-        param="num_inference_steps",
-    )
-
-
-def check_image_capability(params: dict[str, Any], constraints: StageConstraints) -> None:
-    """Refuse image inputs a stage cannot use, and text-only requests to a stage that needs an image."""
-    accepted = constraints.image_inputs
-    note = constraints.image_inputs_note
-    for name in ("image", "mask_image"):
-        if params.get(name) is not None and name not in accepted:
-            why = f" ({note})" if note else ""
-            raise InvalidRequestError(
-                f"invalid sampling param `{name}`: this stage does not take `{name}`{why}", param=name
-            )
-    if params.get("image") is not None and params.get("num_inference_steps"):
-        form = "inpaint" if params.get("mask_image") is not None else "image"
-        strength = params.get("strength") or constraints.default_strength.get(form)
-        steps = params["num_inference_steps"]
-        if strength is not None and int(steps * strength) < 1:
-            raise InvalidRequestError(
-                f"invalid sampling param `strength`: {strength} x num_inference_steps {steps} leaves no denoising "
-                "step (an image request runs int(num_inference_steps x strength) steps); raise either",
-                param="strength",
-            )
-    if params.get("image") is None and constraints.requires_image:
-        raise InvalidRequestError(f"invalid sampling param `image`: {constraints.requires_image}", param="image")

@@ -21,9 +21,14 @@ from typing import Any
 
 import msgspec
 
+from omni_runtime.backend_registry import backend_class
 from omni_runtime.config import DeployConfig, StageConfig
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
-from omni_runtime.params import DiffusionSamplingParams, resolve_params
+from omni_runtime.models.builtin import builders, builtin_names
+from omni_runtime.models.families import import_family_modules
+from omni_runtime.params import DiffusionSamplingParams, params_to_dict, resolve_params
+from omni_runtime.stage.runners.base import runner_class
+from omni_runtime.stage.runners.stage_types import stage_type
 
 
 @dataclass(frozen=True)
@@ -94,8 +99,6 @@ def resolve_config(config: DeployConfig, source: str = "<config>") -> ResolvedCo
         if resolved is not None:
             stages.append(resolved)
     # What a backend checks across its stages (the ray stages must join one cluster).
-    from omni_runtime.engine.backends.registry import backend_class
-
     for name in dict.fromkeys(s.runtime.backend_name for s in config.stage_args):
         mine = [s for s in config.stage_args if s.runtime.backend_name == name]
         errors.extend(ConfigError(m, path="stage_args", source=source) for m in backend_class(name).check_stages(mine))
@@ -114,9 +117,6 @@ def config_errors(config: DeployConfig, source: str = "<config>") -> list[Config
 
 
 def _resolve_stage(stage: StageConfig, at: str, source: str, errors: list[ConfigError]) -> ResolvedStage | None:
-    from omni_runtime.stage.runners.base import runner_class
-    from omni_runtime.stage.runners.stage_types import stage_type
-
     def fail(path: str, message: str) -> None:
         errors.append(ConfigError(message, path=f"{at}.{path}", source=source))
 
@@ -134,7 +134,7 @@ def _resolve_stage(stage: StageConfig, at: str, source: str, errors: list[Config
     # 2) default_sampling_params are params of that runner
     defaults: dict[str, Any] = {}
     try:
-        defaults = resolve_params(params_cls, {}, stage.default_sampling_params)
+        defaults = params_to_dict(resolve_params(params_cls, {}, stage.default_sampling_params, fill=False))
     except InvalidRequestError as e:
         where = f"default_sampling_params.{e.param}" if e.param else "default_sampling_params"
         message = str(e).removeprefix("invalid sampling param ").removeprefix(f"`{e.param}`: ")
@@ -174,15 +174,7 @@ def _import_function(spec: str) -> Callable[..., Any]:
     return func
 
 
-def import_family_modules(modules: list[str]) -> None:
-    from omni_runtime.models.families import import_family_modules as do_import
-
-    do_import(modules)
-
-
 def _model_problem(spec: str) -> str | None:
-    from omni_runtime.models.builtin import builders, builtin_names
-
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         if name not in builders():

@@ -24,7 +24,16 @@ import numpy as np
 
 from omni_runtime import shm
 from omni_runtime.exceptions import InvalidRequestError
-from omni_runtime.messages import WorkerInbound, WorkerOutbound, encodable_text
+from omni_runtime.messages import (
+    StageAbort,
+    StagePing,
+    StageRequest,
+    StageRpc,
+    StageShutdown,
+    WorkerInbound,
+    WorkerOutbound,
+    encodable_text,
+)
 
 #: Arrays below this many bytes are inlined in the header.
 INLINE_MAX = 1024
@@ -362,9 +371,14 @@ class Decoder:
         return msg
 
 
-def inbound_decoder(shm_prefix: str | None = None) -> Decoder:
-    """The stage worker's decoder: shared-memory arrays are mapped in place, released when dropped."""
-    return Decoder(WorkerInbound, shm_prefix=shm_prefix)
+def inbound_decoder(shm_prefix: str | None = None, params_cls: Any = None) -> Decoder:
+    """The stage worker's decoder: shared-memory arrays are mapped in place, released when dropped.
+    A request's params decode as ``params_cls`` (the stage runner's params class: a struct, its
+    arrays as values); None leaves them as plain values (a tool reading any stage's messages)."""
+    if params_cls is None:
+        return Decoder(WorkerInbound, shm_prefix=shm_prefix)
+    inbound = StageRequest[params_cls] | StageAbort | StageRpc | StageShutdown | StagePing
+    return Decoder(inbound, shm_prefix=shm_prefix)
 
 
 def outbound_decoder(shm_prefix: str | None = None) -> Decoder:

@@ -9,9 +9,15 @@ import threading
 import time
 from typing import Any
 
-from omni_runtime.params import EchoSamplingParams
+from omni_runtime.params import DiffusionSamplingParams, EchoSamplingParams, resolve_params
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StepResult
 from omni_runtime.stage.runners.echo import EchoRunner
+
+
+def diffusion_params(params: dict[str, Any]) -> DiffusionSamplingParams:
+    """``params`` as a diffusion runner gets them from the engine: resolved (validated, the
+    params class's fallbacks filled in)."""
+    return resolve_params(DiffusionSamplingParams, {}, params)
 
 
 class FlakyRunner(EchoRunner):
@@ -62,7 +68,7 @@ class SteppingEcho(EchoRunner):
         return {}
 
     def step_run(self, request_ids: list[str], ctx: ExecuteContext) -> dict[str, StepResult]:
-        delay = max((self._left[rid][1].params.get("delay_ms") or 0.0) for rid in request_ids) / 1000.0
+        delay = max((self._left[rid][1].params.delay_ms or 0.0) for rid in request_ids) / 1000.0
         time.sleep(delay)
         results = {}
         for rid in request_ids:

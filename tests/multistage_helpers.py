@@ -31,9 +31,9 @@ class TensorSourceRunner(FlakyRunner):
     def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
         outputs = super().execute(batch, ctx)
         for req, out in zip(batch, outputs, strict=True):
-            nbytes = req.params.get("nbytes")
+            nbytes = req.params.nbytes
             if out.error is None and nbytes:
-                out.tensors["payload"] = payload(nbytes, req.params.get("fill") or 0.0, bool(req.params.get("torch")))
+                out.tensors["payload"] = payload(nbytes, req.params.fill or 0.0, bool(req.params.torch))
         return outputs
 
 

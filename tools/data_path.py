@@ -78,9 +78,8 @@ def summary(name: str, calls: list[tuple[str, str, str]]) -> dict[str, Any]:
 
 async def main(out: Path | None) -> int:
     import httpx
-
-    from entrypoints.multi_omni import ModelSpec
-    from entrypoints.openai.server import create_app
+    from omni_runtime.entrypoints.multi_omni import ModelSpec
+    from omni_runtime.entrypoints.openai.server import create_app
 
     recorder = Recorder()
     sys.setprofile(recorder.profile)

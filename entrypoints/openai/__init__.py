@@ -15,7 +15,7 @@ __all__ = ["create_app"]
 
 def __getattr__(name: str) -> Any:
     if name == "create_app":
-        from .server import create_app
+        from .server import create_app  # lazy: imports FastAPI and the engine (see above)
 
         return create_app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

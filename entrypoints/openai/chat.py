@@ -2,61 +2,44 @@
 answer as one message or as Server-Sent Events (text deltas, image parts, audio chunks, progress
 comments). A pipeline with a speech stage answers with audio as OpenAI does: ``message.audio``
 (``id``, base64 ``data``, ``transcript``, ``expires_at``), or ``delta.audio`` pieces once the clip
-is made (``pcm16`` in chunks of :data:`~.speech.PCM_CHUNK_SAMPLES`, another format whole)."""
+is made (``pcm16`` in chunks of :data:`~..tasks.render.PCM_CHUNK_SAMPLES`, another format whole);
+its media are rendered by the chat task's renderer (tasks/render.py: ``MESSAGE``)."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from omni_runtime import encoders
+from omni_runtime.events import Final, MediaDelta, Progress, StageDone, TextDelta
 from omni_runtime.exceptions import InvalidRequestError, OmniError
-from omni_runtime.media import ALIASES, AudioItem, MediaItem, items_of
-from omni_runtime.outputs import OmniRequestOutput, RequestProgress
+from omni_runtime.media import ALIASES, AudioItem
+from omni_runtime.outputs import OmniRequestOutput, StageResult
 from omni_runtime.params import MAX_PROMPT_CHARS
 
 from ..async_omni import ValidRequest
+from ..tasks import MESSAGE, TASKS
 from . import protocol as proto
 from .body import BodyRoute
 from .dependencies import AUTH, JSON_BODY, ChatModel, State
-from .fields import FieldMap
 from .images import chat_image
 from .protocol import DISCONNECTED, error_body
 from .responses import json_with_id
-from .speech import PCM_CHUNK_SAMPLES
 from .state import ModelHandle, ServerState
 
 router = APIRouter(prefix="/v1", dependencies=[AUTH], route_class=BodyRoute)
 
-#: Request field -> engine param (shared by every stage that takes it), and back in errors.
-CHAT_FIELDS = FieldMap(
-    {
-        "max_tokens": "max_tokens",
-        "temperature": "temperature",
-        "top_p": "top_p",
-        "stop": "stop",
-        "seed": "seed",
-        "timeout": "timeout",
-        "lora": "lora",
-        "priority": "priority",
-        "audio.voice": "voice",
-    },
-    read={
-        "audio.voice": lambda body: body.audio.voice_name() if body.audio else None,
-        "max_tokens": lambda body: body.max_completion_tokens or body.max_tokens,
-        "stop": lambda body: [body.stop] if isinstance(body.stop, str) else body.stop,
-        "lora": lambda body: body.lora.params() if body.lora else None,
-    },
-)
+CHAT = TASKS["chat"]
+#: Request field -> engine param (shared by every stage that takes it), and back in errors: the
+#: chat task's table (entrypoints/tasks/fields.py).
+CHAT_FIELDS = CHAT.fields["chat"]
 
 
 @router.post("/chat/completions", dependencies=[JSON_BODY])
@@ -87,12 +70,16 @@ async def chat_completion(
         modalities.append("text")
     image = await chat_image(model, body)
     try:
-        valid = omni.validate(prompt, omni.sampling_params(image=image, shared=shared), modalities=modalities)
+        valid = omni.validate(prompt, CHAT.sampling_params(omni, shared, image=image), modalities=modalities)
     except InvalidRequestError as e:
         if image is not None and e.param == "image":  # where in the messages the image was
             e.param = body.image_urls()[0][1]
+        elif e.param == "prompt":  # where in the messages the prompt was
+            e.param = where
         else:
             CHAT_FIELDS.rename(e)
+            if e.param == "max_tokens" and body.max_completion_tokens is not None:
+                e.param = "max_completion_tokens"  # the field the request set (it wins over max_tokens)
         raise
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     spoken = Spoken(body.audio.encoder_format() if body.audio else DEFAULT_AUDIO_FORMAT, hide_text, prompt)
@@ -101,14 +88,11 @@ async def chat_completion(
         return await _stream_chat(state, model, request, rid, valid, include_usage, spoken)
     out = await state.until_disconnect(request, [rid], state.collect(model, valid, rid))
     texts = [r.text for _, r in sorted(out.outputs_by_stage.items()) if r.text is not None]
-    clips = [c for c in items_of(list(out.media), "audio") if isinstance(c, AudioItem)]
-    audio = None
-    if clips:
-        data = (await encoders.encode_all(clips[:1], spoken.format))[0]
-        audio = _audio_piece(data, spoken.transcript(out))
+    clips = MESSAGE.audio.items(out.media)
+    audio = _audio_piece(await MESSAGE.audio_file(clips[0], spoken.format), spoken.transcript(out)) if clips else None
     message = proto.ResponseMessage(
         content="\n".join(texts) if texts and not hide_text else None,
-        images=await _image_parts(out.media) or None,
+        images=await MESSAGE.image_parts(out.media) or None,
         audio=audio,
     )
     usage, finish = proto.usage_of(out, valid.params)
@@ -118,7 +102,7 @@ async def chat_completion(
 
 
 #: The spoken answer's format when the request gives no ``audio``.
-DEFAULT_AUDIO_FORMAT = "wav"
+DEFAULT_AUDIO_FORMAT = CHAT.format
 #: When an answer's audio ``expires_at`` (seconds after it was made): nothing is stored, so a
 #: later turn cannot refer to it by id; the field is there for OpenAI clients, which read it.
 AUDIO_EXPIRES_S = 3600
@@ -136,54 +120,31 @@ class Spoken:
     prompt: str
 
     def transcript(self, out: OmniRequestOutput) -> str:
-        texts = [r.text for _, r in sorted(out.outputs_by_stage.items()) if r.text is not None]
-        return "\n".join(texts) if texts else self.prompt
+        return self.transcript_of({sid: r.text for sid, r in out.outputs_by_stage.items() if r.text is not None})
+
+    def transcript_of(self, texts: dict[int, str]) -> str:
+        """The stages' texts (by stage id) in stage order, or the prompt when there are none."""
+        return "\n".join(texts[sid] for sid in sorted(texts)) if texts else self.prompt
 
 
-def _audio_piece(data: bytes, transcript: str | None, audio_id: str | None = None) -> dict[str, Any]:
+def _audio_piece(data: str, transcript: str | None, audio_id: str | None = None) -> dict[str, Any]:
     """``message.audio`` (or the first ``delta.audio``): the bytes as base64, with the transcript."""
-    piece: dict[str, Any] = {"id": audio_id or f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(data).decode()}
+    piece: dict[str, Any] = {"id": audio_id or f"audio_{uuid.uuid4().hex}", "data": data}
     if transcript is not None:
         piece |= {"transcript": transcript, "expires_at": int(time.time()) + AUDIO_EXPIRES_S}
     return piece
 
 
-async def _audio_deltas(out: OmniRequestOutput, spoken: Spoken, audio_id: str) -> list[proto.DeltaMessage]:
-    """The audio of a finished speech stage as ``delta.audio`` pieces: ``pcm`` in chunks of
-    PCM_CHUNK_SAMPLES samples, another format as one whole file; the first carries the transcript
-    (the text stages' answer)."""
-    result = out.outputs_by_stage.get(out.stage_id)
-    clips = [c for c in items_of(result.media, "audio") if isinstance(c, AudioItem)] if result else []
-    return await _clip_deltas(clips[:1], spoken, spoken.transcript(out), audio_id)
-
-
 async def _clip_deltas(
     clips: list[AudioItem], spoken: Spoken, transcript: str | None, audio_id: str
 ) -> list[proto.DeltaMessage]:
-    """``clips`` as ``delta.audio`` pieces (``pcm`` cut in PCM_CHUNK_SAMPLES, another format a
-    whole file per clip); the first carries ``transcript`` when it is given."""
-    parts = []
-    for clip in clips:
-        if spoken.format == "pcm":
-            parts += [
-                AudioItem(data=clip.samples[:, start : start + PCM_CHUNK_SAMPLES], sample_rate=clip.sample_rate)
-                for start in range(0, clip.num_samples, PCM_CHUNK_SAMPLES)
-            ]
-        else:
-            parts.append(clip)
-    blobs = await encoders.encode_all(parts, spoken.format)
+    """``clips`` as ``delta.audio`` pieces (tasks.render: ``pcm`` cut in PCM_CHUNK_SAMPLES,
+    another format a whole file per clip); the first carries ``transcript`` when it is given."""
+    pieces = await MESSAGE.audio_pieces(clips, spoken.format)
     return [
-        proto.DeltaMessage(audio=_audio_piece(blob, transcript if i == 0 else None, audio_id))
-        for i, blob in enumerate(blobs)
+        proto.DeltaMessage(audio=_audio_piece(piece, transcript if i == 0 else None, audio_id))
+        for i, piece in enumerate(pieces)
     ]
-
-
-async def _image_parts(media: Sequence[MediaItem]) -> list[dict[str, Any]]:
-    """The images among ``media`` as ``image_url`` content parts (PNG data URLs)."""
-    images = items_of(list(media), "image")
-    url = "data:" + encoders.media_type("image", "png") + ";base64,"
-    blobs = await encoders.encode_all(images, "png")
-    return [{"type": "image_url", "image_url": {"url": url + base64.b64encode(b).decode()}} for b in blobs]
 
 
 async def _stream_chat(
@@ -196,15 +157,15 @@ async def _stream_chat(
     spoken: Spoken,
 ) -> StreamingResponse:
     omni = model.engine
-    agen = omni.generate(valid, request_id=rid)
+    stream = omni.events(valid, request_id=rid)
     state.inflight.add(rid)
     try:
-        # Wait for the first output before sending headers, so that admission errors (429, 400,
+        # Wait for the first event before sending headers, so that admission errors (429, 400,
         # 503) keep their status code instead of arriving inside a 200 stream.
-        first = await state.until_disconnect(request, [rid], agen.__anext__())
+        first = await state.until_disconnect(request, [rid], stream.__anext__())
     except BaseException:
         state.inflight.discard(rid)
-        await agen.aclose()
+        await stream.aclose()
         raise
     created = int(time.time())
 
@@ -214,40 +175,34 @@ async def _stream_chat(
         return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
 
     async def events() -> AsyncIterator[str]:
-        sent: dict[int, int] = {}  # characters of each stage's text already streamed
-        imaged: set[int] = set()
-        voiced: set[int] = set()  # stages whose audio was sent
+        texts: dict[int, str] = {}  # each stage's text so far (streamed, or its whole result)
         streamed: set[int] = set()  # stages whose audio came chunk by chunk
         audio_id = f"audio_{uuid.uuid4().hex}"
         finished = False
         try:
             yield chunk(proto.DeltaMessage(role="assistant", content=""))
-            out = first
-            while True:
-                if out.progress is not None:
-                    # An SSE comment: clients (the openai one included) skip it, but it shows that
-                    # the image is being drawn and keeps proxies from timing the stream out.
-                    yield _progress_comment(out.progress)
-                for delta in await _deltas(out, sent, imaged):
-                    if not (spoken.hide_text and delta.images is None):
-                        yield chunk(delta)
-                if out.media_delta:
-                    # One chunk of a chunked speech stage: its audio now, in chunk order.
-                    clips = [c for c in items_of(out.media_delta, "audio") if isinstance(c, AudioItem)]
-                    streamed.add(out.stage_id)
-                    for delta in await _clip_deltas(clips, spoken, None, audio_id):
-                        yield chunk(delta)
-                elif out.progress is None and out.text_delta is None and out.stage_id not in voiced:
-                    voiced.add(out.stage_id)
-                    if out.stage_id in streamed:  # its audio went chunk by chunk: the transcript now
-                        yield chunk(proto.DeltaMessage(audio=_audio_piece(b"", spoken.transcript(out), audio_id)))
-                    else:
-                        for delta in await _audio_deltas(out, spoken, audio_id):
+            event = first
+            while not isinstance(event, Final):
+                match event:
+                    case Progress() | StageDone(result=None):
+                        # An SSE comment: clients (the openai one included) skip it, but it shows
+                        # that the image is being drawn and keeps proxies from timing the stream out.
+                        yield _progress_comment(event)
+                    case TextDelta(stage=sid, text=text):
+                        texts[sid] = texts.get(sid, "") + text
+                        if text and not spoken.hide_text:
+                            yield chunk(proto.DeltaMessage(content=text))
+                    case MediaDelta(stage=sid, items=items):
+                        # One chunk of a chunked speech stage: its audio now, in chunk order.
+                        streamed.add(sid)
+                        for delta in await _clip_deltas(MESSAGE.audio.items(items), spoken, None, audio_id):
                             yield chunk(delta)
-                if out.finished:
-                    break
-                out = await agen.__anext__()
+                    case StageDone(result=StageResult() as result):
+                        for delta in await _stage_deltas(result, texts, streamed, spoken, audio_id):
+                            yield chunk(delta)
+                event = await stream.__anext__()
             finished = True
+            out = event.output
             state.metrics.observe_output(out, model.name)
             usage, finish = proto.usage_of(out, valid.params)
             yield chunk(proto.DeltaMessage(), finish)
@@ -265,34 +220,40 @@ async def _stream_chat(
             state.inflight.discard(rid)
             if not finished:
                 omni.abort(rid)
-            await agen.aclose()
+            await stream.aclose()
         yield "data: [DONE]\n\n"
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": rid}
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
-def _progress_comment(progress: RequestProgress) -> str:
-    if not progress.stage_done:
-        return f": progress stage={progress.stage_id} step={progress.step}/{progress.steps}\n\n"
-    return f": progress stage={progress.stage_id} done\n\n"
+def _progress_comment(event: Progress | StageDone) -> str:
+    match event:
+        case Progress(stage=sid, step=step, steps=steps):
+            return f": progress stage={sid} step={step}/{steps}\n\n"
+        case StageDone(stage=sid):
+            return f": progress stage={sid} done\n\n"
 
 
-async def _deltas(out: OmniRequestOutput, sent: dict[int, int], imaged: set[int]) -> list[proto.DeltaMessage]:
-    """What ``out`` adds to the stream: a streamed text piece, or the rest of a finished stage's
-    text (a stage that does not stream), then its images as content parts."""
-    sid = out.stage_id
-    if out.text_delta is not None:
-        sent[sid] = sent.get(sid, 0) + len(out.text_delta)
-        return [proto.DeltaMessage(content=out.text_delta)] if out.text_delta else []
-    result = out.outputs_by_stage.get(sid)
-    if result is None:
-        return []
+async def _stage_deltas(
+    result: StageResult, texts: dict[int, str], streamed: set[int], spoken: Spoken, audio_id: str
+) -> list[proto.DeltaMessage]:
+    """What a final stage's whole output adds to the stream: the rest of its text (all of it for
+    a stage that does not stream; none when the answer is audio only), its images as content
+    parts, then its audio: the first clip as ``delta.audio`` pieces (the first carrying the
+    transcript, the text stages' answer), or, when its audio came chunk by chunk, the transcript."""
+    sid = result.stage_id
     deltas = []
-    if result.text and len(result.text) > sent.get(sid, 0):
-        deltas.append(proto.DeltaMessage(content=result.text[sent.get(sid, 0) :]))
-        sent[sid] = len(result.text)
-    if items_of(result.media, "image") and sid not in imaged:
-        imaged.add(sid)
-        deltas.append(proto.DeltaMessage(images=await _image_parts(result.media)))
+    shown = len(texts.get(sid, ""))
+    if result.text is not None:
+        texts[sid] = result.text
+    if result.text and len(result.text) > shown and not spoken.hide_text:
+        deltas.append(proto.DeltaMessage(content=result.text[shown:]))
+    if MESSAGE.images.items(result.media):
+        deltas.append(proto.DeltaMessage(images=await MESSAGE.image_parts(result.media)))
+    transcript = spoken.transcript_of(texts)
+    if sid in streamed:
+        deltas.append(proto.DeltaMessage(audio=_audio_piece("", transcript, audio_id)))
+    else:
+        deltas += await _clip_deltas(MESSAGE.audio.items(result.media)[:1], spoken, transcript, audio_id)
     return deltas

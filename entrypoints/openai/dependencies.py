@@ -17,7 +17,8 @@ from typing import Annotated, Any
 from fastapi import Depends
 from starlette.requests import HTTPConnection, Request
 
-from ..capabilities import Task, UnsupportedTaskError
+from ..tasks import TaskName
+from ..tasks.inputs import require
 from .body import requested_model
 from .job_manager import JobManager
 from .protocol import ApiError
@@ -79,7 +80,7 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def model_for(task: Task | None) -> Callable[[Request, ServerState], Awaitable[ModelHandle]]:
+def model_for(task: TaskName | None) -> Callable[[Request, ServerState], Awaitable[ModelHandle]]:
     """The dependency that resolves the model a request runs on, once: the name its body (or
     form, or query) gives as ``model`` (the only model when one is served and none is named);
     404 ``model_not_found`` for an unknown name, 400 naming ``model`` when several are served and
@@ -94,10 +95,7 @@ def model_for(task: Task | None) -> Callable[[Request, ServerState], Awaitable[M
             raise ApiError(400, "`model` must be the name of a served model", param="model", code="invalid_value")
         served = state.model(name)
         if task is not None:
-            try:
-                served.capabilities.require(served.name, task)
-            except UnsupportedTaskError as e:
-                raise ApiError(400, str(e), param="model", code=e.code) from None
+            require(served, task)
         return await state.serve(served, request.scope.get(LEASES))
 
     return resolve

@@ -2,7 +2,8 @@
 ways: :meth:`FieldMap.params` builds the engine params from a request body, and
 :meth:`FieldMap.rename` turns the param an engine error names back into the request field that
 carries it (``height`` -> ``size``, ``timeout`` -> ``config.timeout``), so a 400 names what the
-client sent. The tables themselves live beside their routes (images.py, chat.py, job_manager.py).
+client sent. The tables themselves are the task registry's, one per task and surface
+(entrypoints/tasks/fields.py).
 """
 
 from __future__ import annotations
@@ -37,11 +38,22 @@ class FieldMap:
     read: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
     computed: Mapping[str, Params] = field(default_factory=dict)
 
+    def _value(self, name: str, body: Any) -> Any:
+        return self.read.get(name, _attribute(name))(body)
+
+    def names(self) -> tuple[str, ...]:
+        """Every request field it maps, the computed ones last."""
+        return (*self.fields, *self.computed)
+
+    def given(self, body: Any) -> list[str]:
+        """The fields of :meth:`names` that ``body`` sets (not None)."""
+        return [name for name in self.names() if self._value(name, body) is not None]
+
     def params(self, body: Any) -> dict[str, Any]:
         """The engine params of ``body`` (unset fields left out)."""
         out: dict[str, Any] = {}
         for name, params in self.fields.items():
-            value = self.read.get(name, _attribute(name))(body)
+            value = self._value(name, body)
             if value is None:
                 continue
             if isinstance(params, tuple):

@@ -5,7 +5,6 @@ running them together and answering in the images API's shape. Runs on the serve
 from __future__ import annotations
 
 import asyncio
-import base64
 import uuid
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -13,57 +12,22 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from omni_runtime import encoders
 from omni_runtime.exceptions import InvalidRequestError
-from omni_runtime.media import ImageItem, items_of
 
-from ..async_omni import AsyncOmni, ValidRequest
+from ..async_omni import ValidRequest
+from ..tasks import IMAGES, TASKS, FileSink, Task
+from ..tasks.inputs import input_image
 from . import protocol as proto
 from .body import BodyRoute
 from .dependencies import AUTH, JSON_BODY, MULTIPART_BODY, EditModel, ImageModel, State, VariationModel
-from .fields import FieldMap
 from .responses import json_with_id
 from .state import ModelHandle, ServerState
-from .uploads import Upload, decode_async, decode_data_url, decode_image, image_params, read_image_form
+from .uploads import image_params, read_image_form
 
 T = TypeVar("T")
-
-#: ``/v1/images/generations``: request field -> engine param (and back, in errors). The seed is
-#: the route's own: image ``i`` gets ``seed + i``.
-GENERATION_FIELDS = FieldMap(
-    {
-        "negative_prompt": "negative_prompt",
-        "num_inference_steps": "num_inference_steps",
-        "guidance_scale": "guidance_scale",
-        "timeout": "timeout",
-        "slo_ms": "slo_ms",
-        "lora": "lora",
-        "priority": "priority",
-        "cache": "cache",
-        "size": ("width", "height"),
-    },
-    read={"lora": lambda body: body.lora.params() if body.lora else None, "size": lambda body: body.dimensions()},
-    computed={"seed": "seed"},
-)
-#: ``/v1/images/edits`` and ``variations`` (multipart forms): the image, its mask and ``size``
-#: (which resizes the upload) are decoded by the route (uploads.image_params).
-INPUT_IMAGE_FIELDS = FieldMap(
-    {
-        "negative_prompt": "negative_prompt",
-        "num_inference_steps": "num_inference_steps",
-        "guidance_scale": "guidance_scale",
-        "timeout": "timeout",
-        "slo_ms": "slo_ms",
-        "cache": "cache",
-    },
-    computed={
-        "image": "image",
-        "mask": "mask_image",
-        "strength": "strength",
-        "seed": "seed",
-        "size": ("width", "height"),
-    },
-)
+#: The task table (entrypoints/tasks/fields.py) of these routes, and their tasks.
+SURFACE = "images"
+GENERATION, EDIT, VARIATION = TASKS["text2image"], TASKS["image_edit"], TASKS["image_variation"]
 
 
 async def gather_or_abort(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
@@ -88,20 +52,20 @@ def check_n(model: ModelHandle, n: int) -> None:
 
 
 def validate_images(
-    omni: AsyncOmni, prompt: str, image: dict[str, Any], n: int, seed: int | None, fields: FieldMap
+    model: ModelHandle, task: Task, prompt: str, params: dict[str, Any], n: int, seed: int | None
 ) -> list[ValidRequest]:
-    """Each of the ``n`` requests of an images call, validated before any of them is admitted;
-    image ``i`` gets ``seed + i``. Errors name the request field as ``fields`` maps it (``size``,
-    ``mask``)."""
+    """Each of the ``n`` requests of an images call of ``task``, validated before any of them is
+    admitted; image ``i`` gets ``seed + i``. Errors name the request field as the task's table
+    maps it (``size``, ``mask``)."""
+    omni = model.engine
 
-    def params(i: int) -> list[dict | None]:
-        extra = {} if seed is None else {"seed": seed + i}
-        return omni.sampling_params(image=image | extra)
+    def per_image(i: int) -> list[dict | None]:
+        return task.sampling_params(omni, params, image=None if seed is None else {"seed": seed + i})
 
     try:
-        return [omni.validate(prompt, params(i), modalities=["image"]) for i in range(n)]
+        return [omni.validate(prompt, per_image(i), modalities=[task.kind]) for i in range(n)]
     except InvalidRequestError as e:
-        fields.rename(e)
+        task.fields[SURFACE].rename(e)
         raise
 
 
@@ -120,24 +84,13 @@ async def run_images(
     outs = await state.until_disconnect(
         request, ids, gather_or_abort([state.collect(model, valid[i], ids[i]) for i in range(n)])
     )
-    images = [(img, out) for out in outs for img in items_of(out.media, "image") if isinstance(img, ImageItem)]
-    fmt = body.output_format
-    encoded = await encoders.encode_all([img for img, _ in images], fmt, quality=body.output_compression)
-    data = []
-    image_stage = model.capabilities.stage("text2image")
-    assert image_stage is not None  # the route's model dependency refuses a model without one
-    for (img, out), blob in zip(images, encoded, strict=True):
-        seed = out.outputs_by_stage.get(image_stage)
-        item = proto.ImageData(seed=seed.metrics.get("seed") if seed else None)
-        if body.response_format == "url":
-            file_id = await state.files.put(blob, encoders.media_type(img.kind, fmt))
-            item.url = f"{state.public_url or str(request.base_url).rstrip('/')}/v1/files/{file_id}"
-        else:
-            item.b64_json = base64.b64encode(blob).decode()
-        data.append(item)
+    sink = FileSink(state.files.put, state.public_url or str(request.base_url).rstrip("/"))
+    rendered = await IMAGES.render(
+        outs, body.output_format, sink if body.response_format == "url" else None, quality=body.output_compression
+    )
+    data = [proto.ImageData(seed=e["seed"], url=e.get("url"), b64_json=e.get("b64_json")) for e in rendered["images"]]
     state.metrics.images.inc(len(data))
-    size_text = f"{images[0][0].width}x{images[0][0].height}" if images else None
-    resp = proto.ImageGenerationResponse(data=data, output_format=body.output_format, size=size_text)
+    resp = proto.ImageGenerationResponse(data=data, output_format=body.output_format, size=rendered["size"])
     return resp.model_dump(exclude_none=True), base
 
 
@@ -150,11 +103,7 @@ async def chat_image(model: ModelHandle, body: proto.ChatCompletionRequest) -> d
     if len(urls) > 1:
         raise InvalidRequestError(f"one input image per request; got {len(urls)} image_url parts", param=urls[1][1])
     url, where = urls[0]
-    if not model.capabilities.image_input:
-        raise InvalidRequestError(f"the model `{model.name}` takes no input image", param=where)
-    limit = model.engine.max_input_pixels()
-    decoded = await decode_async(decode_image, Upload(decode_data_url(url, where), where, limit))
-    return {"image": decoded.rgb}
+    return await input_image(model, url, where)
 
 
 router = APIRouter(prefix="/v1/images", dependencies=[AUTH], route_class=BodyRoute)
@@ -165,8 +114,8 @@ async def create_images(
     body: proto.ImageGenerationRequest, request: Request, state: State, model: ImageModel
 ) -> JSONResponse:
     check_n(model, body.n)
-    image = GENERATION_FIELDS.params(body)
-    valid = validate_images(model.engine, body.prompt, image, body.n, body.seed, GENERATION_FIELDS)
+    params = GENERATION.fields[SURFACE].params(body)
+    valid = validate_images(model, GENERATION, body.prompt, params, body.n, body.seed)
     return json_with_id(await run_images(state, model, request, valid, body))
 
 
@@ -177,8 +126,9 @@ async def edit_images(request: Request, state: State, model: EditModel) -> JSONR
     # Without a mask, the image's own transparent pixels are the region to edit (as OpenAI's
     # edits take it); an opaque image without a mask is redrawn as a whole (img2img).
     limit = model.engine.max_input_pixels()
-    params = await image_params(body, files, body.strength, alpha_as_mask=True, limit=limit, fields=INPUT_IMAGE_FIELDS)
-    valid = validate_images(model.engine, body.prompt, params, body.n, body.seed, INPUT_IMAGE_FIELDS)
+    fields = EDIT.fields[SURFACE]
+    params = await image_params(body, files, body.strength, alpha_as_mask=True, limit=limit, fields=fields)
+    valid = validate_images(model, EDIT, body.prompt, params, body.n, body.seed)
     return json_with_id(await run_images(state, model, request, valid, body))
 
 
@@ -188,6 +138,7 @@ async def image_variations(request: Request, state: State, model: VariationModel
     check_n(model, body.n)
     strength = body.strength if body.strength is not None else proto.VARIATION_STRENGTH
     limit = model.engine.max_input_pixels()
-    params = await image_params(body, files, strength, alpha_as_mask=False, limit=limit, fields=INPUT_IMAGE_FIELDS)
-    valid = validate_images(model.engine, "", params, body.n, body.seed, INPUT_IMAGE_FIELDS)
+    fields = VARIATION.fields[SURFACE]
+    params = await image_params(body, files, strength, alpha_as_mask=False, limit=limit, fields=fields)
+    valid = validate_images(model, VARIATION, "", params, body.n, body.seed)
     return json_with_id(await run_images(state, model, request, valid, body))

@@ -3,10 +3,11 @@ Runs on the server's event loop.
 
 A job is one engine request. It is admitted into the engine before the job is stored (so a full
 engine is a 429 at once, not a job that fails later), and a task per job then follows the engine's
-outputs: progress outputs become ``step`` events, each finished stage a ``stage_done`` event and
-two trace spans, the last output the result. ``queued`` and ``started`` frame it; ``completed``,
-``failed`` or ``cancelled`` end it. Every event goes to the job store, which also holds the record
-(status, progress, result, error, timings, trace), so any gateway on the same store can answer.
+outputs, read as typed events (``omni_runtime.events``): ``Progress`` becomes a ``step`` event, each
+``StageDone`` a ``stage_done`` event and two trace spans, ``Final``'s output the result. ``queued``
+and ``started`` frame it; ``completed``, ``failed`` or ``cancelled`` end it. Every event goes to the
+job store, which also holds the record (status, progress, result, error, timings, trace), so any
+gateway on the same store can answer.
 
 Ownership (a shared store): the gateway that runs a job owns it. A cancel from another gateway is
 a signal to the owner (the store's cancel channel). A gateway that died (its lease ran out) has its
@@ -22,8 +23,8 @@ state); a job's end is kept until the store takes it, retried with backoff, and 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
+import functools
 import logging
 import re
 import secrets
@@ -32,14 +33,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from omni_runtime import encoders
-from omni_runtime.bounds import MAX_SPEECH_CHARS
-from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, UnavailableError
-from omni_runtime.media import AudioItem, ImageItem, VideoItem, items_of
-from omni_runtime.outputs import RequestProgress
+from omni_runtime.events import Event as EngineEvent
+from omni_runtime.events import Final, Progress, StageDone, events_of
+from omni_runtime.exceptions import RequestAbortedError, UnavailableError
 
 from ..async_omni import ValidRequest
-from ..capabilities import UnsupportedTaskError
 from ..jobs.record import JobRecord
 from ..jobs.store import (
     TERMINAL,
@@ -52,10 +50,10 @@ from ..jobs.store import (
     StreamBudgetError,
 )
 from ..jobs.tracing import OtlpExporter, span, stage_spans
-from .fields import FieldMap
+from ..tasks import TASKS, FileSink, kind_of
+from ..tasks.generate import job_result, renderer_of, validate_job
 from .job_end import RECORD_RETRY_S, JobEnds, error_of
 from .protocol import ApiError, GenerateRequest
-from .uploads import Upload, decode_async, decode_data_url, decode_image
 
 if TYPE_CHECKING:
     from .state import ModelHandle, ServerState
@@ -69,48 +67,6 @@ CANCEL_WAIT_S = 10.0
 
 #: A job id: ``job-`` and the 24 characters of ``secrets.token_urlsafe(18)`` (see ``submit``).
 _JOB_ID = re.compile(r"job-[A-Za-z0-9_-]{24}")
-#: ``POST /v1/generate``: request field -> engine param, and back in errors. Image params go to
-#: the stages that take them, shared ones to every stage that has the param.
-JOB_IMAGE_FIELDS = FieldMap(
-    {
-        "inputs.negative_prompt": "negative_prompt",
-        "inputs.num_inference_steps": "num_inference_steps",
-        "inputs.guidance_scale": "guidance_scale",
-        "inputs.seed": "seed",
-        "inputs.size": ("width", "height"),
-        "inputs.num_frames": "num_frames",
-        "inputs.fps": "fps",
-        "inputs.seconds": "audio_end_in_s",
-        "inputs.audio_start_in_s": "audio_start_in_s",
-        "inputs.num_waveforms_per_prompt": "num_waveforms_per_prompt",
-        "inputs.cache": "cache",
-    },
-    read={"inputs.size": lambda body: body.inputs.dimensions()},
-    computed={"inputs.prompt": "prompt", "inputs.image": "image"},
-)
-JOB_SHARED_FIELDS = FieldMap(
-    {"config.timeout": "timeout", "config.slo_ms": "slo_ms", "priority": "priority"},
-    read={"priority": lambda body: body.priority or None},
-)
-#: Task ``text2speech``: its fields go to the speech stage (the prompt is the text to speak).
-JOB_SPEECH_FIELDS = FieldMap(
-    {"inputs.voice": "voice", "inputs.speed": "speed", "inputs.seed": "seed"}, computed={"inputs.prompt": "prompt"}
-)
-JOB_FIELDS = JOB_IMAGE_FIELDS | JOB_SHARED_FIELDS
-#: The media kind each task makes.
-TASK_KINDS = {
-    "text2image": "image",
-    "text2video": "video",
-    "image2video": "video",
-    "text2audio": "audio",
-    "text2speech": "audio",
-}
-#: Tasks whose ``inputs.image`` is required (the others take none).
-IMAGE_TASKS = frozenset({"image2video"})
-#: The file format of a video result, and of its poster (the first frame).
-VIDEO_FORMAT, POSTER_FORMAT = "mp4", "png"
-#: The file format of a result when ``config.output_format`` is unset, by the kind the task makes.
-DEFAULT_FORMATS = {"image": "png", "audio": "wav"}
 
 
 @dataclass(frozen=True)
@@ -283,75 +239,6 @@ class JobManager:
 
     # ------------------------------------------------------------------ submit
 
-    async def _validate(self, model: ModelHandle, body: GenerateRequest) -> ValidRequest:
-        kind = TASK_KINDS[body.task]
-        try:
-            model.capabilities.require(model.name, body.task)
-        except UnsupportedTaskError as e:
-            raise ApiError(400, str(e), param="model", code=e.code) from None
-        omni = model.engine
-        fmt = body.config.output_format
-        if fmt is not None and kind != "video" and fmt not in encoders.formats(kind):
-            known = list(encoders.formats(kind))
-            message = f"task `{body.task}` makes {kind}; `config.output_format` is one of {known}"
-            raise ApiError(400, message, param="config.output_format", code="invalid_value")
-        if body.task == "text2speech":
-            return self._validate_speech(model, body)
-        if body.inputs.voice is not None or body.inputs.speed is not None:
-            field = "inputs.voice" if body.inputs.voice is not None else "inputs.speed"
-            message = f"task `{body.task}` takes no `{field}`; speech is task `text2speech`"
-            raise ApiError(400, message, param=field, code="invalid_value")
-        # ``priority`` reaches every stage whose params take it (and none where no params class does).
-        try:
-            image = await self._input_image(model, body)
-            params = omni.sampling_params(
-                image=JOB_IMAGE_FIELDS.params(body) | image, shared=JOB_SHARED_FIELDS.params(body)
-            )
-            return omni.validate(body.inputs.prompt, params, modalities=[kind])
-        except InvalidRequestError as e:
-            JOB_FIELDS.rename(e)
-            raise
-
-    def _validate_speech(self, model: ModelHandle, body: GenerateRequest) -> ValidRequest:
-        """Task ``text2speech``: the prompt spoken by the model's speech stage, with ``voice``,
-        ``speed`` and ``seed``; the diffusion fields are refused, as the stage has none of them."""
-        omni = model.engine
-        given = [f for f in JOB_IMAGE_FIELDS.params(body) if f != "seed"] + ["image"] * (body.inputs.image is not None)
-        if given:
-            field = JOB_FIELDS.field(given[0])
-            raise ApiError(400, f"task `text2speech` takes no `{field}`", param=field, code="invalid_value")
-        if len(body.inputs.prompt) > MAX_SPEECH_CHARS:
-            message = f"the text to speak is {len(body.inputs.prompt)} characters; the limit is {MAX_SPEECH_CHARS}"
-            raise ApiError(400, message, param="inputs.prompt", code="invalid_value")
-        try:
-            params = omni.sampling_params(shared=JOB_SPEECH_FIELDS.params(body) | JOB_SHARED_FIELDS.params(body))
-            return omni.validate(body.inputs.prompt, params, modalities=["audio"])
-        except InvalidRequestError as e:
-            (JOB_SPEECH_FIELDS | JOB_SHARED_FIELDS).rename(e)
-            raise
-
-    async def _input_image(self, model: ModelHandle, body: GenerateRequest) -> dict[str, Any]:
-        """``inputs.image`` decoded (``{"image": rgb}``, resized to ``inputs.size`` if given), or
-        nothing: required by the image tasks, refused by the others; a model that takes no input
-        image is a 400 before any decode."""
-        url, param = body.inputs.image, "inputs.image"
-        if body.task in IMAGE_TASKS and url is None:
-            raise InvalidRequestError(
-                f"task `{body.task}` needs `{param}` (a data URL of the first frame)", param=param
-            )
-        if url is None:
-            return {}
-        if body.task not in IMAGE_TASKS:
-            raise InvalidRequestError(
-                f"task `{body.task}` takes no `{param}`; image to video is task `image2video`", param=param
-            )
-        if not model.capabilities.image_input:
-            raise InvalidRequestError(f"the model `{model.name}` takes no input image", param=param)
-        # Resized to the size asked for, if any, as the edits route resizes its upload.
-        limit = model.engine.max_input_pixels()
-        upload = Upload(decode_data_url(url, param), param, limit, body.inputs.dimensions())
-        return {"image": (await decode_async(decode_image, upload)).rgb}
-
     async def submit(
         self, body: GenerateRequest, base_url: str, model: ModelHandle, traceparent: str | None = None
     ) -> dict[str, Any]:
@@ -360,7 +247,7 @@ class JobManager:
         loaded (lazy, or evicted by the budget) when the request came was brought back by its
         route's dependency: ``model.loaded`` says from what and how long it took (the job's
         ``loading`` event)."""
-        valid = await self._validate(model, body)
+        valid = await validate_job(model, body)
         job_id = "job-" + secrets.token_urlsafe(18)
         now = time.time()
         record = JobRecord(
@@ -403,7 +290,7 @@ class JobManager:
         try:
             event = {"job_id": job_id, "priority": record.priority, "attempt": record.attempts, "at": time.time()}
             if new:
-                await self.store.create(record.to_store(), ("queued", event), kind=TASK_KINDS.get(record.task or ""))
+                await self.store.create(record.to_store(), ("queued", event), kind=kind_of(record.task))
             else:
                 await self.store.append_event(
                     job_id, "queued", event, {"status": "queued", "trace": record.trace}, fence=job.fence
@@ -438,18 +325,21 @@ class JobManager:
     async def _follow(self, job: _LocalJob, record: JobRecord, agen: AsyncIterator[Any], first: Any) -> None:
         job_id = job.job_id
         seen: set[int] = set()
-        last = None
+        last = None  # the latest output: a failed job's timings read what it had delivered
         try:
             out = await first
             while True:
                 last = out
-                await self._observe(job, record, out, seen)
-                if out.finished:
-                    break
+                events = events_of(out)
+                for event in events:
+                    await self._observe(job, record, event, seen)
+                match events:
+                    case (*_, Final(output=final)):  # the request's end is its output's last event
+                        break
                 out = await agen.__anext__()
-            self.state.metrics.observe_output(last, job.model)
-            result = await self._result(record, last)
-            await self.ends.end(job, record, "completed", result=result, out=last)
+            self.state.metrics.observe_output(final, job.model)
+            result = await self._result(record, final)
+            await self.ends.end(job, record, "completed", result=result, out=final)
         except JobFencedError as e:
             # Claimed by another gateway (this one was paused or cut off past its lease), or ended
             # already: nothing of this run is written.
@@ -487,26 +377,22 @@ class JobManager:
         )
         self.state.metrics.jobs.labels("running").inc()
 
-    async def _observe(self, job: _LocalJob, record: JobRecord, out: Any, seen: set[int]) -> None:
-        """One engine output: a denoising step, an inner stage done (both ``out.progress``), or a
-        final stage's result."""
-        progress: RequestProgress | None = out.progress
-        if progress is not None and not progress.stage_done:
-            if not job.started:
-                # A progress event says nothing of its wave (its batch comes with the result).
-                await self._started(job, record, None, None)
-            step = {"stage_id": progress.stage_id, "step": progress.step, "steps": progress.steps}
-            record.progress = step
-            await self._emit(job, "step", step, {"progress": step})
-            return
-        if progress is not None:  # an inner stage is done: its timings come in the output's metrics
-            sid, m = progress.stage_id, out.metrics
-        else:
-            sid = out.stage_id
-            result = out.outputs_by_stage.get(sid)
-            if result is None or out.text_delta is not None or not result.metrics:
+    async def _observe(self, job: _LocalJob, record: JobRecord, event: EngineEvent, seen: set[int]) -> None:
+        """One engine event: a denoising step (a ``step`` event), or a stage done, an inner one or
+        a final one with its result (a ``stage_done`` event); streamed pieces say nothing here."""
+        match event:
+            case Progress(stage=sid, step=n, steps=steps):
+                if not job.started:
+                    # A progress event says nothing of its wave (its batch comes with the result).
+                    await self._started(job, record, None, None)
+                step = {"stage_id": sid, "step": n, "steps": steps}
+                record.progress = step
+                await self._emit(job, "step", step, {"progress": step})
                 return
-            m = result.metrics
+            case StageDone(stage=sid, metrics=m, result=result) if result is None or m:
+                inner = result is None
+            case _:
+                return
         if sid in seen:
             return
         seen.add(sid)
@@ -528,7 +414,7 @@ class JobManager:
             "queue_wait_ms": m.get("queue_wait_ms"),
             "execution_ms": m.get("execution_ms"),
         }
-        if progress:
+        if inner:
             self.state.metrics.observe_stage(sid, m, job.model)  # final stages are observed with the result
         await self._emit(job, "stage_done", done, {"trace": record.trace})
 
@@ -541,84 +427,19 @@ class JobManager:
         return local if record.attempts > 1 and local is not None else record.base_url.rstrip("/")
 
     async def _result(self, record: JobRecord, out: Any) -> dict[str, Any]:
+        """The job's result, rendered by its task (tasks/generate.py); its files go to the file
+        store through :meth:`_put_file` and are served under :meth:`_files_base`."""
         request = GenerateRequest.model_validate(record.request | {"async_run": True})
-        kind = TASK_KINDS[request.task]
-        if kind == "video":
-            return await self._video_result(record, out)
-        fmt = request.config.output_format or DEFAULT_FORMATS[kind]
-        if kind == "audio":
-            return await self._audio_result(record, out, fmt, request.response_format)
+        task = TASKS[request.task]
         start = time.time()
-        items = [item for item in items_of(out.media, "image") if isinstance(item, ImageItem)]
-        blobs = await encoders.encode_all(items, fmt, quality=request.config.output_compression)
-        seeds = [
-            r.metrics.get("seed") for _, r in sorted(out.outputs_by_stage.items()) for _ in items_of(r.media, "image")
-        ]
-        images = []
-        base = self._files_base(record)
-        for blob, seed in zip(blobs, seeds, strict=False):
-            item: dict[str, Any] = {"seed": seed}
-            if request.response_format == "url":
-                file_id = await self._put_file(record.job_id, blob, encoders.media_type("image", fmt))
-                item["url"] = f"{base}/v1/files/{file_id}"
-            else:
-                item["b64_json"] = base64.b64encode(blob).decode()
-            images.append(item)
-        self.state.metrics.images.inc(len(images))
-        record.trace.append(span("encode", start, time.time(), images=len(images), format=fmt))
-        size = f"{items[0].width}x{items[0].height}" if items else None
-        return {"images": images, "output_format": fmt, "size": size}
-
-    async def _video_result(self, record: JobRecord, out: Any) -> dict[str, Any]:
-        """Each video as an MP4 file and its poster (the first frame, PNG) in the file store, their
-        media types from the encoder registry."""
-        start = time.time()
-        items = [item for item in items_of(out.media, "video") if isinstance(item, VideoItem)]
-        mp4s = await encoders.encode_all(items, VIDEO_FORMAT)
-        posters = await encoders.encode_all(items, POSTER_FORMAT)
-        base = self._files_base(record)
-        videos = []
-        for item, mp4, poster in zip(items, mp4s, posters, strict=True):
-            file_id = await self._put_file(record.job_id, mp4, encoders.media_type("video", VIDEO_FORMAT))
-            poster_id = await self._put_file(record.job_id, poster, encoders.media_type("video", POSTER_FORMAT))
-            videos.append(
-                {
-                    "url": f"{base}/v1/files/{file_id}",
-                    "file_id": file_id,
-                    "thumbnail_file_id": poster_id,
-                    "seed": item.seed,
-                    "num_frames": item.num_frames,
-                    "fps": item.fps,
-                }
-            )
-        record.trace.append(span("encode", start, time.time(), videos=len(videos), format=VIDEO_FORMAT))
-        first = items[0] if items else None
-        size = f"{first.width}x{first.height}" if first else None
-        return {"videos": videos, "output_format": VIDEO_FORMAT, "size": size}
-
-    async def _audio_result(self, record: JobRecord, out: Any, fmt: str, response_format: str) -> dict[str, Any]:
-        """Each clip as a ``fmt`` file (the encoder registry's bytes and media type): in the file
-        store (``url``) or inline (``b64_json``), with its rate, channels and length."""
-        start = time.time()
-        items = [item for item in items_of(out.media, "audio") if isinstance(item, AudioItem)]
-        blobs = await encoders.encode_all(items, fmt)
-        base = self._files_base(record)
-        audios = []
-        for item, blob in zip(items, blobs, strict=True):
-            clip: dict[str, Any] = {
-                "seed": item.seed,
-                "sample_rate": item.sample_rate,
-                "channels": item.channels,
-                "duration_s": round(item.duration_s, 6),
-            }
-            if response_format == "url":
-                file_id = await self._put_file(record.job_id, blob, encoders.media_type("audio", fmt))
-                clip |= {"url": f"{base}/v1/files/{file_id}", "file_id": file_id}
-            else:
-                clip["b64_json"] = base64.b64encode(blob).decode()
-            audios.append(clip)
-        record.trace.append(span("encode", start, time.time(), audios=len(audios), format=fmt))
-        return {"audios": audios, "output_format": fmt, "media_type": encoders.media_type("audio", fmt)}
+        sink = FileSink(functools.partial(self._put_file, record.job_id), self._files_base(record))
+        result = await job_result(task, out, request, sink)
+        key = renderer_of(task).key
+        made = len(result[key])
+        if task.kind == "image":
+            self.state.metrics.images.inc(made)
+        record.trace.append(span("encode", start, time.time(), **{key: made}, format=result["output_format"]))
+        return result
 
     async def _put_file(self, job_id: str, blob: bytes, media_type: str) -> str:
         """Store a result file, waiting out an unreachable file store (Redis) with backoff: the
@@ -731,7 +552,7 @@ class JobManager:
         try:
             model = await self.state.job_model(record.model)
             body = GenerateRequest.model_validate(record.request | {"async_run": True})
-            valid = await self._validate(model, body)
+            valid = await validate_job(model, body)
             await self._launch(record, model, valid, new=False)
         except Exception as e:
             await self.ends.end(job, record, "failed", error=error_of(e))

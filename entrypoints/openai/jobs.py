@@ -26,10 +26,10 @@ from fastapi import APIRouter, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from omni_runtime import encoders
 from omni_runtime.exceptions import InvalidRequestError, UnavailableError
 
 from ..jobs.store import Event, JobStoreUnavailableError
+from ..tasks.render import result_files
 from .body import BodyRoute
 from .dependencies import AUTH, JSON_BODY, AnyModel, Jobs, State, get_jobs
 from .protocol import ApiError, ClientDisconnected, GenerateRequest, error_body
@@ -114,10 +114,6 @@ async def get_trace(job_id: str, manager: Jobs) -> JSONResponse:
     return SafeJSONResponse(body)
 
 
-#: A job result's lists of files, and the kind of media each holds.
-RESULT_KINDS = {"images": "image", "videos": "video", "audios": "audio"}
-
-
 @router.get("/jobs/{job_id}/content")
 async def job_content(job_id: str, state: State, manager: Jobs, index: int = Query(0, ge=0, le=1024)) -> Response:
     """The bytes of the job's ``index``-th file (its first image, video or clip), with the media
@@ -130,13 +126,13 @@ async def job_content(job_id: str, state: State, manager: Jobs, index: int = Que
             409, f"job `{job_id}` is {record.status}, not completed: it has no content",
             param="job_id", code="job_not_completed",
         )  # fmt: skip
-    kind, files = next(((RESULT_KINDS[k], v) for k, v in result.items() if k in RESULT_KINDS), ("", []))
+    renderer, files = result_files(result)
     if index >= len(files):
         raise ApiError(404, f"job `{job_id}` has {len(files)} files; no index {index}", param="index", code="not_found")
     item = files[index]
-    if "b64_json" in item:
-        fmt = str(result.get("output_format"))
-        return Response(base64.b64decode(item["b64_json"]), media_type=encoders.media_type(kind, fmt))
+    if "b64_json" in item and renderer is not None:
+        media_type = renderer.media_type(str(result.get("output_format")))
+        return Response(base64.b64decode(item["b64_json"]), media_type=media_type)
     file_id = item.get("file_id") or str(item.get("url", "")).rsplit("/", 1)[-1]
     found = await state.files.get(file_id)
     if found is None:

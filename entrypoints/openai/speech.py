@@ -15,7 +15,6 @@ as soon as that chunk is spoken, before the rest exists: ``pcm`` as the samples,
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import uuid
@@ -24,37 +23,33 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from omni_runtime import encoders
+from omni_runtime.events import Final, MediaDelta
 from omni_runtime.exceptions import InvalidRequestError, OmniError
-from omni_runtime.media import AudioItem, items_of
+from omni_runtime.media import AudioItem
 
 from ..async_omni import ValidRequest
+from ..tasks import AUDIO, TASKS
+from ..tasks.render import b64
 from . import protocol as proto
 from .body import BodyRoute
 from .dependencies import AUTH, JSON_BODY, SpeechModel, State
-from .fields import FieldMap
 from .protocol import error_body
 from .state import ModelHandle, ServerState
 
+SPEECH = TASKS["text2speech"]
 #: Request field -> speech param (and back, in errors); the text is the engine's prompt.
-SPEECH_FIELDS = FieldMap(
-    {"voice": "voice", "speed": "speed", "seed": "seed"},
-    read={"voice": lambda body: body.voice_name()},
-    computed={"input": "prompt"},
-)
-#: Samples per streamed chunk of raw PCM (a quarter second at 16 kHz).
-PCM_CHUNK_SAMPLES = 4096
+SPEECH_FIELDS = SPEECH.fields["speech"]
 #: Bytes per streamed chunk of an encoded file (and per SSE delta, before base64).
 FILE_CHUNK_BYTES = 8192
 
 
 def _validate(model: ModelHandle, body: proto.SpeechRequest) -> tuple[ValidRequest, int]:
     """The request checked on ``model`` (its speech stage's fields), and that stage's id."""
-    stage_id = model.capabilities.stage("text2speech")
+    stage_id = model.capabilities.stage(SPEECH.name)
     assert stage_id is not None  # the SpeechModel dependency refuses a model without one
     omni = model.engine
     try:
-        valid = omni.validate(body.input, omni.sampling_params(shared=SPEECH_FIELDS.params(body)))
+        valid = omni.validate(body.input, SPEECH.sampling_params(omni, SPEECH_FIELDS.params(body)))
     except InvalidRequestError as e:
         raise SPEECH_FIELDS.rename(e) from None
     return valid, stage_id
@@ -82,21 +77,10 @@ async def synthesise(
     return clip, int(result.metrics.get("input_tokens") or 0), rid
 
 
-async def _pcm_chunks(clip: AudioItem) -> AsyncIterator[bytes]:
-    for start in range(0, max(clip.num_samples, 1), PCM_CHUNK_SAMPLES):
-        part = AudioItem(data=clip.samples[:, start : start + PCM_CHUNK_SAMPLES], sample_rate=clip.sample_rate)
-        yield (await encoders.encode_all([part], "pcm"))[0]
-
-
-async def _file_chunks(clip: AudioItem, fmt: str) -> AsyncIterator[bytes]:
-    blob = (await encoders.encode_all([clip], fmt))[0]
-    for start in range(0, len(blob), FILE_CHUNK_BYTES):
-        yield blob[start : start + FILE_CHUNK_BYTES]
-
-
 def _chunks(clip: AudioItem, fmt: str) -> AsyncIterator[bytes]:
-    """The clip as ``fmt`` bytes, in the pieces they are sent in."""
-    return _pcm_chunks(clip) if fmt == "pcm" else _file_chunks(clip, fmt)
+    """The clip as ``fmt`` bytes, in the pieces they are sent in (raw PCM by samples, a file
+    in :data:`FILE_CHUNK_BYTES`)."""
+    return AUDIO.pieces(clip, fmt, FILE_CHUNK_BYTES)
 
 
 def _sse(event: dict[str, object]) -> str:
@@ -120,34 +104,33 @@ async def _stream_chunked(
     omni = model.engine
     rid = headers["X-Request-Id"] = f"speech-{uuid.uuid4().hex}"
     fmt, sse = body.response_format, body.stream_format == "sse"
-    agen = omni.generate(valid, request_id=rid)
+    stream = omni.events(valid, request_id=rid)
     state.inflight.add(rid)
     try:
-        # The first output before the headers: admission errors keep their status code.
-        first = await state.until_disconnect(request, [rid], agen.__anext__())
+        # The first event before the headers: admission errors keep their status code.
+        first = await state.until_disconnect(request, [rid], stream.__anext__())
     except InvalidRequestError as e:
         state.inflight.discard(rid)
-        await agen.aclose()
+        await stream.aclose()
         raise SPEECH_FIELDS.rename(e) from None
     except BaseException:
         state.inflight.discard(rid)
-        await agen.aclose()
+        await stream.aclose()
         raise
 
     async def pieces() -> AsyncIterator[str | bytes]:
         finished = False
         try:
-            out = first
-            while True:
-                clips = [c for c in items_of(out.media_delta, "audio") if isinstance(c, AudioItem)]
-                for clip in clips if out.stage_id == stage_id else []:
-                    async for blob in _chunks(clip, fmt):
-                        audio = base64.b64encode(blob).decode()
-                        yield _sse({"type": "speech.audio.delta", "audio": audio}) if sse else blob
-                if out.finished:
-                    break
-                out = await agen.__anext__()
+            event = first
+            while not isinstance(event, Final):
+                match event:
+                    case MediaDelta(stage=sid, items=items) if sid == stage_id:
+                        for clip in AUDIO.items(items):
+                            async for blob in _chunks(clip, fmt):
+                                yield _sse({"type": "speech.audio.delta", "audio": b64(blob)}) if sse else blob
+                event = await stream.__anext__()
             finished = True
+            out = event.output
             state.metrics.observe_output(out, model.name)
             result = out.outputs_by_stage[stage_id]
             if sse:
@@ -162,9 +145,9 @@ async def _stream_chunked(
             state.inflight.discard(rid)
             if not finished:
                 omni.abort(rid)
-            await agen.aclose()
+            await stream.aclose()
 
-    media_type = "text/event-stream" if sse else encoders.media_type("audio", fmt)
+    media_type = "text/event-stream" if sse else AUDIO.media_type(fmt)
     return StreamingResponse(pieces(), media_type=media_type, headers=headers)
 
 
@@ -181,12 +164,12 @@ async def create_speech(body: proto.SpeechRequest, request: Request, state: Stat
 
         async def events() -> AsyncIterator[str]:
             async for chunk in _chunks(clip, fmt):
-                yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode()})
+                yield _sse({"type": "speech.audio.delta", "audio": b64(chunk)})
             yield _sse({"type": "speech.audio.done", "usage": usage})
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
-    media_type = encoders.media_type("audio", fmt)
+    media_type = AUDIO.media_type(fmt)
     if fmt in ("pcm", "wav"):
         return StreamingResponse(_chunks(clip, fmt), media_type=media_type, headers=headers)
-    blob = (await encoders.encode_all([clip], fmt))[0]
+    blob = (await AUDIO.encode([clip], fmt))[0]
     return Response(blob, media_type=media_type, headers=headers)

@@ -32,6 +32,7 @@ from omni_runtime.resolve import ResolvedConfig
 from ..async_omni import AsyncOmni, ValidRequest
 from ..capabilities import ModelCapabilities
 from ..jobs.store import JobStore, MemoryJobStore
+from ..jobs.tracing import OtlpExporter
 from ..multi_omni import ModelSpec, MultiOmni, ServedModel
 from .files import MAX_REDIS_FILE_BYTES, FileStore, RedisFileStore
 from .job_manager import JobManager, JobSettings
@@ -188,7 +189,7 @@ class ServerState:
         settings = self.job_settings
         store: JobStore
         if settings.redis_url:
-            from ..jobs.redis_store import RedisJobStore
+            from ..jobs.redis_store import RedisJobStore  # lazy: the Redis job store, only with --redis-url
 
             store = RedisJobStore(
                 settings.redis_url,
@@ -201,8 +202,6 @@ class ServerState:
             store = MemoryJobStore(max_jobs=settings.max_jobs, ttl_s=settings.ttl_s)
         otlp = None
         if settings.otlp_endpoint:
-            from ..jobs.tracing import OtlpExporter
-
             otlp = OtlpExporter(settings.otlp_endpoint)
         manager = JobManager(self, store, lease_s=settings.lease_s, otlp=otlp, max_streams=settings.max_streams)
         try:

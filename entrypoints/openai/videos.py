@@ -26,10 +26,12 @@ from omni_runtime.bounds import MAX_FRAMES
 from omni_runtime.exceptions import InvalidRequestError
 
 from ..jobs.record import JobRecord
+from ..tasks import TASKS, kind_of
+from ..tasks.generate import job_fields
 from .body import BodyRoute
 from .dependencies import AUTH, JSON_OR_MULTIPART_BODY, Jobs, State, VideoModel
 from .fields import FieldMap
-from .job_manager import TASK_KINDS, JobManager
+from .job_manager import JobManager
 from .protocol import ApiError, GenerateRequest, VideoCreateRequest, VideoReference, seconds_of
 from .responses import SafeJSONResponse
 from .state import ModelHandle
@@ -39,7 +41,7 @@ from .uploads import read_form
 DEFAULT_FPS = 16
 #: Most videos one list page holds.
 MAX_LIST = 100
-#: The job store's index that ``GET /v1/videos`` lists (job_manager.TASK_KINDS: every video task).
+#: The job store's index that ``GET /v1/videos`` lists (the kind of every video task).
 VIDEO_KIND = "video"
 
 #: ``POST /v1/videos`` field -> the ``/v1/generate`` field it becomes (and back, in errors).
@@ -63,13 +65,7 @@ VIDEO_FIELDS = FieldMap(
     },
 )
 #: Engine param (as a ``/v1/generate`` error names it) -> the ``/v1/generate`` field.
-_JOB_PARAMS = {
-    "width": "inputs.size",
-    "height": "inputs.size",
-    "num_frames": "inputs.num_frames",
-    "fps": "inputs.fps",
-    "image": "inputs.image",
-}
+_JOB_FIELDS = job_fields(TASKS["text2video"])
 #: Job status -> video status.
 _STATUS = {"queued": "queued", "running": "in_progress", "completed": "completed", "failed": "failed"}
 #: The first frame's field: a file part of a form, or a reference object.
@@ -155,7 +151,7 @@ def _form_data(fields: dict[str, str], files: dict[str, bytes]) -> dict[str, Any
 
 def _video_field(param: str | None) -> str | None:
     """The ``/v1/videos`` field behind an error's param (an engine param or a ``/v1/generate`` field)."""
-    job_field = _JOB_PARAMS.get(param or "", param)
+    job_field = _JOB_FIELDS.field(param)
     for name, target in (*VIDEO_FIELDS.fields.items(), *VIDEO_FIELDS.computed.items()):
         if target == job_field:
             return name
@@ -199,7 +195,7 @@ def video_object(job: dict[str, Any]) -> dict[str, Any]:
 async def _video_job(manager: JobManager, video_id: str) -> dict[str, Any]:
     """The job behind ``video_id``, or a 404 when it is no video."""
     record = await manager.get_record(video_id)
-    if TASK_KINDS.get(record.task or "") != "video":
+    if kind_of(record.task) != VIDEO_KIND:
         raise _not_found(video_id)
     return record.public() | {"request": record.request}
 

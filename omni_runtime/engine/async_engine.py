@@ -30,12 +30,19 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import janus
 import msgspec
 
+from omni_runtime.checks import (
+    MAX_IMAGE_PIXELS,
+    bounded_defaults,
+    check_constraints,
+    check_speech_length,
+    check_text_length,
+)
 from omni_runtime.config import check_control_kwargs
 from omni_runtime.engine.orchestrator import Orchestrator
 from omni_runtime.engine.status import EngineHealth, EngineState, StageStatus
@@ -64,13 +71,7 @@ from omni_runtime.messages import (
     RpcReplicaResult,
     StageConstraints,
 )
-from omni_runtime.params import (
-    MAX_IMAGE_PIXELS,
-    MAX_PROMPT_CHARS,
-    check_constraints,
-    check_speech_length,
-    resolve_params,
-)
+from omni_runtime.params import MAX_PROMPT_CHARS, params_to_dict, resolve_params
 from omni_runtime.resolve import ResolvedConfig
 from omni_runtime.serialization import check_encodable
 
@@ -92,7 +93,8 @@ class ValidRequest:
     checking it again. Valid for the engine that made it only."""
 
     prompt: str
-    #: Resolved params per stage id (defaults applied, validated, encodable).
+    #: Resolved params per stage id (defaults applied, validated, encodable), as dicts of the
+    #: fields that are set (``params_to_dict`` of ``typed``): what a caller reads of them.
     params: dict[int, dict[str, Any]]
     final_stage_ids: list[int]
     #: The request's deadline in seconds, or None.
@@ -100,6 +102,8 @@ class ValidRequest:
     engine_id: str
     #: Higher is served first by every stage's scheduler.
     priority: int = 0
+    #: The same params as each stage's runner gets them: its params struct, sent as it is.
+    typed: dict[int, Any] = field(default_factory=dict)
 
 
 class _Channel:
@@ -241,8 +245,9 @@ class AsyncOmniEngine:
 
     # ------------------------------------------------------------------ input
 
-    def resolve_params(self, sampling_params: Any) -> dict[int, dict[str, Any]]:
-        """Per-stage params, validated, stage defaults applied.
+    def resolve_params(self, sampling_params: Any) -> dict[int, Any]:
+        """Per-stage params structs, validated, defaults applied (the stage's, then its params
+        class's fallbacks), checked against each stage's constraints.
 
         Accepts None, one params object or dict (for a one-stage pipeline, or a typed object for
         the stages of its type), or a list with one entry per stage in ``stage_args`` order.
@@ -273,9 +278,12 @@ class AsyncOmniEngine:
             )
         resolved = {}
         for stage, params in zip(stages, given, strict=True):
-            fields = resolve_params(stage.params_cls, stage.defaults, params)
-            check_constraints(fields, self._orchestrator.constraints.get(stage.stage_id, _NO_CONSTRAINTS))
-            resolved[stage.stage_id] = fields
+            constraints = self._orchestrator.constraints.get(stage.stage_id, _NO_CONSTRAINTS)
+            # A length the request leaves to the stage is the stage's default within its bounds.
+            defaults = bounded_defaults(stage.params_cls, stage.defaults, constraints)
+            typed = resolve_params(stage.params_cls, defaults, params)
+            check_constraints(typed, constraints)
+            resolved[stage.stage_id] = typed
         return resolved
 
     def final_stages(self, modalities: Sequence[str] | None) -> list[int]:
@@ -313,15 +321,17 @@ class AsyncOmniEngine:
                 f"prompt is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}", param="prompt"
             )
         check_encodable(prompt, "prompt")
-        params = self.resolve_params(sampling_params)
+        typed = self.resolve_params(sampling_params)
+        params = {stage_id: params_to_dict(p) for stage_id, p in typed.items()}
         for stage in self.resolved.stages:
             if not stage.config.engine_input_source:  # the stages that take the prompt itself
                 constraints = self._orchestrator.constraints.get(stage.stage_id, _NO_CONSTRAINTS)
                 check_speech_length(prompt, params[stage.stage_id], constraints)
+                check_text_length(prompt, params[stage.stage_id], constraints)
         finals = self.final_stages(modalities)
         timeout = next((p["timeout"] for p in params.values() if p.get("timeout")), self.default_timeout)
         priority = next((p["priority"] for p in params.values() if p.get("priority") is not None), 0)
-        return ValidRequest(prompt, params, finals, timeout, self._id_prefix, priority)
+        return ValidRequest(prompt, params, finals, timeout, self._id_prefix, priority, typed)
 
     def add_request(
         self,
@@ -372,7 +382,7 @@ class AsyncOmniEngine:
                 request_id=wire_id,
                 channel=channel.id,
                 prompt=valid.prompt,
-                params=valid.params,
+                params=valid.typed,
                 final_stage_ids=valid.final_stage_ids,
                 arrival_time=time.time(),
                 deadline=time.monotonic() + timeout if timeout else None,

@@ -88,7 +88,9 @@ class Chunker:
         self._held: Chunk | None = None  # the newest cut, until something follows it
         self._cuts = 0  # cuts made (held or handed on): the first is ``first_size``
         self._count = 0
-        self.finished = False
+        self._backlog = False  # a call stopped at its limit: more cuts wait in the text or items
+        self.finished = False  # the input is complete
+        self._done = False  # the last chunk is handed on
 
     def _size(self) -> int:
         """Words, deltas or items of the next cut."""
@@ -100,30 +102,65 @@ class Chunker:
         """Chunks handed on so far."""
         return self._count
 
-    def feed(self, text: str | None = None, tensors: dict[str, Any] | None = None) -> list[Chunk]:
-        """Take one upstream delta; the chunks it completes, in order."""
+    def feed(
+        self, text: str | None = None, tensors: dict[str, Any] | None = None, limit: int | None = None
+    ) -> list[Chunk]:
+        """Take one upstream delta; the chunks it completes, in order: all of them, or with
+        ``limit`` at most that many cuts (the held one may come with them), the rest cut by later
+        calls (:attr:`has_more`, :meth:`more`), so that one delta's work is bounded by what the
+        caller can use now, not by the delta's size."""
         if self.finished:
             raise ValueError("the chunker is finished")
-        cuts: list[Chunk] = []
         if self.policy.policy == "items":
             for name, value in (tensors or {}).items():
                 self._tensors.setdefault(name, []).append(np.asarray(value))
-            cuts = self._cut_items()
-            pending = any(_items(p) for p in self._tensors.values())
-        else:
-            if text:
-                self._append(text)
-                self._deltas += 1
-            cuts = self._cut_text()
-            pending = self._speakable_before(len(self._buf))
-        return self._release(cuts, pending)
+        elif text:
+            self._append(text)
+            self._deltas += 1
+        return self._release(self._cut(limit), self._pending())
 
-    def finish(self) -> list[Chunk]:
-        """The upstream is done: the chunks still held, the last marked ``last``. A request
-        whose upstream made nothing at all gets one empty last chunk."""
+    @property
+    def has_more(self) -> bool:
+        """Whether :meth:`more` has chunks to give without more input: a call stopped at its
+        ``limit``, or the input is finished and its last chunk is not handed on yet."""
+        return self._backlog or (self.finished and not self._done)
+
+    def more(self, limit: int | None = None) -> list[Chunk]:
+        """The chunks an earlier call's ``limit`` left uncut (after :meth:`finish`, up to and
+        including the last), at most ``limit`` cuts of them."""
+        if self.finished:
+            return self._finish_part(limit)
+        if not self._backlog:
+            return []
+        return self._release(self._cut(limit), self._pending())
+
+    def finish(self, limit: int | None = None) -> list[Chunk]:
+        """The upstream is done: the chunks still held, the last marked ``last`` (with ``limit``,
+        at most that many cuts now, the rest by :meth:`more`). A request whose upstream made
+        nothing at all gets one empty last chunk."""
         if self.finished:
             return []
         self.finished = True
+        return self._finish_part(limit)
+
+    def _cut(self, limit: int | None) -> list[Chunk]:
+        cuts = self._cut_items(limit) if self.policy.policy == "items" else self._cut_text(limit)
+        self._backlog = limit is not None and len(cuts) >= limit
+        return cuts
+
+    def _pending(self) -> bool:
+        """Whether something follows the newest cut: a speakable character, or an item."""
+        if self.policy.policy == "items":
+            return any(_items(p) for p in self._tensors.values())
+        return self._speakable_before(len(self._buf))
+
+    def _finish_part(self, limit: int | None) -> list[Chunk]:
+        """After :meth:`finish`: the next cuts, and once none is left, the rest as the last."""
+        if self._done:
+            return []
+        queue = self._release(self._cut(limit), self._pending())
+        if self._backlog:
+            return queue
         rest: Chunk | None = None
         if self.policy.policy == "items":
             if any(_items(p) for p in self._tensors.values()):
@@ -136,14 +173,17 @@ class Chunker:
             elif self._held is not None:
                 self._held.text = (self._held.text or "") + text  # trailing punctuation
             self._buf, self._start, self._deltas = "", 0, 0
-        queue = ([self._held] if self._held is not None else []) + ([rest] if rest is not None else [])
+        tail = ([self._held] if self._held is not None else []) + ([rest] if rest is not None else [])
         self._held = None
-        if not queue:  # an items upstream that made nothing
-            queue = [Chunk(0, False)]
-        queue[-1].last = True
-        for chunk in queue:
+        if not tail and not queue and not self._count:  # an items upstream that made nothing
+            tail = [Chunk(0, False)]
+        for chunk in tail:
             chunk.index = self._count
             self._count += 1
+        queue += tail
+        if queue:
+            queue[-1].last = True
+        self._done = True
         return queue
 
     def _release(self, cuts: list[Chunk], pending: bool) -> list[Chunk]:
@@ -160,7 +200,7 @@ class Chunker:
 
     # ------------------------------------------------------------------ text
 
-    def _cut_text(self) -> list[Chunk]:
+    def _cut_text(self, limit: int | None = None) -> list[Chunk]:
         out: list[Chunk] = []
         if self.policy.policy == "tokens":
             # Every ``size`` deltas, with something speakable in it (punctuation or spaces alone
@@ -168,7 +208,7 @@ class Chunker:
             if self._deltas >= self._size() and self._speakable_before(len(self._buf)):
                 out.append(self._take_text(len(self._buf)))
             return out
-        while True:
+        while limit is None or len(out) < limit:
             # The first sentence end with something speakable before it, wherever it is; if there
             # is none yet, the end of the ``size``-th word, if something speakable comes before it.
             cut = self._sentence_cut()
@@ -177,6 +217,7 @@ class Chunker:
             if cut is None:
                 return out
             out.append(self._take_text(cut))
+        return out
 
     def _append(self, text: str) -> None:
         if self._start and self._start >= len(self._buf) - self._start:
@@ -277,17 +318,23 @@ class Chunker:
 
     # ------------------------------------------------------------------ tensors
 
-    def _cut_items(self) -> list[Chunk]:
+    def _cut_items(self, limit: int | None = None) -> list[Chunk]:
+        """Cuts of ``size`` items while every name has them (at most ``limit``); each name's
+        parts are joined once per call, so cutting is linear in the items however many cuts they
+        make."""
+        if not self._tensors:
+            return []
+        wholes = {name: _concat(parts) for name, parts in self._tensors.items()}
         out: list[Chunk] = []
-        while self._tensors and all(_items(parts) >= self._size() for parts in self._tensors.values()):
+        at = 0
+        while limit is None or len(out) < limit:
             size = self._size()
-            tensors = {}
-            for name, parts in self._tensors.items():
-                whole = _concat(parts)
-                tensors[name] = whole[:size]
-                self._tensors[name] = [whole[size:]] if len(whole) > size else []
-            out.append(Chunk(0, False, tensors=tensors))
+            if not all(len(whole) - at >= size for whole in wholes.values()):
+                break
+            out.append(Chunk(0, False, tensors={name: whole[at : at + size] for name, whole in wholes.items()}))
+            at += size
             self._cuts += 1
+        self._tensors = {name: [whole[at:]] if len(whole) > at else [] for name, whole in wholes.items()}
         return out
 
 

@@ -3,8 +3,9 @@
 It awaits two things and nothing else: the janus request queue from the callers, and the stage
 replicas (through their clients). No polling loops, no sleeps: an idle engine sleeps in
 ``epoll``. It routes each request through the stage graph (``engine_input_source``), builds each
-stage's input from its upstream outputs, delivers final outputs to the caller's output queue, and
-runs control calls as tasks of their own so they never hold up request intake.
+stage's input from its upstream outputs (:mod:`.stage_graph`; a chunked stage's a chunk at a time,
+sequenced by :mod:`.sequencer`), delivers final outputs to the caller's output queue, and runs
+control calls as tasks of their own so they never hold up request intake.
 
 It only routes. Where replicas run, how messages reach them and how an output's arrays reach the
 next stage are the business of the stage backends (:mod:`omni_runtime.engine.backends`); all they
@@ -19,16 +20,18 @@ import inspect
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import janus
 import msgspec
 
-from omni_runtime.config import DeployConfig, InputChunking, StageConfig
+from omni_runtime.checks import link_constraints
+from omni_runtime.config import DeployConfig
 from omni_runtime.engine.backends import EngineResources, StageBackend, make_backends
-from omni_runtime.engine.chunking import Chunk, Chunker, join_outputs
+from omni_runtime.engine.chunking import Chunk
+from omni_runtime.engine.sequencer import ChunkSequencer
+from omni_runtime.engine.stage_graph import StageGraph
 from omni_runtime.engine.stage_pool import StagePool
 from omni_runtime.engine.status import StageStatus
 from omni_runtime.exceptions import (
@@ -40,7 +43,6 @@ from omni_runtime.exceptions import (
     StageExecutionError,
     StageStartupError,
 )
-from omni_runtime.media import MediaItem, items_of
 from omni_runtime.messages import (
     EngineAbort,
     EngineOutput,
@@ -61,9 +63,8 @@ from omni_runtime.tasks import BackgroundTasks
 
 logger = logging.getLogger(__name__)
 
-#: How a source stage takes a streaming-input request (the caller is its upstream): a sentence
-#: at a time, or 32 words where no sentence ends sooner.
-STREAMING_INPUT_CHUNKING = InputChunking(policy="sentence", size=32, max_buffered=2)
+#: What runs once an output is settled (its arrays ready for where it goes).
+_Then = Callable[[StageOutput], None]
 
 #: Seconds a failed start waits for the orchestrator thread to release what it made (each
 #: release is bounded on its own; this only keeps a wedged one from hanging the caller).
@@ -73,7 +74,7 @@ _RELEASE_WAIT_S = 90.0
 class _Request:
     """Routing state of one request inside the orchestrator."""
 
-    __slots__ = ("done", "feeds", "finals_left", "msg", "running", "settling", "timer")
+    __slots__ = ("done", "finals_left", "msg", "running", "settling", "timer")
 
     def __init__(self, msg: EngineRequest, finals: set[int]) -> None:
         self.msg = msg
@@ -83,26 +84,6 @@ class _Request:
         self.timer: asyncio.TimerHandle | None = None
         #: The last of this request's outputs whose arrays a backend is still fetching.
         self.settling: asyncio.Task | None = None
-        #: Chunked stages (``input_chunking``) by id: this request's hand-off into each.
-        self.feeds: dict[int, _Feed] = {}
-
-
-class _Feed:
-    """One request's chunked hand-off into one stage: chunks cut and not yet sent, chunks sent
-    and not yet done (at most ``max_buffered``), outputs waiting for an earlier chunk's."""
-
-    __slots__ = ("chunker", "extras", "fed", "last_index", "next_out", "outputs", "outstanding", "ready", "results")
-
-    def __init__(self, chunker: Chunker) -> None:
-        self.chunker = chunker
-        self.fed = False  # the upstream streamed something into it
-        self.ready: deque[Chunk] = deque()
-        self.outstanding: dict[str, int] = {}  # sub-request id -> chunk index
-        self.results: dict[int, StageOutput] = {}  # done out of order, by chunk index
-        self.next_out = 0  # the chunk whose output goes on next
-        self.outputs: list[StageOutput] = []  # gone on, in chunk order
-        self.last_index: int | None = None  # known once the last chunk is cut
-        self.extras: dict[str, Any] = {}  # streaming updates' inputs, for the next chunk sent
 
 
 class Orchestrator:
@@ -116,7 +97,7 @@ class Orchestrator:
         on_dead: Callable[[EngineDeadError], None] | None = None,
         make_backends: Callable[[DeployConfig, EngineResources], dict[str, StageBackend]] = make_backends,
     ) -> None:
-        self.config = config = resolved.config
+        self.config = resolved.config
         self.request_queue: janus.Queue = janus.Queue(maxsize=request_queue_size)
         #: Output queues by channel id, one per caller event loop; the caller registers and
         #: unregisters them (a dict write is atomic), this thread only reads.
@@ -129,14 +110,18 @@ class Orchestrator:
         self.pools: dict[int, StagePool] = {}
         self.constraints: dict[int, StageConstraints] = {}
         self._requests: dict[str, _Request] = {}
-        self._downstream: dict[int, list[int]] = {s.stage_id: [] for s in config.stage_args}
-        for s in config.stage_args:
-            for src in s.engine_input_source:
-                self._downstream[src].append(s.stage_id)
-        self._input_funcs = {s.stage_id: s.input_func for s in resolved.stages if s.input_func is not None}
-        #: The chunked stages; a chunk's sub-request id -> (its request's id, the stage's id).
-        self._chunked = {s.stage_id: s.input_chunking for s in config.stage_args if s.input_chunking is not None}
-        self._subs: dict[str, tuple[str, int]] = {}
+        #: Which stage feeds which, and how a stage's input is made from its upstream outputs.
+        self.graph = StageGraph(resolved)
+        #: The chunked hand-off (``input_chunking``, streaming input): every request's feeds and
+        #: the chunks it has out.
+        self.chunks = ChunkSequencer(
+            self.graph.chunked,
+            submit=self._submit_chunk,
+            deliver=self._on_delta,
+            finish=self._on_chunks_joined,
+            fail=self._finish_with_error,
+            settle=self._settle,
+        )
         self._thread: threading.Thread | None = None
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
         self._tasks = BackgroundTasks()  # control calls in progress
@@ -247,7 +232,9 @@ class Orchestrator:
                 if isinstance(res, OmniError | asyncio.CancelledError):
                     raise res
                 raise StageStartupError(f"a stage failed to start: {type(res).__name__}: {res}") from res
-        self.constraints = {sid: p.constraints for sid, p in self.pools.items()}
+        # What a stage takes bounds what its upstream stages make (a talker's codes; params.py).
+        reported = {sid: p.constraints for sid, p in self.pools.items()}
+        self.constraints = link_constraints(self.config.stage_args, reported)
 
     async def _close_pools(self) -> None:
         # Once, whoever asks first (a death, a failed start, the thread's end); the others wait.
@@ -328,58 +315,40 @@ class Orchestrator:
             state.timer = asyncio.get_running_loop().call_later(
                 max(0.0, msg.deadline - time.monotonic()), self._on_deadline, msg.request_id
             )
-        needed = self._needed_stages(state.finals_left)
-        for stage in self.config.stage_args:
-            if stage.stage_id in needed and not stage.engine_input_source:
-                if msg.streaming_input:  # the prompt is the input's first piece
-                    state.feeds[stage.stage_id] = _Feed(Chunker(STREAMING_INPUT_CHUNKING))
-                    self._update(EngineUpdate(request_id=msg.request_id, text=msg.prompt))
-                else:
-                    self._submit(state, stage.stage_id, msg.prompt, {})
+        sources = self.graph.sources(self.graph.needed(state.finals_left))
+        if msg.streaming_input:  # the prompt is the input's first piece
+            self.chunks.open_input(msg.request_id, sources)
+            self.chunks.on_input(msg.request_id, msg.prompt, {}, final=False)
+            return
+        for stage_id in sources:
+            self._submit(state, stage_id, msg.prompt, {})
 
     def _update(self, msg: EngineUpdate) -> None:
         """More input for a streaming-input request: into each source stage's chunker."""
         state = self._requests.get(msg.request_id)
         if state is None or not state.msg.streaming_input:
             return  # it ended meanwhile (the caller checked the rest)
-        for stage_id, feed in list(state.feeds.items()):
-            if self.config.stage(stage_id).engine_input_source or feed.chunker.finished:
-                continue
-            feed.extras.update(msg.inputs)
-            feed.fed = True
-            feed.ready.extend(feed.chunker.feed(msg.text))
-            if msg.final:
-                feed.ready.extend(feed.chunker.finish())
-                feed.last_index = feed.chunker.chunks_made - 1
-            self._pump(state, stage_id)
-            if self._requests.get(msg.request_id) is not state:
-                return
-
-    def _needed_stages(self, finals: set[int]) -> set[int]:
-        needed, todo = set(), list(finals)
-        while todo:
-            sid = todo.pop()
-            if sid not in needed:
-                needed.add(sid)
-                todo.extend(self.config.stage(sid).engine_input_source)
-        return needed
+        self.chunks.on_input(msg.request_id, msg.text, msg.inputs, final=msg.final)
 
     def _submit(self, state: _Request, stage_id: int, prompt: Any, inputs: dict[str, Any]) -> None:
-        msg = state.msg
         try:
-            self.pools[stage_id].submit(
-                StageRequest(
-                    request_id=msg.request_id,
-                    prompt=prompt,
-                    params=msg.params.get(stage_id, {}),
-                    inputs=inputs,
-                    arrival_time=msg.arrival_time,
-                    priority=msg.priority,
-                )
-            )
+            self._send(state, stage_id, state.msg.request_id, prompt, inputs)
         except Exception as e:  # no live replica, or a value no message can carry
-            self._finish_with_error(msg.request_id, e, stage_id)
-            return
+            self._finish_with_error(state.msg.request_id, e, stage_id)
+
+    def _send(self, state: _Request, stage_id: int, request_id: str, prompt: Any, inputs: dict[str, Any]) -> None:
+        """Submit the request (or one of its chunks, ``request_id``) to a stage; raises if it cannot."""
+        msg = state.msg
+        self.pools[stage_id].submit(
+            StageRequest(
+                request_id=request_id,
+                prompt=prompt,
+                params=msg.params[stage_id],
+                inputs=inputs,
+                arrival_time=msg.arrival_time,
+                priority=msg.priority,
+            )
+        )
         state.running.add(stage_id)
 
     def _on_stage_output(self, stage_id: int, out: StageOutput) -> None:
@@ -397,9 +366,11 @@ class Orchestrator:
             raise
 
     def _route_output(self, stage_id: int, out: StageOutput) -> None:
-        owner = self._subs.get(out.request_id)
-        if owner is not None:
-            self._route_chunk_output(stage_id, owner[0], out)
+        if self.chunks.owner(out.request_id) is not None:
+            # A chunk's sub-request: its own streamed pieces are not passed on, its whole output is.
+            if out.finished:
+                self.pools[stage_id].done(out.request_id)
+                self.chunks.on_output(stage_id, out)
             return
         state = self._requests.get(out.request_id)
         if state is None:
@@ -408,35 +379,38 @@ class Orchestrator:
             self.pools[stage_id].done(out.request_id)
             self._finish_with_error(out.request_id, out.error.to_exception(), stage_id)
             return
-        backend = self._backend_of[stage_id]
         if not out.finished:  # a streamed delta: pass it on to the caller and to chunked stages
-            if stage_id in state.msg.final_stage_ids or self._chunk_consumers(state, stage_id):
-                self._after_settle(state, backend.settle(out, None), lambda o: self._on_delta(state, stage_id, o))
+            if stage_id in state.msg.final_stage_ids or self.graph.chunk_consumers(stage_id, state.finals_left):
+                self._settle(out.request_id, stage_id, out, lambda o: self._on_delta(out.request_id, stage_id, o))
             elif out.payload.progress is not None:  # an inner stage's progress: the caller sees it too
                 self._deliver(state, stage_id, out, finished=False, stage_finished=False)
             return
         self.pools[stage_id].done(out.request_id)
+        deliver, consumers, needed = self._stage_done(state, stage_id)
+        # The output goes on as it is only to a single consumer that takes it unchanged (no input
+        # function); the caller, several stages or a function get plain values.
+        only = None if deliver else self.graph.sole_taker(consumers)
+        self._settle(
+            out.request_id, stage_id, out, lambda o: self._forward(state, stage_id, o, deliver, consumers, needed), only
+        )
+
+    def _stage_done(self, state: _Request, stage_id: int) -> tuple[bool, list[int], set[int]]:
+        """A stage finished with a request: whether the caller gets its output, the needed stages
+        it feeds, and every stage still needed."""
         state.running.discard(stage_id)
         deliver = stage_id in state.finals_left
         state.finals_left.discard(stage_id)
-        needed = self._needed_stages(state.finals_left)
-        consumers = [d for d in self._downstream[stage_id] if d in needed]
-        # The output goes on as it is only to a single consumer that takes it unchanged (no input
-        # function); the caller, several stages or a function get plain values.
-        only = (
-            consumers[0]
-            if len(consumers) == 1
-            and not deliver
-            and consumers[0] not in self._input_funcs
-            and consumers[0] not in self._chunked
-            else None
-        )
-        settled = backend.settle(out, None if only is None else self.config.stage(only))
-        self._after_settle(state, settled, lambda o: self._forward(state, stage_id, o, deliver, consumers, needed))
+        needed = self.graph.needed(state.finals_left)
+        return deliver, [d for d in self.graph.downstream[stage_id] if d in needed], needed
 
-    def _after_settle(self, state: _Request, settled: Any, then: Callable[[StageOutput], None]) -> None:
-        """``then(output)`` now, or, when a backend must fetch the output's arrays first, once it
-        has: after every earlier output of the same request, which keeps their order."""
+    def _settle(self, request_id: str, stage_id: int, out: StageOutput, then: _Then, to: int | None = None) -> None:
+        """``then(output)`` once the stage's backend made ``out`` ready for stage ``to`` (None: as
+        plain values): now, or, when it must fetch the output's arrays first, once it has, after
+        every earlier output of the same request, which keeps their order."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        settled = self._backend_of[stage_id].settle(out, None if to is None else self.graph.stage(to))
         if not inspect.isawaitable(settled) and state.settling is None:
             then(settled)
             return
@@ -485,10 +459,12 @@ class Orchestrator:
         # Forward to each needed downstream stage whose inputs are all here; a chunked one gets
         # the rest of its chunks.
         for down in consumers:
-            if down in self._chunked:
-                self._end_feed(state, stage_id, down, out)
+            if down in self.graph.chunked:
+                self.chunks.on_end(out.request_id, down, out)
+                if self._requests.get(out.request_id) is not state:
+                    return  # its last chunks could not go
                 continue
-            stage = self.config.stage(down)
+            stage = self.graph.stage(down)
             if (
                 down in needed
                 and down not in state.running
@@ -496,166 +472,42 @@ class Orchestrator:
                 and all(src in state.done for src in stage.engine_input_source)
             ):
                 try:
-                    prompt, inputs = self._stage_input(stage, state)
+                    upstream = {sid: state.done[sid] for sid in stage.engine_input_source}
+                    prompt, inputs = self.graph.input(down, state.msg.prompt, upstream)
                 except Exception as e:
                     self._finish_with_error(out.request_id, e, down)
                     return
                 self._submit(state, down, prompt, inputs)
 
-    def _stage_input(
-        self, stage: StageConfig, state: _Request, upstream: dict[int, StageOutput] | None = None
-    ) -> tuple[Any, dict[str, Any]]:
-        """Map upstream outputs (and the original prompt) to this stage's (prompt, inputs)."""
-        if upstream is None:
-            upstream = {sid: state.done[sid] for sid in stage.engine_input_source}
-        func = self._input_funcs.get(stage.stage_id)
-        if func is not None:
-            result = func(
-                state.msg.prompt,
-                {
-                    sid: {"text": o.payload.text, "images": _arrays(o.payload.media), "tensors": o.payload.tensors}
-                    for sid, o in upstream.items()
-                },
-            )
-            return result.get("prompt", state.msg.prompt), dict(result.get("inputs", {}))
-        # Default: upstream text becomes the prompt; tensors pass through by name.
-        inputs: dict[str, Any] = {}
-        texts = []
-        for o in upstream.values():
-            inputs.update(o.payload.tensors)
-            images = _arrays(o.payload.media)
-            if images:
-                inputs["images"] = images
-            if o.payload.text is not None:
-                texts.append(o.payload.text)
-        if texts:
-            inputs["text"] = "\n".join(texts)
-            return inputs["text"], inputs
-        return state.msg.prompt, inputs
+    # ------------------------------------------------------------------ chunked hand-off (callbacks)
 
-    # ------------------------------------------------------------------ chunked hand-off
-
-    def _chunk_consumers(self, state: _Request, stage_id: int) -> list[int]:
-        """The chunked stages this request needs that take ``stage_id``'s streamed output."""
-        downs = [d for d in self._downstream[stage_id] if d in self._chunked]
-        if not downs:
-            return []
-        needed = self._needed_stages(state.finals_left)
-        return [d for d in downs if d in needed]
-
-    def _feed(self, state: _Request, down: int) -> _Feed:
-        feed = state.feeds.get(down)
-        if feed is None:  # only chunked stages get one here (a source stage's is made at _add)
-            feed = state.feeds[down] = _Feed(Chunker(self._chunked[down]))
-        return feed
-
-    def _on_delta(self, state: _Request, stage_id: int, out: StageOutput) -> None:
-        """A streamed delta of ``stage_id`` (its arrays plain values): to the caller if it asked
-        for the stage, and into the chunker of each chunked stage it feeds."""
-        if self._requests.get(out.request_id) is not state:
+    def _on_delta(self, request_id: str, stage_id: int, out: StageOutput) -> None:
+        """A streamed delta of ``stage_id`` (arrays as plain values), or a chunked stage's next partial
+        output: to the caller if it asked for the stage, and into the chunked stages it feeds."""
+        state = self._requests.get(request_id)
+        if state is None:
             return
         if stage_id in state.msg.final_stage_ids:
             self._deliver(state, stage_id, out, finished=False, stage_finished=False)
-        for down in self._chunk_consumers(state, stage_id):
-            feed = self._feed(state, down)
-            if feed.chunker.finished:
-                continue
-            if out.payload.text or out.payload.tensors:
-                feed.fed = True
-            feed.ready.extend(feed.chunker.feed(out.payload.text, out.payload.tensors))
-            self._pump(state, down)
+        self.chunks.on_delta(request_id, self.graph.chunk_consumers(stage_id, state.finals_left), out)
 
-    def _end_feed(self, state: _Request, stage_id: int, down: int, out: StageOutput) -> None:
-        """The upstream finished: the chunker's last chunks go. An upstream that streamed nothing
-        (a runner that does not stream) is fed its whole output first, so it is chunked too."""
-        feed = self._feed(state, down)
-        if not feed.fed:
-            feed.ready.extend(feed.chunker.feed(out.payload.text, out.payload.tensors))
-        feed.ready.extend(feed.chunker.finish())
-        feed.last_index = feed.chunker.chunks_made - 1
-        self._pump(state, down)
+    def _submit_chunk(self, rid: str, stage_id: int, chunk_id: str, chunk: Chunk, inputs: dict[str, Any]) -> None:
+        """A chunk to its stage as a sub-request: the stage's input made from it as from any
+        upstream output, or for a source stage of a streaming-input request, the caller's text."""
+        state = self._requests[rid]
+        sources = self.graph.stage(stage_id).engine_input_source
+        if sources:
+            piece = StageOutput(request_id=rid, payload=Payload(text=chunk.text, tensors=chunk.tensors))
+            prompt, made = self.graph.input(stage_id, state.msg.prompt, {sources[0]: piece})
+        else:
+            prompt, made = chunk.text or "", {}
+        self._send(state, stage_id, chunk_id, prompt, made | inputs)
 
-    def _pump(self, state: _Request, down: int) -> None:
-        """Submit ready chunks to ``down`` in order while fewer than ``max_buffered`` run there."""
-        feed = state.feeds[down]
-        policy = self._chunked.get(down)
-        limit = (policy or STREAMING_INPUT_CHUNKING).max_buffered
-        rid = state.msg.request_id
-        stage = self.config.stage(down)
-        while feed.ready and len(feed.outstanding) < limit:
-            chunk = feed.ready.popleft()
-            if stage.engine_input_source:
-                src = stage.engine_input_source[0]
-                piece = StageOutput(request_id=rid, payload=Payload(text=chunk.text, tensors=chunk.tensors))
-                try:
-                    prompt, inputs = self._stage_input(stage, state, {src: piece})
-                except Exception as e:
-                    self._finish_with_error(rid, e, down)
-                    return
-            else:  # a source stage of a streaming-input request: the caller's text
-                prompt, inputs = chunk.text or "", {}
-            inputs |= {**feed.extras, **chunk.tensors, "chunk_index": chunk.index, "last_chunk": chunk.last}
-            feed.extras = {}
-            sub = f"{rid}#chunk{chunk.index}"
-            try:
-                self.pools[down].submit(
-                    StageRequest(
-                        request_id=sub,
-                        prompt=prompt,
-                        params=state.msg.params.get(down, {}),
-                        inputs=inputs,
-                        arrival_time=state.msg.arrival_time,
-                        priority=state.msg.priority,
-                    )
-                )
-            except Exception as e:  # no live replica, or a value no message can carry
-                self._finish_with_error(rid, e, down)
-                return
-            feed.outstanding[sub] = chunk.index
-            self._subs[sub] = (rid, down)
-            state.running.add(down)
-
-    def _route_chunk_output(self, stage_id: int, rid: str, out: StageOutput) -> None:
-        """An output of one chunk's sub-request: its request's next partial output, in chunk
-        order; the stage's output once the last chunk is in."""
-        if not out.finished:
-            return  # a chunk's own streamed pieces: the chunk's whole output goes on instead
-        self.pools[stage_id].done(out.request_id)
-        self._subs.pop(out.request_id, None)
-        state = self._requests.get(rid)
-        feed = state.feeds.get(stage_id) if state is not None else None
-        if state is None or feed is None or out.request_id not in feed.outstanding:
-            return
-        index = feed.outstanding.pop(out.request_id)
-        if out.error is not None:
-            self._finish_with_error(rid, out.error.to_exception(), stage_id)
-            return
-        self._pump(state, stage_id)  # room for the next chunk
-        settled = self._backend_of[stage_id].settle(out, None)
-        self._after_settle(state, settled, lambda o: self._chunk_done(state, stage_id, index, o))
-
-    def _chunk_done(self, state: _Request, stage_id: int, index: int, out: StageOutput) -> None:
-        feed = state.feeds[stage_id]
-        feed.results[index] = out
-        while feed.next_out in feed.results:
-            piece = feed.results.pop(feed.next_out)
-            feed.next_out += 1
-            feed.outputs.append(piece)
-            delta = msgspec.structs.replace(piece, request_id=state.msg.request_id, finished=False)
-            self._on_delta(state, stage_id, delta)
-            if self._requests.get(state.msg.request_id) is not state:
-                return  # the delta ended the request (an error downstream)
-        if feed.last_index is None or feed.next_out <= feed.last_index:
-            return
-        # 1) every chunk is in: the stage's output is their concatenation
-        # 2) then as any stage that finished: delivered if asked for, forwarded downstream
-        whole = StageOutput(request_id=state.msg.request_id, payload=join_outputs([o.payload for o in feed.outputs]))
-        state.running.discard(stage_id)
-        deliver = stage_id in state.finals_left
-        state.finals_left.discard(stage_id)
-        needed = self._needed_stages(state.finals_left)
-        consumers = [d for d in self._downstream[stage_id] if d in needed]
-        self._forward(state, stage_id, whole, deliver, consumers, needed)
+    def _on_chunks_joined(self, request_id: str, stage_id: int, whole: StageOutput) -> None:
+        """Every chunk is in: the stage's output (their join) goes on as any finished stage's."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            self._forward(state, stage_id, whole, *self._stage_done(state, stage_id))
 
     def _deliver(
         self, state: _Request, stage_id: int, out: StageOutput, *, finished: bool, stage_finished: bool
@@ -683,11 +535,8 @@ class Orchestrator:
             return
         for sid in list(state.running):
             self.pools[sid].abort(request_id)
-        for sid, feed in state.feeds.items():  # every chunk still running, in every stage
-            for sub in feed.outstanding:
-                self._subs.pop(sub, None)
-                self.pools[sid].abort(sub)
-            feed.outstanding.clear()
+        for sid, sub in self.chunks.forget(request_id):  # every chunk still running, in every stage
+            self.pools[sid].abort(sub)
         self._forget(request_id)
         if stage_id is None:
             stage_id = next(iter(state.running), state.msg.final_stage_ids[0])
@@ -698,6 +547,7 @@ class Orchestrator:
         state = self._requests.pop(request_id, None)
         if state is not None and state.timer is not None:
             state.timer.cancel()
+        self.chunks.forget(request_id)  # every chunk is done (an error aborted those still out)
 
     def _on_deadline(self, request_id: str) -> None:
         state = self._requests.get(request_id)
@@ -708,8 +558,8 @@ class Orchestrator:
 
     def _on_requests_lost(self, stage_id: int, request_ids: list[str], error: OmniError) -> None:
         for rid in request_ids:
-            owner = self._subs.get(rid)  # a chunk's loss is its request's
-            self._finish_with_error(rid if owner is None else owner[0], error, stage_id)
+            owner = self.chunks.owner(rid)  # a chunk's loss is its request's
+            self._finish_with_error(rid if owner is None else owner, error, stage_id)
 
     def _on_stage_gone(self, stage_id: int, reason: str) -> None:
         """A stage has no live replica and no restart left: no request can be served any more."""
@@ -754,9 +604,3 @@ def _error_output(
         error=ErrorInfo.from_exception(exc, stage_id if sid is None else sid),
         payload=Payload() if metrics is None else Payload(metrics=metrics),
     )
-
-
-def _arrays(media: list[MediaItem]) -> list[Any]:
-    """The arrays of the images among ``media``: what a downstream stage and an input function
-    get as ``inputs["images"]`` / ``upstream[sid]["images"]``."""
-    return [m.data for m in items_of(media, "image")]

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from omni_runtime.exceptions import ConfigError
+from omni_runtime.models.families import builders as family_builders
 
 #: Builtins that belong to no diffusion family: name -> "module:function" that writes the model
 #: into an empty directory. The families' own are in their specs (``omni_runtime.models.families``).
@@ -30,8 +31,6 @@ OTHER_BUILDERS: dict[str, str] = {
 
 def builders() -> dict[str, str]:
     """Every builtin model: name -> "module:function" that writes it into an empty directory."""
-    from omni_runtime.models.families import builders as family_builders
-
     return {**family_builders(), **OTHER_BUILDERS}
 
 

@@ -30,6 +30,11 @@ WORDS = (
     "white black small big running sleeping yawning eating burger squirrel",
     "prompt user enhanced generate detailed visual description descriptions colors shapes",
 )
+#: The merges of the CLIP BPE of the builtins (``tiny-sd``'s and the other CLIP text encoders'): a
+#: few common English pairs, enough for the BPE model to be a real one; ids 512..519.
+MERGES = ("t h", "i n", "e r", "o n", "a n", "r e", "th e</w>", "in g</w>")
+#: Its entries: 256 byte characters, the same with ``</w>``, the merges, start and end of text.
+CLIP_VOCAB_SIZE = 522
 #: Tokenizer-side keys that record how a tokenizer was loaded rather than what it is; transformers 5
 #: writes them into ``tokenizer_config.json``, which would make two builds' files differ by path.
 LOAD_TIME_KEYS = ("local_files_only", "is_local", "name_or_path", "_commit_hash")
@@ -47,11 +52,32 @@ def seeded(seed: int, make: Callable[[], T]) -> T:
         return make()
 
 
+def _byte_alphabet() -> list[str]:
+    """The 256 printable characters GPT-2/CLIP byte-level BPE maps the bytes 0..255 to."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def write_clip_vocab(directory: Path) -> None:
+    """Write the 522-entry CLIP ``vocab.json`` and ``merges.txt`` (ids match ``tiny-sd``'s
+    ``TEXT_ENCODER``, in omni_runtime/models/families/sd/tiny.py)."""
+    alphabet = _byte_alphabet()
+    tokens = alphabet + [c + "</w>" for c in alphabet] + [m.replace(" ", "") for m in MERGES]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    assert len(tokens) == CLIP_VOCAB_SIZE
+    (directory / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
+    (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(MERGES) + "\n")
+
+
 def clip_tokenizer() -> CLIPTokenizer:
     """The 522-entry CLIP BPE of ``tiny-sd`` (ids match ``tiny_sd.TEXT_ENCODER``)."""
     from transformers import CLIPTokenizer
-
-    from omni_runtime.models.families.sd.tiny import write_clip_vocab
 
     with tempfile.TemporaryDirectory() as vocab_dir:
         write_clip_vocab(Path(vocab_dir))
@@ -137,8 +163,6 @@ def save_pipeline(pipe: Any, path: Path, clip_tokenizers: tuple[str, ...] = ()) 
     ``merges.txt`` back (transformers 5 writes only ``tokenizer.json``), as ``tiny-sd``'s has.
     """
     from transformers.utils import logging as transformers_logging
-
-    from omni_runtime.models.families.sd.tiny import write_clip_vocab
 
     path = Path(path)
     # The shard-writing progress bar is noise for a few-MB model written at first use.

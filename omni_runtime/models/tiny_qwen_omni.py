@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from omni_runtime.models.tiny_lm import build_tokenizer
+
 #: Fixed seed of the weights: two builds write identical files.
 SEED = 2525
 SAMPLE_RATE = 16_000
@@ -72,8 +74,6 @@ def _mrope() -> dict[str, object]:
 def _build_thinker(path: Path) -> dict[str, int]:
     import torch
     from transformers import GenerationConfig, Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
-
-    from omni_runtime.models.tiny_lm import build_tokenizer
 
     tokenizer = build_tokenizer(path)
     base = len(tokenizer)

@@ -87,7 +87,7 @@ class RequestExecutor(Executor):
         self.scheduler: RequestScheduler = scheduler
 
     def add(self, req: RunnerRequest) -> None:
-        slo_ms = req.params.get("slo_ms")
+        slo_ms = getattr(req.params, "slo_ms", None)  # a custom runner's own params class may not declare it
         self.scheduler.add(req.request_id, self.worker.runner.batch_key(req), req, priority=req.priority, slo_ms=slo_ms)
 
     def abort(self, rid: str) -> None:

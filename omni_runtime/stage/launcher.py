@@ -39,6 +39,9 @@ from typing import Any
 
 import msgspec
 
+from omni_runtime.logs import configure_logging
+from omni_runtime.stage.process import die_with_parent, run_stage_process
+
 logger = logging.getLogger("omni_runtime.stage.launcher")
 
 #: Largest message: a Launch carries a stage config, a few KiB.
@@ -90,6 +93,8 @@ def set_title(title: str) -> None:
 def preload(stages: list[Any]) -> None:
     """Import each stage's runner and what its ``preload`` names. Best effort: a stage whose
     imports fail here fails the same way in its replica, which reports it."""
+    # lazy: numpy, yaml and the runtime's modules load after main() set up the process (its
+    # parent-death signal, its logging); the engine imports this module for its messages only.
     from omni_runtime.config import StageConfig
     from omni_runtime.stage.optional_imports import keep_out_unrequested
     from omni_runtime.stage.runners.base import runner_class
@@ -212,8 +217,6 @@ class _Launcher:
                 os.close(fd)
             self.sock.close()
             set_title(msg.title)
-            from omni_runtime.stage.process import run_stage_process
-
             run_stage_process(msg.args)  # ends the process itself
             code = 0
         except SystemExit as e:
@@ -227,9 +230,6 @@ class _Launcher:
 def main() -> None:
     """``python -m omni_runtime.stage.launcher FD [LEVEL]``: FD is this end of the engine's socket
     pair, LEVEL the engine's log level (a number; default INFO)."""
-    from omni_runtime.logs import configure_logging
-    from omni_runtime.stage.process import die_with_parent
-
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides how its stages stop
     # Before anything is preloaded: libraries read their log level as they are imported.

@@ -86,6 +86,8 @@ def run_stage_process(args_bytes: bytes) -> None:
 async def _serve(args: StageProcessArgs) -> int:
     import zmq
 
+    # lazy: after run_stage_process set the thread counts and logging, which numpy (and torch,
+    # with the runner) read as they load; the engine imports this module for StageProcessArgs.
     from omni_runtime.config import StageConfig
     from omni_runtime.messages import StageShutdown, StageStartupFailed
     from omni_runtime.serialization import Encoder, inbound_decoder
@@ -105,7 +107,7 @@ async def _serve(args: StageProcessArgs) -> int:
     # Outputs are this replica's to place in shared memory; the pool is unlinked when it exits
     # (or, after a crash, by the parent, which knows the prefix).
     pool = ShmPool(args.shm_prefix) if args.shm_prefix else None
-    encoder, decoder = Encoder(pool), inbound_decoder(args.shm_engine)
+    encoder = Encoder(pool)
 
     def send(msg: Any) -> None:
         # Unbounded HWM: never blocks while the parent is connected; NOBLOCK, so that a parent that
@@ -132,6 +134,8 @@ async def _serve(args: StageProcessArgs) -> int:
         send(ready)
         if isinstance(ready, StageStartupFailed):
             return 0
+        # A request's params decode as the loaded runner's params class, arrays in place.
+        decoder = inbound_decoder(args.shm_engine, host.params_cls)
         stopped = asyncio.get_running_loop().create_future()
 
         def on_frames(frames: list[Any]) -> None:

@@ -23,6 +23,13 @@ import os
 import time
 from typing import Any
 
+import msgspec
+
+from omni_runtime.config import StageConfig
+from omni_runtime.messages import StageStartupFailed
+from omni_runtime.serialization import Encoder, inbound_decoder
+from omni_runtime.stage.replica_host import ReplicaHost
+
 logger = logging.getLogger("omni_runtime.stage")
 
 
@@ -44,12 +51,6 @@ class StageActor:
 
     async def start(self) -> tuple[list[bytes], list[Any]]:
         """Load the model and start serving; returns the encoded READY (or StageStartupFailed)."""
-        import msgspec
-
-        from omni_runtime.config import StageConfig
-        from omni_runtime.messages import StageStartupFailed
-        from omni_runtime.stage.replica_host import ReplicaHost
-
         self._inbox, self._outbox = asyncio.Queue(), asyncio.Queue()
         stage = msgspec.convert(self._stage_data, StageConfig)
         self._host = ReplicaHost(stage, self._replica_id, self._outbox.put_nowait, self._on_fatal)
@@ -94,18 +95,12 @@ class StageActor:
     def _encode(self, msg: Any) -> tuple[list[bytes], list[Any]]:
         import ray
 
-        from omni_runtime.serialization import Encoder
-
         encoder = Encoder(remote_put=ray.put, remote_min_bytes=self._remote_min_bytes)
         frames = encoder.encode(msg)
         return [bytes(f) for f in frames], list(encoder.remote)
 
     async def _take_inbox(self) -> None:
-        import msgspec
-
-        from omni_runtime.serialization import inbound_decoder
-
-        decoder = inbound_decoder()
+        decoder = inbound_decoder(params_cls=self._host.params_cls)
         assert self._inbox is not None  # made by start, before this task
         while True:
             frames, refs = await self._inbox.get()
@@ -123,8 +118,6 @@ class StageActor:
     @staticmethod
     def _without_arrays(frames: list[bytes], refs: list[Any]) -> Any:
         """The message with its arrays left as handles (nothing to fetch), or None."""
-        from omni_runtime.serialization import inbound_decoder
-
         try:
             return inbound_decoder().decode(frames, refs)
         except Exception:

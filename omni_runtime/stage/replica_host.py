@@ -23,6 +23,7 @@ from omni_runtime.messages import (
     encodable_text,
 )
 from omni_runtime.stage.optional_imports import keep_out_unrequested
+from omni_runtime.stage.worker import StageWorker
 
 logger = logging.getLogger("omni_runtime.stage")
 
@@ -49,8 +50,6 @@ class ReplicaHost:
 
     async def start(self) -> StageReady | StageStartupFailed:
         """Build the worker and load its model: READY, or why it failed (to send as it is)."""
-        from omni_runtime.stage.worker import StageWorker
-
         # Before the runner imports its libraries: torchao only for a stage that quantizes.
         keep_out_unrequested([self.stage])
         try:
@@ -63,6 +62,11 @@ class ReplicaHost:
             return StageStartupFailed(
                 error=ErrorInfo(type="StageStartupError", message=message, stage_id=self.stage_id)
             )
+
+    @property
+    def params_cls(self) -> Any:
+        """The class a request's params decode as: the loaded runner's (after :meth:`start`)."""
+        return self.worker.runner.params_cls
 
     def handle(self, msg: Any) -> None:
         """One decoded message from the engine, to the worker."""

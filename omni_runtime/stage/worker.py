@@ -239,7 +239,7 @@ class StageWorker:
         req = RunnerRequest(
             request_id=msg.request_id,
             prompt=msg.prompt,
-            params=dict(msg.params),
+            params=msg.params,
             inputs=dict(msg.inputs),
             priority=msg.priority,
         )

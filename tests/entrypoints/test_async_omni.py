@@ -11,6 +11,7 @@ import pytest
 
 from omni_runtime import AsyncOmni
 from omni_runtime.bounds import MAX_PROMPT_CHARS
+from omni_runtime.events import Final, StageDone
 from omni_runtime.exceptions import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -96,6 +97,28 @@ async def test_deadline_aborts_and_raises_timeout(echo):
     with pytest.raises(RequestTimeoutError):
         await last(echo, "slow", {"delay_ms": 10_000, "timeout": 0.3})
     assert time.monotonic() - start < 1.5
+
+
+async def test_events_end_with_final_and_fail_or_cancel_as_generate_does(echo):
+    events = [e async for e in echo.events("hello", request_id="r-events")]
+    assert [type(e) for e in events] == [StageDone, Final]
+    done, final = events
+    assert done.stage == 0 and done.result is final.output.outputs_by_stage[0] and done.result.text == "hello"
+    assert final.output.finished and final.output.request_id == "r-events" and final.error is None
+    with pytest.raises(RequestTimeoutError):  # raised, as from generate: no event says it
+        async for _ in echo.events("slow", {"delay_ms": 10_000, "timeout": 0.3}):
+            pass
+
+    async def drain() -> None:
+        async for _ in echo.events("slow", SLOW, request_id="events-cancelled"):
+            pass
+
+    task = asyncio.create_task(drain())
+    await in_stage(echo, 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert echo.engine.num_pending == 0
 
 
 async def test_max_pending_refuses_at_once(echo):

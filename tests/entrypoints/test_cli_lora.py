@@ -42,8 +42,10 @@ def test_generate_with_a_lora_folder(tmp_path: Path) -> None:
     assert result["params"]["lora"] == {"path": str(adapter.resolve()), "scale": 0.8}
     assert plain.returncode == 0, plain.stderr
     [result] = json.loads((tmp_path / "plain" / "report.json").read_text())["results"]
-    # tiny-sd's defaults, resolved: what the request ran with, not only what was typed.
-    assert result["params"] == {"seed": 7, "num_inference_steps": 4, "guidance_scale": 7.5, "height": 64, "width": 64}
+    # tiny-sd's defaults, resolved: what the request ran with (the params' fallbacks too), not only
+    # what was typed.
+    expected = {"seed": 7, "num_inference_steps": 4, "guidance_scale": 7.5, "height": 64, "width": 64}
+    assert result["params"] == {**expected, "output_type": "pil"}
     assert np.abs(image(tmp_path / "with") - image(tmp_path / "plain")).mean() > 1.0
     assert unknown.returncode == 1 and "unknown LoRA adapter 'watercolor'" in unknown.stderr
     assert bad_scale.returncode != 0 and "lora" in bad_scale.stderr

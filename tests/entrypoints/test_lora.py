@@ -27,6 +27,7 @@ from omni_runtime.params import LoraRequest
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 from tests.conftest import make_config
+from tests.helpers import diffusion_params
 from tests.hostile_loras import bin_adapter, nan_adapter
 from tests.strategies import ANY_FLOAT, ANY_TEXT, JSON_VALUES
 
@@ -79,7 +80,7 @@ def reference(cache: Path, adapters: dict[str, str]) -> Iterator[DiffusionRunner
 
 
 def solo(runner: DiffusionRunner, prompt: str, **params: Any) -> np.ndarray:
-    request = RunnerRequest("solo", prompt, {**DEFAULTS, "output_type": "np", **params})
+    request = RunnerRequest("solo", prompt, diffusion_params({**DEFAULTS, "output_type": "np", **params}))
     (out,) = runner.execute([request], ExecuteContext(lambda rid: False))
     assert out.error is None, out.error
     return out.tensors["images"]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from omni_runtime import AsyncOmni, Omni, shm
+from omni_runtime.events import Final, Progress, StageDone, TextDelta
 from omni_runtime.exceptions import RequestAbortedError, StageDeadError, StageExecutionError
 from tests.conftest import children, echo_stage, make_config, shm_segments
 from tests.multistage_helpers import payload
@@ -64,7 +65,8 @@ def engine_segments(engine) -> set[str]:
 
 @pytest.fixture(scope="module")
 async def omni_async():
-    engine = AsyncOmni("tiny-omni")
+    # Progress at every denoising step: a few steps show it, and nothing waits for the throttle.
+    engine = AsyncOmni("tiny-omni", progress_interval_s=0)
     yield engine
     await asyncio.get_running_loop().run_in_executor(None, engine.close)
 
@@ -80,6 +82,26 @@ async def test_tiny_omni_streams_text_deltas_then_delivers_the_image(omni_async)
     assert final.text == text
     assert len(final.images) == 1 and final.images[0].size == (64, 64)
     assert final.outputs_by_stage[1].images and final.metrics["seed"] == 2
+
+
+async def test_tiny_omni_events_say_the_text_stage_done_then_each_step_then_the_image(omni_async):
+    steps = 3
+    params = [{"seed": 1}, {"seed": 2, "num_inference_steps": steps}]
+    # Only the image asked for: the text stage is an inner one, whose text goes to stage 1 only.
+    events = [e async for e in omni_async.events("a red fox", params, request_id="fox", modalities=["image"])]
+    kinds = [(type(e).__name__, getattr(e, "stage", None)) for e in events]
+    expected = [("StageDone", 0), *[("Progress", 1)] * steps, ("StageDone", 1), ("Final", None)]
+    assert kinds == expected
+    assert not any(isinstance(e, TextDelta) for e in events)
+    assert [(e.step, e.steps) for e in events if isinstance(e, Progress)] == [(i, steps) for i in range(1, steps + 1)]
+    inner, image = (e for e in events if isinstance(e, StageDone))
+    assert inner.result is None and inner.metrics["execution_ms"] >= 0  # its timings, not its text
+    final = events[-1]
+    assert isinstance(final, Final) and final.error is None
+    out = final.output
+    assert out.finished and out.request_id == "fox" and sorted(out.outputs_by_stage) == [1]
+    assert image.result is out.outputs_by_stage[1] and len(image.result.images) == 1
+    assert image.metrics["seed"] == 2 and image.metrics["e2e_ms"] > 0
 
 
 async def test_tiny_omni_text_modality_stops_after_the_text_stage(omni_async):

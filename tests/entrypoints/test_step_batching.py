@@ -26,6 +26,7 @@ from omni_runtime.exceptions import (
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 from tests.conftest import eventually, make_config
+from tests.helpers import diffusion_params
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +70,7 @@ def reference(cache: Path) -> Iterator[DiffusionRunner]:
 
 
 def solo_images(runner: DiffusionRunner, prompt: str, **params: object) -> np.ndarray:
-    request = RunnerRequest("solo", prompt, {**DEFAULTS, "output_type": "np", **params})
+    request = RunnerRequest("solo", prompt, diffusion_params({**DEFAULTS, "output_type": "np", **params}))
     (out,) = runner.execute([request], ExecuteContext(lambda rid: False))
     return out.tensors["images"]
 

@@ -15,7 +15,7 @@ from omni_runtime.acceleration import FirstBlockCache, MagCache, cache_key, pars
 from omni_runtime.config import parse_config
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
 from omni_runtime.messages import StageConstraints
-from omni_runtime.params import DiffusionSamplingParams, check_constraints, resolve_params
+from omni_runtime.params import DiffusionSamplingParams, check_constraints, params_to_dict, resolve_params
 from tests.strategies import ANY_TEXT, JSON_VALUES, SURROGATES
 
 pytestmark = pytest.mark.unit
@@ -92,9 +92,10 @@ def test_quantizing_another_component_leaves_the_denoiser_to_casting() -> None:
 
 def test_request_cache_param_and_key() -> None:
     given_ = resolve_params(DiffusionSamplingParams, {}, {"cache": {"type": "first_block", "threshold": 0.2}})
-    assert given_["cache"] == {"type": "first_block", "threshold": 0.2}
-    assert parse_cache(given_["cache"]) == FirstBlockCache(threshold=0.2)
-    assert resolve_params(DiffusionSamplingParams, {}, {"cache": "off"})["cache"] == "off"
+    assert given_.cache == FirstBlockCache(threshold=0.2)  # the struct travels; its dict view as given
+    assert params_to_dict(given_)["cache"] == {"type": "first_block", "threshold": 0.2}
+    assert parse_cache(given_.cache) == FirstBlockCache(threshold=0.2)
+    assert resolve_params(DiffusionSamplingParams, {}, {"cache": "off"}).cache == "off"
     # Equal settings batch together however they were spelt; different ones apart.
     assert cache_key({"type": "first_block", "threshold": 0.05}) == cache_key({"type": "first_block"})
     keys = {cache_key(v) for v in (None, "off", {"type": "first_block"}, {"type": "mag"}, {"type": "pab"})}
@@ -120,7 +121,7 @@ def test_hostile_cache_params_are_400s_or_valid(value: Any) -> None:
     except InvalidRequestError as e:
         assert e.param is not None and e.param.startswith("cache")
         return
-    cache = resolved.get("cache")
+    cache = resolved.cache
     assert cache is None or cache == "off" or isinstance(cache_key(cache), str)
 
 

@@ -136,7 +136,7 @@ def test_a_drifted_copy_would_be_caught() -> None:
 def test_the_same_timeout_over_http_and_from_python() -> None:
     week = 7 * 86_400
     assert protocol.GenerateConfig(timeout=week).timeout == week
-    assert params.resolve_params(params.EchoSamplingParams, {}, {"timeout": week})["timeout"] == week
+    assert params.resolve_params(params.EchoSamplingParams, {}, {"timeout": week}).timeout == week
     with pytest.raises(ValueError):
         protocol.GenerateConfig(timeout=week + 1)
     with pytest.raises(InvalidRequestError):

@@ -13,23 +13,25 @@ from hypothesis import strategies as st
 from omni_runtime.config import parse_config
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
 from omni_runtime.messages import StageConstraints
-from omni_runtime.params import DiffusionSamplingParams, LoraRequest, check_constraints, resolve_params
+from omni_runtime.params import DiffusionSamplingParams, LoraRequest, check_constraints, params_to_dict, resolve_params
 from tests.strategies import ANY_FLOAT, ANY_TEXT, JSON_VALUES
 
 
 def resolve(lora: Any) -> dict[str, Any]:
-    return resolve_params(DiffusionSamplingParams, {}, {"lora": lora})
+    """The resolved ``lora`` as the dict view shows it (None: none)."""
+    return params_to_dict(resolve_params(DiffusionSamplingParams, {}, {"lora": lora})).get("lora")
 
 
-def test_a_name_or_a_path_travels_as_a_plain_dict() -> None:
-    assert resolve({"name": "ink"}) == {"lora": {"name": "ink", "scale": 1.0}}
-    assert resolve({"path": "/srv/loras/ink", "scale": -0.5}) == {"lora": {"path": "/srv/loras/ink", "scale": -0.5}}
+def test_a_name_or_a_path_travels_as_a_request_and_reads_as_a_plain_dict() -> None:
+    assert resolve({"name": "ink"}) == {"name": "ink", "scale": 1.0}
+    assert resolve({"path": "/srv/loras/ink", "scale": -0.5}) == {"path": "/srv/loras/ink", "scale": -0.5}
     typed = DiffusionSamplingParams(lora=LoraRequest(name="ink", scale=0.8))
-    assert resolve_params(DiffusionSamplingParams, {}, typed) == {"lora": {"name": "ink", "scale": 0.8}}
+    assert resolve_params(DiffusionSamplingParams, {}, typed).lora == LoraRequest(name="ink", scale=0.8)
     # A default adapter in the YAML's default_sampling_params; the request's own wins.
     defaults = {"lora": {"name": "house-style"}}
-    assert resolve_params(DiffusionSamplingParams, defaults, {})["lora"] == {"name": "house-style", "scale": 1.0}
-    assert resolve_params(DiffusionSamplingParams, defaults, {"lora": {"name": "ink"}})["lora"]["name"] == "ink"
+    assert resolve_params(DiffusionSamplingParams, defaults, {}).lora == LoraRequest(name="house-style")
+    resolved = resolve_params(DiffusionSamplingParams, defaults, {"lora": {"name": "ink"}})
+    assert resolved.lora is not None and resolved.lora.name == "ink"
 
 
 @pytest.mark.parametrize(
@@ -80,11 +82,10 @@ def test_the_typed_class_checks_itself() -> None:
 )
 def test_hostile_values_are_refused_or_well_formed(lora: Any) -> None:
     try:
-        fields = resolve(lora)
+        value = resolve(lora)
     except InvalidRequestError as e:
         assert e.param is not None and e.param.startswith("lora")
         return
-    value = fields.get("lora")
     if lora is None:
         assert value is None
         return

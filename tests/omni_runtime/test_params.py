@@ -15,8 +15,12 @@ from omni_runtime.params import (
     GenericSamplingParams,
     TextSamplingParams,
     check_constraints,
+    params_to_dict,
     resolve_params,
 )
+
+#: What a diffusion request's params are when nothing sets them (the class's fallbacks).
+FALLBACKS = {"output_type": "pil"}
 
 
 def test_defaults_then_request_values_win():
@@ -25,14 +29,21 @@ def test_defaults_then_request_values_win():
         {"num_inference_steps": 4, "height": 64},
         DiffusionSamplingParams(num_inference_steps=2, seed=3),
     )
-    assert p == {"num_inference_steps": 2, "height": 64, "seed": 3}
-    assert resolve_params(DiffusionSamplingParams, {}, {"seed": 5}) == {"seed": 5}
+    assert params_to_dict(p) == {"num_inference_steps": 2, "height": 64, "seed": 3, **FALLBACKS}
+    assert params_to_dict(resolve_params(DiffusionSamplingParams, {}, {"seed": 5})) == {"seed": 5, **FALLBACKS}
+    # A stage default wins over a fallback, the request's over both.
+    assert resolve_params(DiffusionSamplingParams, {"output_type": "np"}, {}).output_type == "np"
+    assert resolve_params(DiffusionSamplingParams, {"output_type": "np"}, {"output_type": "latent"}).output_type == (
+        "latent"
+    )
 
 
 def test_a_runner_without_a_params_class_gets_every_field():
     """Generic params were converted into a struct without the fields, so the runner got none."""
     p = resolve_params(GenericSamplingParams, {"strength": 0.5}, {"style": "ink", "timeout": 3, "unset": None})
-    assert p == {"strength": 0.5, "style": "ink", "timeout": 3.0}
+    assert params_to_dict(p) == {"strength": 0.5, "style": "ink", "timeout": 3.0}
+    assert p.extra == {"strength": 0.5, "style": "ink"} and p.timeout == 3.0
+    assert p.get("style") == "ink" and p.get("timeout") == 3.0 and p.get("unset", 1) == 1
     with pytest.raises(InvalidRequestError, match="timeout"):
         resolve_params(GenericSamplingParams, {}, {"timeout": -1})
 
@@ -98,7 +109,8 @@ def test_video_frames_follow_the_models_rule_and_images_take_none():
         assert info.value.param == name
     with pytest.raises(InvalidRequestError, match="`num_frames`"):
         resolve_params(DiffusionSamplingParams, {}, {"num_frames": 0})
-    assert resolve_params(DiffusionSamplingParams, {"num_frames": 9}, {"fps": 24}) == {"num_frames": 9, "fps": 24}
+    video = resolve_params(DiffusionSamplingParams, {"num_frames": 9}, {"fps": 24})
+    assert (video.num_frames, video.fps) == (9, 24)
 
 
 @given(

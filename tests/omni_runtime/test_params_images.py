@@ -20,6 +20,7 @@ from omni_runtime.params import (
     MAX_IMAGE_PIXELS,
     DiffusionSamplingParams,
     check_constraints,
+    params_to_dict,
     resolve_params,
 )
 from tests.strategies import JSON_VALUES
@@ -29,7 +30,8 @@ IMAGE = np.arange(32 * 48 * 3, dtype=np.uint8).reshape(32, 48, 3)
 
 
 def resolve(**params):
-    return resolve_params(DiffusionSamplingParams, DEFAULTS, params)
+    """The resolved params, as the dict of their set fields."""
+    return params_to_dict(resolve_params(DiffusionSamplingParams, DEFAULTS, params))
 
 
 def test_an_image_sets_the_size_and_is_copied():
@@ -48,9 +50,9 @@ def test_pil_images_are_converted_in_the_callers_thread():
     rgba = Image.fromarray(np.dstack([IMAGE, np.full((32, 48), 255, np.uint8)]), "RGBA")
     mask = Image.fromarray(np.full((32, 48), 255, np.uint8), "L")
     p = resolve_params(DiffusionSamplingParams, DEFAULTS, DiffusionSamplingParams(image=rgba, mask_image=mask))
-    assert isinstance(p["image"], np.ndarray) and p["image"].shape == (32, 48, 3)
-    assert np.array_equal(p["image"], IMAGE)
-    assert isinstance(p["mask_image"], np.ndarray) and p["mask_image"].shape == (32, 48)
+    assert isinstance(p.image, np.ndarray) and p.image.shape == (32, 48, 3)
+    assert np.array_equal(p.image, IMAGE)
+    assert isinstance(p.mask_image, np.ndarray) and p.mask_image.shape == (32, 48)
 
 
 def test_masks_become_one_channel():
@@ -102,7 +104,7 @@ def test_huge_images_are_refused_without_decoding_anything_else():
 
 def test_a_default_strength_needs_no_image():
     """Text requests to a stage whose YAML sets a default strength are not refused."""
-    assert resolve_params(DiffusionSamplingParams, {**DEFAULTS, "strength": 0.6}, {"seed": 1})["strength"] == 0.6
+    assert resolve_params(DiffusionSamplingParams, {**DEFAULTS, "strength": 0.6}, {"seed": 1}).strength == 0.6
 
 
 def test_stage_capabilities():

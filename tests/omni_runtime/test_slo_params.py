@@ -51,7 +51,7 @@ def test_slo_ms_is_taken_exactly_within_its_bounds_everywhere(value: object) -> 
     # lone surrogate, which resolve_params turns into the typed error naming the field.
     for params_cls in (DiffusionSamplingParams, TextSamplingParams):
         try:
-            got = resolve_params(params_cls, {}, {"slo_ms": value}).get("slo_ms")
+            got = resolve_params(params_cls, {}, {"slo_ms": value}).slo_ms
         except InvalidRequestError as e:
             assert not _valid(value) and e.param == "slo_ms"
         else:

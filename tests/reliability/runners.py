@@ -71,9 +71,9 @@ class TinyImageRunner(StageRunner):
             idle.wait(0.01)
         outputs = []
         for r in batch:
-            seed = r.params.get("seed") or 0
+            seed = r.params.seed or 0
             image = np.full((8, 8, 3), seed % 256, dtype=np.uint8)
-            n = r.params.get("num_images_per_prompt") or 1
+            n = r.params.per_prompt
             outputs.append(RunnerOutput(media=[ImageItem(data=image, seed=seed)] * n, metrics={"seed": seed}))
         return outputs
 

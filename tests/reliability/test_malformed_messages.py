@@ -41,6 +41,7 @@ from omni_runtime.messages import (
     StageRpcResult,
     StageShutdown,
 )
+from omni_runtime.params import EchoSamplingParams, resolve_params
 from omni_runtime.serialization import Encoder, outbound_decoder
 from omni_runtime.stage.process import StageProcessArgs
 from tests.conftest import echo_stage, make_config
@@ -170,7 +171,9 @@ def test_the_stage_drops_and_logs_every_malformed_message_and_keeps_serving(raw_
     reply = raw_stage.recv()
     assert isinstance(reply, StageRpcResult) and reply.call_id == 1 and reply.result["pid"] == raw_stage.proc.pid
 
-    raw_stage.send(encoder.encode(StageRequest(request_id="ok", prompt="still here", params={})))
+    # What the orchestrator sends: the stage's params class, resolved (every default in force set).
+    params = resolve_params(EchoSamplingParams, {}, {})
+    raw_stage.send(encoder.encode(StageRequest(request_id="ok", prompt="still here", params=params)))
     out = raw_stage.recv()
     assert (
         isinstance(out, StageOutput)

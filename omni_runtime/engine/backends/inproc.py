@@ -8,16 +8,14 @@ unit tests, and for debugging a runner in one process.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import StageDeadError, StageStartupError
 from omni_runtime.messages import StageReady
+from omni_runtime.stage.worker import StageWorker
 
 from .base import OnDead, OnMessage, StageBackend, StageClient
-
-if TYPE_CHECKING:
-    from omni_runtime.stage.worker import StageWorker
 
 
 class InProcBackend(StageBackend):
@@ -37,8 +35,6 @@ class InProcStageClient(StageClient):
         self._worker: StageWorker | None = None
 
     async def start(self) -> StageReady:
-        from omni_runtime.stage.worker import StageWorker
-
         loop = asyncio.get_running_loop()
 
         def send(msg: Any) -> None:

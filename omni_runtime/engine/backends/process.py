@@ -43,6 +43,8 @@ from omni_runtime.messages import (
     StageShutdown,
     StageStartupFailed,
 )
+from omni_runtime.serialization import Encoder, outbound_decoder
+from omni_runtime.stage.process import StageProcessArgs
 from omni_runtime.transport import SocketReader
 
 from .base import EngineResources, OnDead, OnMessage, StageBackend, StageClient
@@ -205,8 +207,6 @@ class ProcessStageClient(StageClient):
         self._reader: SocketReader | None = None
         self._ready_fut: asyncio.Future | None = None
         self._closing = False
-        from omni_runtime.serialization import Encoder, outbound_decoder
-
         self._encoder = Encoder(shm_pool if use_shm else None)
         self._decoder = outbound_decoder(self._shm_engine)
 
@@ -241,8 +241,6 @@ class ProcessStageClient(StageClient):
 
     async def _start(self) -> StageReady:
         import zmq
-
-        from omni_runtime.stage.process import StageProcessArgs
 
         loop = asyncio.get_running_loop()
         # 1) bind both sockets here, so the child only connects (no race on who is first).

@@ -53,6 +53,7 @@ from omni_runtime.exceptions import (
 )
 from omni_runtime.messages import StageOutput, StageReady, StageStartupFailed
 from omni_runtime.serialization import Encoder, outbound_decoder, remote_arrays, replace_remote
+from omni_runtime.stage.ray_actor import StageActor
 
 from . import ray_connection
 from .base import EngineResources, OnDead, OnMessage, StageBackend, StageClient
@@ -174,8 +175,6 @@ class RayBackend(StageBackend):
             None, ray_connection.acquire, self.address, self.connect_timeout_s, self.temp_dir
         )
         self.resources.add("ray connection (one use)", ray_connection.release)
-        from omni_runtime.stage.ray_actor import StageActor
-
         self._actor_class = ray.remote(StageActor)
         stages = [s for s in self.config.stage_args if s.runtime.backend == self.name]
         wanted = {ray_options(s).require_declared_model for s in stages}

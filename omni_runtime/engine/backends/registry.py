@@ -1,40 +1,9 @@
-"""The backend registry: a ``runtime.backend`` name → its :class:`~.base.StageBackend` class.
-
-Entries are ``module:Class`` strings, imported when first used, so that loading a config does not
-import what another backend needs (Ray, ZMQ). A backend class names its own settings struct
-(:attr:`~.base.StageBackend.options`): the ``runtime:`` keys only it reads, decoded by
-:func:`omni_runtime.config.parse_config` into ``runtime.options``.
-"""
+"""The backend registry (``runtime.backend`` name → backend class), as the engine's backends
+package gives it: the registry itself is :mod:`omni_runtime.backend_registry`, below the config
+that reads it."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
+from omni_runtime.backend_registry import BACKENDS, backend_class, backend_options, register_backend
 
-if TYPE_CHECKING:
-    import msgspec
-
-    from .base import StageBackend
-
-#: name → ``module:Class`` of the backend.
-BACKENDS: dict[str, str] = {
-    "process": "omni_runtime.engine.backends.process:ProcessBackend",
-    "inproc": "omni_runtime.engine.backends.inproc:InProcBackend",
-    "ray": "omni_runtime.engine.backends.ray_backend:RayBackend",
-}
-
-
-def register_backend(name: str, target: str) -> None:
-    """Make ``runtime.backend: <name>`` run stages on the backend class ``target`` (``module:Class``)."""
-    BACKENDS[name] = target
-
-
-def backend_class(name: str) -> type[StageBackend]:
-    """The backend class registered as ``name``; KeyError if none is."""
-    module, _, cls = BACKENDS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)
-
-
-def backend_options(name: str) -> type[msgspec.Struct]:
-    """The settings struct of the backend registered as ``name``."""
-    return backend_class(name).options
+__all__ = ["BACKENDS", "backend_class", "backend_options", "register_backend"]

@@ -21,12 +21,10 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from omni_runtime.stage.runners.stage_types import BUILTIN_RUNNERS, StageType
-
-if TYPE_CHECKING:
-    from omni_runtime.stage.runners.sizes import SizeLimits
+from omni_runtime.stage.runners.core_stage_types import BUILTIN_RUNNERS, StageType
+from omni_runtime.stage.runners.sizes import SizeLimits, derive_size_limits
 
 #: The families this package holds, in registration order.
 BUILTIN_FAMILIES = ("sd", "sdxl", "sd3", "flux", "pixart", "sana", "wan", "ltx", "stable_audio")
@@ -78,6 +76,10 @@ class FamilySpec:
     #: Latent pixels packed into one token per side (Flux packs 2x2: 2), a factor of the size
     #: step that no component config states.
     latent_packing: int = 1
+    #: The denoiser config key holding its positional table's length per side, in patches (SD3's
+    #: ``pos_embed_max_size``): a side past it x the size step's factors fails inside the model,
+    #: so it bounds ``max_side``; None: positions are computed for any size.
+    position_table: str | None = None
     #: ``"module:function"`` ``(pipe) -> SizeLimits`` replacing the rules above, for a family whose
     #: sizes follow others (a video family: its VAE's spatial factor x patch, its native size and
     #: frame count from its transformer config).
@@ -116,13 +118,13 @@ class FamilySpec:
 
     def size_limits(self, pipe: Any) -> SizeLimits:
         """The size rules of a loaded pipeline of this family: its ``limits`` hook, or the
-        generic derivation with this family's floor and packing."""
-        from omni_runtime.stage.runners.sizes import derive_size_limits
-
+        generic derivation with this family's floor, packing and positional table."""
         if self.limits:
             limits: SizeLimits = _load(self.limits)(pipe)
             return limits
-        return derive_size_limits(pipe, floor=self.size_floor, packing=self.latent_packing)
+        return derive_size_limits(
+            pipe, floor=self.size_floor, packing=self.latent_packing, position_table=self.position_table
+        )
 
     def form_pipelines(self) -> dict[str, str]:
         """Its pipelines by form (``text``, ``image``, ``inpaint``): the first of ``pipelines``

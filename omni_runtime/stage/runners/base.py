@@ -15,26 +15,32 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
 
 from omni_runtime.config import StageConfig
 from omni_runtime.media import MediaItem
 from omni_runtime.messages import StageConstraints
-from omni_runtime.params import GenericSamplingParams
+from omni_runtime.params import GenericSamplingParams, resolve_params
 from omni_runtime.stage.runners.stage_types import stage_type as builtin_stage_type
+
+#: The params class of a runner's requests.
+P = TypeVar("P")
 
 
 @dataclass
-class RunnerRequest:
+class RunnerRequest(Generic[P]):
     """One logical request as the runner sees it."""
 
     request_id: str
     #: The caller's prompt (text), or the output of this stage's input function.
     prompt: Any
-    #: Resolved sampling params (stage defaults applied), as a plain dict.
-    params: dict[str, Any]
+    #: The request's resolved params: an object of the runner's ``params_cls`` as
+    #: :func:`~omni_runtime.params.resolve_params` made it (the stage's defaults and the class's
+    #: fallbacks filled in), read by attribute. A generic custom runner's undeclared fields are in
+    #: its ``extra`` mapping (:class:`~omni_runtime.params.GenericSamplingParams`).
+    params: P
     #: Upstream outputs: ``text``, and tensors/arrays by name (``prompt_embeds``, ``latents``...).
     inputs: dict[str, Any] = field(default_factory=dict)
     #: Higher runs first; in step execution it may take the slot of a lower one at a step boundary.
@@ -135,11 +141,11 @@ class StageRunner(ABC):
         runner is not profiled."""
         return None
 
-    def _default_request(self, prompt: str, **params: Any) -> RunnerRequest:
-        """``prompt`` with the stage's default sampling params, and ``params`` over them."""
-        return RunnerRequest(
-            request_id="batch-profile", prompt=prompt, params={**self.stage.default_sampling_params, **params}
-        )
+    def _default_request(self, prompt: str, request_id: str = "batch-profile", **params: Any) -> RunnerRequest:
+        """``prompt`` with the stage's default sampling params, and ``params`` over them, resolved
+        as a caller's request is."""
+        resolved = resolve_params(self.params_cls, self.stage.default_sampling_params, params)
+        return RunnerRequest(request_id=request_id, prompt=prompt, params=resolved)
 
     def runs_inline(self, batch: list[RunnerRequest]) -> bool:
         """True if ``execute(batch)`` is so cheap (microseconds, no blocking) that the worker may

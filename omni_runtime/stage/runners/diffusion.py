@@ -8,8 +8,14 @@ them, each request with its own generators: its result does not depend on its ba
 
 For the families of :mod:`omni_runtime.stage.runners.diffusion_steps` it can also run requests one
 denoising step at a time (``step_admit`` / ``step_run`` / ``step_drop``, driven by the worker with
-``engine_args.step_execution``): each request keeps its own state between steps, so requests join
-and leave a running batch at step boundaries, with the same per-request generators and seeds.
+``engine_args.step_execution``, carried out by :mod:`~omni_runtime.stage.runners.diffusion_stepper`):
+each request keeps its own state between steps, so requests join and leave a running batch at step
+boundaries, with the same per-request generators and seeds. Loading the pipeline and turning what
+it returns into outputs are :mod:`~omni_runtime.stage.runners.diffusion_pipeline`'s.
+
+A request's params arrive resolved (:class:`~omni_runtime.params.DiffusionSamplingParams`, their
+fallbacks filled in); what they leave unset that depends on the loaded model (its native size, its
+pipeline's step count and guidance, its family's frame rate) is read here (``size_of``...).
 
 A request's LoRA adapter (``lora``) is part of both keys, so a wave or a step batch runs with one
 adapter at one scale; :mod:`omni_runtime.stage.runners.lora` loads, caches and activates them.
@@ -18,38 +24,39 @@ adapter at one scale; :mod:`omni_runtime.stage.runners.lora` loads, caches and a
 from __future__ import annotations
 
 import inspect
-import json
 import logging
-import os
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from typing import Any
 
 import msgspec
-import numpy as np
 import torch
 
 from omni_runtime.acceleration import cache_key
-from omni_runtime.config import EngineArgs, StageConfig, TorchCompile
-from omni_runtime.exceptions import ConfigError, RequestAbortedError, RequestError, StageAsleepError
-from omni_runtime.media import audio_items, image_items, video_items
+from omni_runtime.config import StageConfig, TorchCompile
+from omni_runtime.exceptions import RequestAbortedError, RequestError, StageAsleepError
 from omni_runtime.messages import StageConstraints
 from omni_runtime.models.builtin import resolve_model
 from omni_runtime.models.families import DEFAULT_FIXED_KWARGS, CallbackStyle, for_pipeline, import_family_modules
-from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
-from omni_runtime.stage.runners.acceleration import (
-    StepCacheControl,
-    apply_memory_options,
-    check_components,
-    quantization_kwargs,
-    weight_bytes,
-)
+from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams, in_force
+from omni_runtime.stage.runners.acceleration import StepCacheControl, weight_bytes
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner, StepResult
+from omni_runtime.stage.runners.diffusion_pipeline import (
+    DEFAULT_FPS,
+    StepWatch,
+    accepts_batched_inputs,
+    callback_style,
+    decoded_output,
+    index_class_name,
+    load_pipeline,
+    total_steps,
+)
+from omni_runtime.stage.runners.diffusion_pipeline import apply_engine_options as apply_engine_options
+from omni_runtime.stage.runners.diffusion_stepper import DiffusionStepper
 from omni_runtime.stage.runners.diffusion_steps import StepFamily, StepState, step_family
-from omni_runtime.stage.runners.dummy_weights import dummy_pipeline
 from omni_runtime.stage.runners.image_inputs import TEXT, PipelineForm, PipelineForms, image_call_kwargs, size_kwargs
 from omni_runtime.stage.runners.lora import LoraAdapters
-from omni_runtime.stage.runners.sizes import denoiser, derive_size_limits
+from omni_runtime.stage.runners.sizes import NATIVE_AREA_FACTOR, derive_size_limits
 from omni_runtime.stage.runners.step_limits import step_constraints
 from omni_runtime.stage.runners.torch_common import (
     WaveAborted,
@@ -61,85 +68,8 @@ from omni_runtime.stage.runners.torch_common import (
 
 logger = logging.getLogger(__name__)
 
-
-def _per_prompt(params: dict[str, Any]) -> int:
-    """Outputs per prompt: ``num_images_per_prompt``, or an audio request's ``num_waveforms_per_prompt``
-    (an audio stage refuses the former, so at most one is set)."""
-    return int(params.get("num_images_per_prompt") or params.get("num_waveforms_per_prompt") or 1)
-
-
-def accepts_batched_inputs(signature: inspect.Signature) -> bool:
-    """Whether a pipeline ``__call__`` takes a list of prompts and a list of generators.
-
-    An unannotated parameter is given the benefit of the doubt; one annotated without any list
-    type (e.g. ``prompt: str``) is not.
-    """
-
-    def takes_list(name: str) -> bool:
-        param = signature.parameters.get(name)
-        if param is None:
-            return False
-        annotation = param.annotation
-        if annotation is inspect.Parameter.empty:
-            return True
-        text = annotation if isinstance(annotation, str) else repr(annotation)
-        return any(word in text for word in ("list", "List", "Sequence", "Iterable"))
-
-    return takes_list("prompt") and takes_list("generator")
-
-
-#: The default ``max_pixels`` is this many times the model's native area.
-NATIVE_AREA_FACTOR = 4
-#: A video's frame rate when neither the request nor its family names one.
-DEFAULT_FPS = 16
-
-
-def apply_engine_options(pipe: Any, args: EngineArgs) -> list[str]:
-    """The model-running options of ``engine_args`` (channels-last, attention slicing, VAE tiling,
-    ``torch.compile``), applied to a loaded pipeline; returns what was applied, for the log.
-    An option the pipeline has no use for (channels-last on a transformer) is skipped, not an error."""
-    applied = []
-    if args.channels_last:
-        for name in ("unet", "vae"):
-            module = getattr(pipe, name, None)
-            if isinstance(module, torch.nn.Module):
-                # Module.to takes memory_format, which torch's overloads of it leave out.
-                module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-                applied.append(f"{name} channels-last")
-    if args.attention_slicing is not None and hasattr(pipe, "enable_attention_slicing"):
-        pipe.enable_attention_slicing(args.attention_slicing)
-        applied.append(f"attention slicing {args.attention_slicing}")
-    vae = getattr(pipe, "vae", None)
-    if args.vae_tiling and vae is not None and hasattr(vae, "enable_tiling"):
-        vae.enable_tiling()
-        applied.append("VAE tiling")
-    if args.vae_slicing and vae is not None and hasattr(vae, "enable_slicing"):
-        vae.enable_slicing()
-        applied.append("VAE slicing")
-    if args.torch_compile:
-        options = args.torch_compile if isinstance(args.torch_compile, TorchCompile) else TorchCompile()
-        module = denoiser(pipe)
-        compile_kwargs = {
-            "backend": options.backend,
-            "mode": options.mode,
-            "fullgraph": options.fullgraph,
-            "dynamic": options.dynamic,
-        }
-        # In place (the module stays the pipeline's, so its config and hooks are as they were);
-        # compilation itself happens at the first forward of each shape.
-        if options.regional:
-            if not getattr(module, "_repeated_blocks", None):
-                raise ConfigError(
-                    f"{type(module).__name__} names no repeated blocks for diffusers' regional compilation "
-                    "(the flux and wan transformers and the UNets do); drop regional",
-                    path="engine_args.torch_compile.regional",
-                )
-            module.compile_repeated_blocks(**compile_kwargs)
-        else:
-            module.compile(**compile_kwargs)
-        where = "repeated blocks" if options.regional else type(module).__name__
-        applied.append(f"torch.compile of the {where} ({options.backend})")
-    return applied
+#: Diffusion requests as the runner gets them.
+Request = RunnerRequest[DiffusionSamplingParams]
 
 
 class DiffusionRunner(StageRunner):
@@ -187,6 +117,7 @@ class DiffusionRunner(StageRunner):
         self._step_family: StepFamily | None = None
         self._step_reason: str | None = "the model is not loaded"
         self._states: dict[str, StepState] = {}
+        self._stepper = DiffusionStepper(self)
         #: The text / image / inpaint forms of the loaded model (image_inputs.py).
         self._forms: PipelineForms | None = None
         #: The denoiser's cache hooks and block counts; resident weight bytes per component.
@@ -258,8 +189,7 @@ class DiffusionRunner(StageRunner):
         """One image at the native size and the stage's default params, so the denoiser's first
         compilation is paid at start-up."""
         start = time.perf_counter()
-        params = {**self.stage.default_sampling_params, "seed": 0, "output_type": "latent", "cache": "off"}
-        request = RunnerRequest(request_id="compile-warmup", prompt="warm-up", params=params)
+        request = self._default_request("warm-up", "compile-warmup", seed=0, output_type="latent", cache="off")
         (out,) = self.execute([request], ExecuteContext(lambda rid: False))
         if out.error is not None:
             raise out.error
@@ -267,32 +197,10 @@ class DiffusionRunner(StageRunner):
         logger.info("stage %d: compiled in a %.1f s warm-up", self.stage.stage_id, self._warmup_s)
 
     def _load_pipeline(self) -> None:
-        from diffusers import DiffusionPipeline
-        from diffusers.utils import logging as diffusers_logging
-        from transformers.utils import logging as transformers_logging
-
-        # A stage process has no terminal to draw on: loading bars are only noise in server logs.
-        diffusers_logging.disable_progress_bar()
-        transformers_logging.disable_progress_bar()
-        # local_files_only: a model directory is complete on disk; never reach for a hub. A
-        # registered family's pipeline class outside diffusers loads through that class.
-        pipeline_cls = DiffusionPipeline
         assert self._model_dir is not None  # set by load
-        spec = for_pipeline(_index_class_name(self._model_dir))
-        if spec is not None and spec.pipeline_class:
-            pipeline_cls = spec.load_pipeline_class()
+        spec = for_pipeline(index_class_name(self._model_dir))
         args = self.stage.engine_args
-        if args.load_format == "dummy":
-            # Offloaded weights live in CPU memory: built there, moved per use like real ones.
-            pipe = dummy_pipeline(pipeline_cls, self._model_dir, args, "cpu" if args.offload else self.device)
-        else:
-            pipe = pipeline_cls.from_pretrained(
-                self._model_dir, dtype=getattr(torch, args.dtype), local_files_only=True, **quantization_kwargs(args)
-            )
-            check_components(pipe, args)
-        pipe, applied = apply_memory_options(pipe, args, self.device)
-        pipe.set_progress_bar_config(disable=True)
-        applied += apply_engine_options(pipe, args)
+        pipe, applied = load_pipeline(self._model_dir, spec, args, self.device)
         if applied:
             logger.info("stage %d: %s", self.stage.stage_id, ", ".join(applied))
         # The text, img2img and inpainting forms of this model (ConfigError for a pipeline whose
@@ -404,55 +312,76 @@ class DiffusionRunner(StageRunner):
             return fallback
         return param.default
 
-    def profile_request(self) -> RunnerRequest:
+    # ------------------------------------------------------------------ the loaded model's defaults
+
+    def size_of(self, p: DiffusionSamplingParams) -> tuple[int | None, int | None]:
+        """(height, width): the request's, else the model's native size."""
+        return p.height or self._native_size[0], p.width or self._native_size[1]
+
+    def steps_of(self, p: DiffusionSamplingParams) -> int | None:
+        return p.num_inference_steps or self._default("num_inference_steps")
+
+    def guidance_of(self, p: DiffusionSamplingParams) -> float:
+        scale = p.guidance_scale
+        return float((self._default("guidance_scale") if scale is None else scale) or 0.0)
+
+    def frames_of(self, p: DiffusionSamplingParams) -> int | None:
+        """A video request's frame count, the pipeline's default if unset (None for images)."""
+        frames = p.num_frames or self._default("num_frames")
+        return int(frames) if self._video and frames else None
+
+    def fps_of(self, p: DiffusionSamplingParams) -> int:
+        """A video's frame rate: the request's, else its family's."""
+        return int(p.fps or self._fps)
+
+    def _clip_span(self, p: DiffusionSamplingParams) -> tuple[float, float]:
+        """An audio request's ``(audio_start_in_s, audio_end_in_s)``: from 0 to the model's longest
+        clip unless it says."""
+        return float(p.audio_start_in_s or 0.0), float(p.audio_end_in_s or self._max_audio_s or 0.0)
+
+    # ------------------------------------------------------------------ batching
+
+    def profile_request(self) -> Request:
         """A prompt at the stage's defaults: the key of every request that sets no size, steps or
         guidance of its own, the one the learned policy most needs from the start."""
         return self._default_request("a red bicycle in a sunny park", seed=0)
 
-    def batch_key(self, request: RunnerRequest) -> Hashable:
+    def batch_key(self, request: Request) -> Hashable:
         """Shape- and guidance-sensitive params with defaults resolved; never prompt or seed."""
         p = request.params
         return (
-            p.get("height") or self._native_size[0],
-            p.get("width") or self._native_size[1],
-            p.get("num_inference_steps") or self._default("num_inference_steps"),
-            float(p.get("guidance_scale", self._default("guidance_scale")) or 0.0),
+            *self.size_of(p),
+            self.steps_of(p),
+            self.guidance_of(p),
             # An empty negative prompt runs as no negative prompt (see execute), and must be batched
             # with those: SDXL zeroes the unconditional embedding for None but encodes "".
-            bool(p.get("negative_prompt")),
-            _per_prompt(p),
-            p.get("output_type") or "pil",
+            bool(p.negative_prompt),
+            p.per_prompt,
+            in_force(p.output_type),
             self._scheduler_name,
             self._forms.key(p) if self._forms is not None else (),
-            LoraAdapters.key(p.get("lora")),
+            LoraAdapters.key(p.lora),
             # A video's frame count shapes the latents; fps does not (it is the item's), except
             # for a pipeline that takes it as its frame_rate (LTX scales its positions by it).
-            (p.get("num_frames") or self._default("num_frames")) if self._video else None,
-            (p.get("fps") or self._fps) if self._video and "frame_rate" in self._call_params else None,
+            self.frames_of(p),
+            self.fps_of(p) if self._video and "frame_rate" in self._call_params else None,
             # A clip's start and end: the pipeline cuts one span from the whole wave's waveforms.
             self._clip_span(p) if self._sample_rate is not None else None,
             # The cache hooks are the denoiser's: one setting per wave (checked here, so a bad one
             # is this request's 400 before it queues).
-            self._cache_key(p.get("cache")),
+            self._cache_key(p.cache),
         )
 
-    def video_batch_cap(self, params: dict[str, Any]) -> int | None:
+    def video_batch_cap(self, p: DiffusionSamplingParams) -> int | None:
         """Most requests of these (shape) params one forward may fuse so that the wave's total
         ``num_frames x height x width`` stays within ``engine_args.max_video_pixels`` (at least
         one: a single request past it was refused before it was queued); None: no such bound."""
         limit = self.stage.engine_args.max_video_pixels
         if not self._video or limit is None:
             return None
-        frames = params.get("num_frames") or self._default("num_frames") or 1
-        height = params.get("height") or self._native_size[0] or 0
-        width = params.get("width") or self._native_size[1] or 0
-        per_request = int(frames) * int(height) * int(width) * int(params.get("num_images_per_prompt") or 1)
+        height, width = self.size_of(p)
+        per_request = (self.frames_of(p) or 1) * (height or 0) * (width or 0) * int(p.num_images_per_prompt or 1)
         return max(1, limit // per_request) if per_request else None
-
-    def _clip_span(self, p: dict[str, Any]) -> tuple[float, float]:
-        """An audio request's ``(audio_start_in_s, audio_end_in_s)``, defaults resolved (the end's
-        is the model's longest clip)."""
-        return float(p.get("audio_start_in_s") or 0.0), float(p.get("audio_end_in_s") or self._max_audio_s or 0.0)
 
     def _cache_key(self, value: Any) -> str:
         if value is not None and self.cache is not None:
@@ -471,7 +400,7 @@ class DiffusionRunner(StageRunner):
 
     # ------------------------------------------------------------------ execution
 
-    def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
+    def execute(self, batch: list[Request], ctx: ExecuteContext) -> list[RunnerOutput]:
         if self.max_batch_size is not None and len(batch) > self.max_batch_size:
             # A pipeline that cannot batch still serves a worker that ignored max_batch_size.
             size = self.max_batch_size
@@ -490,8 +419,8 @@ class DiffusionRunner(StageRunner):
         called = time.perf_counter()
         ids = [r.request_id for r in batch]
         first = batch[0].params  # equal batch keys: the shape params of one stand for all
-        per_prompt = _per_prompt(first)
-        output_type = first.get("output_type") or "pil"
+        per_prompt = first.per_prompt
+        output_type = in_force(first.output_type)
 
         # 1) Seeds: the request's own, or a fresh one reported back so the image can be redone.
         seeds = request_seeds(batch)
@@ -506,10 +435,9 @@ class DiffusionRunner(StageRunner):
         if all(ctx.is_aborted(rid) for rid in ids):  # everyone left before the wave started
             return aborted_outputs(0.0)
         try:  # one adapter (or none) and one cache setting for the whole wave: both are in the key
-            self.loras.activate(first.get("lora"))
+            self.loras.activate(first.lora)
             if self.cache is not None:
-                steps = first.get("num_inference_steps") or self._default("num_inference_steps") or 1
-                self.cache.use(self.cache.resolve(first.get("cache")), int(steps))
+                self.cache.use(self.cache.resolve(first.cache), int(self.steps_of(first) or 1))
         except RequestError as e:
             return [RunnerOutput(error=e, metrics=m) for m in metrics]
         blocks = (self.cache.blocks_called, self.cache.blocks_run) if self.cache is not None else (0, 0)
@@ -530,7 +458,7 @@ class DiffusionRunner(StageRunner):
         rows = per_prompt if form.kind != TEXT and batched else 1
         prompts = [r.prompt for r in batch for _ in range(rows)]
         # "" is what pipelines use for a missing negative prompt, so a list may mix both.
-        given = [r.params.get("negative_prompt") or "" for r in batch for _ in range(rows)]
+        given = [r.params.negative_prompt or "" for r in batch for _ in range(rows)]
         negatives = given if any(given) else None
         kwargs: dict[str, Any] = {
             "prompt": prompts if batched else prompts[0],
@@ -539,15 +467,15 @@ class DiffusionRunner(StageRunner):
             "num_images_per_prompt": per_prompt // rows,
             "num_videos_per_prompt": per_prompt // rows,  # the video pipelines' name for it
             "num_waveforms_per_prompt": per_prompt // rows,  # the audio pipelines' name for it
-            "num_frames": first.get("num_frames"),
+            "num_frames": first.num_frames,
             # LTX's name for the frame rate its positions are scaled by (in the batch key).
-            "frame_rate": first.get("fps") or self._fps,
+            "frame_rate": self.fps_of(first),
             # The native size is always passed: a signature default can be the real model's size
             # whatever this model is (Sana: 1024; Flux: 128 latent pixels per VAE factor).
-            "height": first.get("height") or self._native_size[0],
-            "width": first.get("width") or self._native_size[1],
-            "num_inference_steps": first.get("num_inference_steps"),
-            "guidance_scale": first.get("guidance_scale"),
+            "height": self.size_of(first)[0],
+            "width": self.size_of(first)[1],
+            "num_inference_steps": first.num_inference_steps,
+            "guidance_scale": first.guidance_scale,
             # Decode to floats once; uint8 images are made here, identically for every pipeline.
             "output_type": "latent" if output_type == "latent" else "np",
         }
@@ -564,39 +492,11 @@ class DiffusionRunner(StageRunner):
 
         # 4) Abort while running: leave the loop only when no one is waiting for this wave; a wave
         #    with a live request finishes (the worker drops the aborted ones' outputs).
-        first_step: list[float] = []
-        last_step: list[float] = []  # when the latest step ended: what follows is the decode
-
-        def check_abort() -> None:
-            now = time.perf_counter()
-            if not first_step:
-                first_step.append(now)
-            last_step[:] = [now]
-            if all(ctx.is_aborted(rid) for rid in ids):
-                raise WaveAborted
-
-        style = self._callback or callback_style(call_params)
-        if style == "on_step_end":
-            # An image form runs int(steps x strength) steps, its pipeline's default strength
-            # included: then the pipeline's own count is used.
-            steps = _total_steps(kwargs) if form.kind == TEXT else None
-
-            def on_step_end(pipe: Any, step: int, timestep: Any, callback_kwargs: dict) -> dict:
-                check_abort()
-                ctx.step_progress(ids, step + 1, steps or getattr(pipe, "num_timesteps", 0) or step + 1)
-                return callback_kwargs
-
-            kwargs["callback_on_step_end"] = on_step_end
-        elif style == "legacy":
-            legacy_steps = _total_steps(kwargs) if form.kind == TEXT else None
-
-            def legacy_callback(step: int, timestep: Any, latents: Any) -> None:
-                check_abort()
-                # A text call runs the steps it was asked for; else the step alone is known.
-                ctx.step_progress(ids, step + 1, legacy_steps or step + 1)
-
-            kwargs["callback"] = legacy_callback
-            kwargs["callback_steps"] = 1
+        watch = StepWatch(ids, ctx)
+        # An image form runs int(steps x strength) steps, its pipeline's default strength included:
+        # then the pipeline's own count is used.
+        steps = total_steps(kwargs) if form.kind == TEXT else None
+        kwargs.update(watch.callbacks(self._callback or callback_style(call_params), steps))
 
         # 5) The forward, timed alone; a pipeline error propagates for the worker to isolate.
         start = time.perf_counter()
@@ -608,7 +508,7 @@ class DiffusionRunner(StageRunner):
         end = time.perf_counter()
         elapsed_ms = (end - start) * 1e3
         # After the last denoising step: the VAE decode and post-processing of the whole wave.
-        decode_ms = (end - last_step[0]) * 1e3 if last_step and output_type != "latent" else None
+        decode_ms = (end - watch.last) * 1e3 if watch.last is not None and output_type != "latent" else None
         if self._video:
             images = result.frames if hasattr(result, "frames") else result[0]
         elif self._sample_rate is not None:
@@ -620,38 +520,21 @@ class DiffusionRunner(StageRunner):
         outputs = []
         for i, m in enumerate(metrics):
             part = images[i * per_prompt : (i + 1) * per_prompt]
-            out = RunnerOutput(metrics={**m, "execution_ms": elapsed_ms})
-            if first_step:  # since execute() was called: encoding and the first denoising step
-                out.metrics["first_step_ms"] = (first_step[0] - called) * 1e3
+            fps = self.fps_of(batch[i].params) if self._video else None
+            out = decoded_output(part, output_type, int(m["seed"]), fps=fps, sample_rate=self._sample_rate)
+            out.metrics.update(m, execution_ms=elapsed_ms)
+            if watch.first is not None:  # since execute() was called: encoding and the first denoising step
+                out.metrics["first_step_ms"] = (watch.first - called) * 1e3
             if decode_ms is not None:
                 out.metrics["decode_ms"] = decode_ms
             if self.cache is not None:  # the wave's denoiser blocks (each wave's outputs carry the same)
                 out.metrics["cache_blocks_called"] = self.cache.blocks_called - blocks[0]
                 out.metrics["cache_blocks_run"] = self.cache.blocks_run - blocks[1]
             out.metrics["weight_bytes"] = sum(self._weight_bytes.values())
-            if output_type == "latent":
-                # float() first: numpy has no bfloat16.
-                latents = part.detach().float().cpu() if torch.is_tensor(part) else part
-                out.tensors["latents"] = np.asarray(latents, dtype=np.float32)
-            else:
-                floats = np.asarray(part, dtype=np.float32)
-                if self._sample_rate is not None and output_type == "np":
-                    out.tensors["audios"] = floats
-                elif self._sample_rate is not None:
-                    out.media.extend(audio_items(floats, sample_rate=self._sample_rate, seed=m["seed"]))
-                elif self._video and output_type == "np":
-                    out.tensors["videos"] = floats
-                elif self._video:
-                    fps = batch[i].params.get("fps") or self._fps
-                    out.media.extend(video_items(floats, fps=int(fps), seed=m["seed"]))
-                elif output_type == "np":
-                    out.tensors["images"] = floats
-                else:
-                    out.media.extend(image_items(floats, seed=m["seed"]))
             outputs.append(out)
         return outputs
 
-    def _form(self, params: dict[str, Any]) -> PipelineForm:
+    def _form(self, params: DiffusionSamplingParams) -> PipelineForm:
         """The pipeline form (text, img2img, inpaint) that serves requests with these params."""
         if self._forms is None:
             return PipelineForm(TEXT, self.pipe, self._call_params)
@@ -662,27 +545,17 @@ class DiffusionRunner(StageRunner):
     def step_support(self) -> str | None:
         return self._step_reason
 
-    def step_key(self, request: RunnerRequest) -> Hashable:
+    def step_key(self, request: Request) -> Hashable:
         """Size (and a video's frame count), guidance mode and LoRA adapter: requests of one key take
         a step in one denoiser call. The step count, guidance scale, seed and negative prompt are per
         sample and not part of it; the adapter and its scale are the pipeline's, so they are."""
         p = request.params
-        return (
-            p.get("height") or self._native_size[0],
-            p.get("width") or self._native_size[1],
-            self._family.uses_cfg(self._guidance(p)),
-            LoraAdapters.key(p.get("lora")),
-            self._frames(p),
-        )
+        cfg = self._family.uses_cfg(self.guidance_of(p))
+        return (*self.size_of(p), cfg, LoraAdapters.key(p.lora), self.frames_of(p))
 
-    def step_batch_cap(self, request: RunnerRequest) -> int | None:
+    def step_batch_cap(self, request: Request) -> int | None:
         """A video's share of ``engine_args.max_video_pixels``, as a request-level wave's."""
         return self.video_batch_cap(request.params)
-
-    def _frames(self, params: dict[str, Any]) -> int | None:
-        """A video request's frame count, the pipeline's default if unset (None for images)."""
-        frames = params.get("num_frames") or self._default("num_frames")
-        return int(frames) if self._video and frames else None
 
     @property
     def _family(self) -> StepFamily:
@@ -690,218 +563,15 @@ class DiffusionRunner(StageRunner):
         assert self._step_family is not None
         return self._step_family
 
-    def _guidance(self, params: dict[str, Any]) -> float:
-        scale = params.get("guidance_scale")
-        return float(self._default("guidance_scale", 0.0) if scale is None else scale)
-
-    def _new_state(self, request: RunnerRequest) -> StepState:
-        p = request.params
-        # Seeds and generators as in execute(): image j of a request uses seed + j.
-        (seed,) = request_seeds([request])
-        rows = int(p.get("num_images_per_prompt") or 1)
-        guidance = self._guidance(p)
-        steps = p.get("num_inference_steps") or self._default("num_inference_steps")
-        if not steps:
-            raise ValueError("num_inference_steps is not set and the pipeline has no default")
-        if p.get("mask_image") is not None or (p.get("image") is not None and not self._family.takes_images):
-            # Refused before the queue (constraints); a direct call still gets a clear error.
-            raise ValueError("this input image request does not run step by step (see the stage's image_inputs)")
-        height, width = p.get("height") or self._native_size[0], p.get("width") or self._native_size[1]
-        if height is None or width is None:
-            raise ValueError("height and width are not set and the pipeline has no native size")
-        cache = self.cache.step_cache(p.get("cache"), int(steps)) if self.cache is not None else None
-        return StepState(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            negative_prompt=p.get("negative_prompt") or None,
-            seed=seed,
-            rows=rows,
-            guidance=guidance,
-            cfg=self._family.uses_cfg(guidance),
-            height=height,
-            width=width,
-            num_inference_steps=int(steps),
-            output_type=p.get("output_type") or "pil",
-            generators=image_generators([seed], rows, self.device),
-            image=p.get("image"),
-            strength=p.get("strength"),
-            # Pinned to the file its name points at now: re-pointing the name mid-denoise must
-            # not switch this request's adapter between two of its steps.
-            lora=self.loras.pin(p.get("lora")),
-            num_frames=self._frames(p),
-            fps=int(p.get("fps") or self._fps) if self._video else None,
-            cache=cache,
-        )
-
-    def step_admit(self, requests: list[RunnerRequest], ctx: ExecuteContext) -> dict[str, RunnerOutput]:
-        if self.pipe is None or self._step_family is None:
-            raise StageAsleepError("the diffusion stage is asleep; call wake_up first")
-        family = self._step_family
-        failed: dict[str, RunnerOutput] = {}
-        states: list[StepState] = []
-        for r in requests:
-            try:
-                states.append(self._new_state(r))
-            except Exception as e:
-                failed[r.request_id] = RunnerOutput(error=e)
-        with torch.inference_mode():
-            # 1) Prompts encoded once, one encoder call per adapter and guidance mode for all that
-            #    join now (a text encoder may carry the adapter too).
-            for group in self._lora_groups(states, failed):
-                for cfg in (False, True):
-                    self._isolated([s for s in group if s.cfg == cfg], family.encode, failed)
-            # 2) Per request: timesteps, noise from its generators, a scheduler of its own.
-            for s in states:
-                if s.request_id not in failed:
-                    self._isolated([s], lambda group: family.prepare(group[0]), failed)
-        for s in states:
-            if s.request_id not in failed:
-                self._states[s.request_id] = s
-        return failed
+    def step_admit(self, requests: list[Request], ctx: ExecuteContext) -> dict[str, RunnerOutput]:
+        return self._stepper.admit(requests)
 
     def step_run(self, request_ids: list[str], ctx: ExecuteContext) -> dict[str, StepResult]:
-        if self.pipe is None or self._step_family is None:
-            raise StageAsleepError("the diffusion stage is asleep; call wake_up first")
-        family = self._step_family
-        # Aborted since the plan was made: skipped now, dropped at the next boundary.
-        states = [self._states[rid] for rid in request_ids if rid in self._states and not ctx.is_aborted(rid)]
-        failed: dict[str, RunnerOutput] = {}
-        if self.cache is not None:  # a wave's diffusers hooks hold one state for all: off here
-            self.cache.use(None, 0)
-        with torch.inference_mode():
-            # 1) One batched denoiser call (per adapter: a step's requests share one, it is in the
-            #    key); if it raises, each request alone, so only the culprit fails.
-            preds: dict[str, torch.Tensor] = {}
-
-            def predict(group: list[StepState]) -> None:
-                for s, pred in zip(group, self._step_denoise(group), strict=True):
-                    preds[s.request_id] = pred
-
-            for group in self._lora_groups(states, failed):
-                self._isolated(group, predict, failed)
-            # 2) Each request's own scheduler takes its step.
-            for s in states:
-                if s.request_id in preds:
-                    self._isolated([s], lambda group: family.advance(group[0], preds[group[0].request_id]), failed)
-            # 3) Requests past their last step leave: decoded together.
-            done = [s for s in states if s.done and s.request_id not in failed]
-            outputs = self._step_outputs(done, failed)
-        results: dict[str, StepResult] = {}
-        for s in states:
-            output = failed.get(s.request_id) or outputs.get(s.request_id)
-            results[s.request_id] = StepResult(step=s.index, steps=s.steps, output=output)
-            if output is not None:
-                self._states.pop(s.request_id, None)
-        return results
-
-    def _lora_groups(self, states: list[StepState], failed: dict[str, RunnerOutput]) -> Iterator[list[StepState]]:
-        """``states`` by adapter, each group yielded with its adapter active (a step's requests share
-        one key, so there is one group); the requests of a group whose adapter fails fail."""
-        groups: dict[Hashable, list[StepState]] = {}
-        for s in states:
-            groups.setdefault(LoraAdapters.key(s.lora), []).append(s)
-        for group in groups.values():
-            try:
-                self.loras.activate(group[0].lora)
-            except RequestError as e:
-                failed.update({s.request_id: RunnerOutput(error=e) for s in group})
-                continue
-            yield group
+        return self._stepper.run(request_ids, ctx)
 
     def step_drop(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self._states.pop(rid, None)
+        self._stepper.drop(request_ids)
 
     def _step_denoise(self, states: list[StepState]) -> list[torch.Tensor]:
         """The batched denoiser call of one step (a seam for tests that inject a failure)."""
         return self._family.denoise(states)
-
-    @staticmethod
-    def _isolated(states: list[StepState], fn: Any, failed: dict[str, RunnerOutput]) -> None:
-        """``fn(states)``; if it raises, ``fn([s])`` for each, so only the failing requests fail."""
-        if not states:
-            return
-        try:
-            fn(states)
-            return
-        except Exception as e:
-            if len(states) == 1:
-                logger.warning("request %s failed: %s", states[0].request_id, e)
-                failed[states[0].request_id] = RunnerOutput(error=e)
-                return
-            logger.warning("a batched call for %d requests failed (%s); retrying one by one", len(states), e)
-        for s in states:
-            DiffusionRunner._isolated([s], fn, failed)
-
-    def _step_outputs(self, done: list[StepState], failed: dict[str, RunnerOutput]) -> dict[str, RunnerOutput]:
-        """Final outputs of finished requests; images of one size (videos of one size and frame count)
-        are decoded in one VAE call."""
-        outputs: dict[str, RunnerOutput] = {}
-        to_decode: dict[tuple[int, int, int | None], list[StepState]] = {}
-        for s in done:
-            if s.output_type == "latent":
-                assert s.latents is not None  # set by prepare
-                latents = s.latents.detach().float().cpu()  # float() first: numpy has no bfloat16
-                outputs[s.request_id] = RunnerOutput(tensors={"latents": np.asarray(latents, dtype=np.float32)})
-            else:
-                to_decode.setdefault((s.height, s.width, s.num_frames), []).append(s)
-        decoded: dict[str, np.ndarray] = {}
-        decode_ms: dict[str, float] = {}
-
-        def decode(group: list[StepState]) -> None:
-            start = time.perf_counter()
-            for s, floats in zip(group, self._family.decode(group), strict=True):
-                decoded[s.request_id] = np.asarray(floats, dtype=np.float32)
-            for s in group:
-                decode_ms[s.request_id] = (time.perf_counter() - start) * 1e3
-
-        for group in to_decode.values():
-            self._isolated(group, decode, failed)
-        for s in done:
-            if s.request_id in decoded:
-                floats = decoded[s.request_id]
-                out = RunnerOutput()
-                if s.num_frames is not None and s.output_type == "np":
-                    out.tensors["videos"] = floats
-                elif s.num_frames is not None:
-                    out.media.extend(video_items(floats, fps=s.fps or self._fps, seed=s.seed))
-                elif s.output_type == "np":
-                    out.tensors["images"] = floats
-                else:
-                    out.media.extend(image_items(floats, seed=s.seed))
-                outputs[s.request_id] = out
-        for s in done:  # the request's own cache blocks (/metrics counts them per request)
-            if s.cache is not None and s.request_id in outputs:
-                outputs[s.request_id].metrics["request_cache_blocks_called"] = s.cache.blocks_called
-                outputs[s.request_id].metrics["request_cache_blocks_run"] = s.cache.blocks_run
-        for rid, out in outputs.items():
-            out.metrics["seed"] = self._states[rid].seed
-            if rid in decode_ms:
-                out.metrics["decode_ms"] = decode_ms[rid]
-        return outputs
-
-
-def callback_style(call_params: dict[str, inspect.Parameter]) -> CallbackStyle:
-    """The callback style of a pipeline of no registered family, from its ``__call__`` signature."""
-    if "callback_on_step_end" in call_params:
-        return "on_step_end"
-    if "callback" in call_params and "callback_steps" in call_params:
-        return "legacy"
-    return "none"
-
-
-def _index_class_name(model_dir: str) -> str:
-    """The pipeline class a model directory's ``model_index.json`` names ("" if none)."""
-    try:
-        with open(os.path.join(model_dir, "model_index.json")) as f:
-            name = json.load(f).get("_class_name", "")
-    except (OSError, ValueError):
-        return ""
-    return name if isinstance(name, str) else ""
-
-
-def _total_steps(kwargs: dict[str, Any]) -> int | None:
-    """The denoising steps a call will run, when the call says (img2img's strength may shorten it:
-    then the pipeline's own count is used)."""
-    steps = kwargs.get("num_inference_steps")
-    return int(steps) if isinstance(steps, int) and "strength" not in kwargs else None

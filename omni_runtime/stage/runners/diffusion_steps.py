@@ -27,6 +27,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from omni_runtime.models.families import families, for_pipeline
+from omni_runtime.stage.runners.lora import LoraSpec
 from omni_runtime.stage.runners.row_cache import RowState, RowStepCache
 
 
@@ -62,8 +64,8 @@ class StepState:
     #: img2img: the input image (uint8 HxWx3) and strength (None: the img2img pipeline's default).
     image: Any = None
     strength: float | None = None
-    #: The request's LoRA adapter (its params' ``lora``), active whenever it is encoded or steps.
-    lora: dict[str, Any] | None = None
+    #: The request's LoRA adapter (its params' ``lora``, pinned), active whenever it is encoded or steps.
+    lora: LoraSpec = None
     #: A video request's frame count (shapes its latents) and frame rate (its items'); None for images.
     num_frames: int | None = None
     fps: int | None = None
@@ -269,8 +271,6 @@ def repeat_rows(tensor: torch.Tensor, i: int, rows: int) -> torch.Tensor:
 
 def step_family(pipe: Any, device: str) -> tuple[StepFamily | None, str | None]:
     """The step loop for a loaded pipeline (its family's, from the family registry), or (None, why not)."""
-    from omni_runtime.models.families import families, for_pipeline
-
     name = type(pipe).__name__
     spec = for_pipeline(name)
     family_cls = spec.step_class() if spec is not None else None

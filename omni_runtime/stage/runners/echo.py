@@ -10,8 +10,16 @@ import threading
 import time
 
 from omni_runtime.exceptions import RequestAbortedError
-from omni_runtime.params import EchoSamplingParams
+from omni_runtime.params import EchoSamplingParams, GenericSamplingParams, in_force
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
+
+
+def delay_ms(params: EchoSamplingParams | GenericSamplingParams) -> float:
+    """A request's ``delay_ms``: its echo params', or, for a custom echo whose params are generic,
+    that field among its others (0 when unset)."""
+    if isinstance(params, GenericSamplingParams):
+        return float(params.get("delay_ms") or 0.0)
+    return in_force(params.delay_ms)
 
 
 class EchoRunner(StageRunner):
@@ -21,11 +29,11 @@ class EchoRunner(StageRunner):
         return self._default_request("profile")
 
     def runs_inline(self, batch: list[RunnerRequest]) -> bool:
-        return not any(r.params.get("delay_ms") for r in batch)
+        return not any(delay_ms(r.params) for r in batch)
 
     def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
         start = time.perf_counter()
-        delay_s = max((r.params.get("delay_ms") or 0.0) for r in batch) / 1000.0
+        delay_s = max(delay_ms(r.params) for r in batch) / 1000.0
         if delay_s:
             # Wait in short slices so an aborted wave stops early, like a model between steps.
             deadline = time.monotonic() + delay_s

@@ -29,15 +29,14 @@ import inspect
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omni_runtime.exceptions import ConfigError
 from omni_runtime.messages import StageConstraints
+from omni_runtime.models.families import FamilySpec, families, for_form
+from omni_runtime.params import DiffusionSamplingParams
 from omni_runtime.stage.runners.base import RunnerRequest
 from omni_runtime.stage.runners.sizes import denoiser
-
-if TYPE_CHECKING:
-    from omni_runtime.models.families import FamilySpec
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +52,6 @@ def form_channels(pipeline: str) -> tuple[int, ...] | None:
     request), from any family spec's ``form_channels`` (for a pipeline of no registered family that
     diffusers maps to a family's form): SD3's inpainting pipeline takes SD3's 16 latent channels (or
     a 33-channel inpainting model) only."""
-    from omni_runtime.models.families import families
-
     return next((f.form_channels[pipeline] for f in families() if pipeline in f.form_channels), None)
 
 
@@ -76,11 +73,11 @@ class PipelineForm:
         return param.default
 
 
-def kind_of(params: dict[str, Any]) -> str:
+def kind_of(params: DiffusionSamplingParams) -> str:
     """The form a request needs, from its (validated) params."""
-    if params.get("image") is None:
+    if params.image is None:
         return TEXT
-    return INPAINT if params.get("mask_image") is not None else IMAGE
+    return INPAINT if params.mask_image is not None else IMAGE
 
 
 def unsuppliable_inputs(pipe: Any) -> str | None:
@@ -118,8 +115,6 @@ class PipelineForms:
     """The forms (text, image, inpaint) one loaded model serves, made once at load."""
 
     def __init__(self, loaded: Any) -> None:
-        from omni_runtime.models.families import for_form
-
         problem = unsuppliable_inputs(loaded)
         if problem:
             raise ConfigError(problem)
@@ -164,7 +159,7 @@ class PipelineForms:
     def text(self) -> PipelineForm | None:
         return self.forms.get(TEXT)
 
-    def form(self, params: dict[str, Any]) -> PipelineForm:
+    def form(self, params: DiffusionSamplingParams) -> PipelineForm:
         kind = kind_of(params)
         found = self.forms.get(kind)
         if found is None:  # refused by the caller's check_constraints; a direct call still gets a clear error
@@ -192,17 +187,17 @@ class PipelineForms:
             else f"{self.loaded_name} edits images: it needs an input image ({self.missing.get(TEXT, 'no text form')})",
         )
 
-    def key(self, params: dict[str, Any]) -> Hashable:
+    def key(self, params: DiffusionSamplingParams) -> Hashable:
         """The image part of the batch key: the form, the input's shape, mask presence and the
         strength with the pipeline's default resolved (a wave runs one pipeline call)."""
         kind = kind_of(params)
         if kind == TEXT:
             return (TEXT,)
         form = self.forms.get(kind)
-        strength = params.get("strength")
+        strength = params.strength
         if strength is None and form is not None:
             strength = form.default("strength")
-        return (kind, tuple(params["image"].shape), params.get("mask_image") is not None, strength)
+        return (kind, tuple(params.image.shape), params.mask_image is not None, strength)
 
 
 class _NoEmptyFp32Warning(logging.Filter):
@@ -268,7 +263,9 @@ def _from_pipe(cls: Any, loaded: Any) -> Any:
     return cls(**kwargs)
 
 
-def image_call_kwargs(batch: list[RunnerRequest], form: PipelineForm, per_prompt: int) -> dict[str, Any]:
+def image_call_kwargs(
+    batch: list[RunnerRequest[DiffusionSamplingParams]], form: PipelineForm, per_prompt: int
+) -> dict[str, Any]:
     """The image arguments of one pipeline call, one row per output image (prompt-major: a
     request's ``per_prompt`` rows together), as the caller's prompts are then repeated too.
 
@@ -279,11 +276,11 @@ def image_call_kwargs(batch: list[RunnerRequest], form: PipelineForm, per_prompt
     from PIL import Image
 
     kwargs: dict[str, Any] = {
-        "image": [Image.fromarray(r.params["image"]) for r in batch for _ in range(per_prompt)],
+        "image": [Image.fromarray(r.params.image) for r in batch for _ in range(per_prompt)],
     }
     if form.kind == INPAINT:
-        kwargs["mask_image"] = [Image.fromarray(r.params["mask_image"]) for r in batch for _ in range(per_prompt)]
-    strength = batch[0].params.get("strength")
+        kwargs["mask_image"] = [Image.fromarray(r.params.mask_image) for r in batch for _ in range(per_prompt)]
+    strength = batch[0].params.strength
     if strength is not None:
         kwargs["strength"] = strength
     # Flux Kontext resizes its input to one of the real model's preferred sizes (about 1 MP): the

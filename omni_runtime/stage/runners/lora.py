@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from omni_runtime.exceptions import ConfigError, InvalidRequestError, LoraFormatError, LoraLoadError
-from omni_runtime.params import LORA_NAME_PATTERN, check_lora_path
+from omni_runtime.params import LORA_NAME_PATTERN, LoraRequest, check_lora_path
 from omni_runtime.stage.runners.lora_files import adapter_file, check_finite
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,20 @@ logger = logging.getLogger(__name__)
 _NAME_RE = re.compile(LORA_NAME_PATTERN)
 #: The active state is not known (an adapter was just loaded or deleted): apply it again.
 _UNKNOWN = ("?",)
+
+
+@dataclass(frozen=True)
+class PinnedLora:
+    """A request's registered adapter (its ``lora.name``) pinned to the file the name pointed at
+    when the request was admitted (:meth:`LoraAdapters.pin`), at the request's scale."""
+
+    name: str
+    source: str
+    scale: float
+
+
+#: What a request runs with: its params' ``lora``, or that pinned, or none.
+LoraSpec = LoraRequest | PinnedLora | None
 
 
 @dataclass
@@ -121,27 +135,27 @@ class LoraAdapters:
     # ------------------------------------------------------------------ per batch
 
     @staticmethod
-    def key(spec: dict[str, Any] | None) -> Hashable:
+    def key(spec: LoraSpec) -> Hashable:
         """What the batch key holds of a request's ``lora``: the adapter as asked for, and the scale."""
-        if not spec:
+        if spec is None:
             return None
-        if spec.get("pinned") is not None:
-            return ("path", spec["pinned"], float(spec.get("scale", 1.0)))
-        if spec.get("name") is not None:
-            return ("name", spec["name"], float(spec.get("scale", 1.0)))
-        return ("path", os.path.normpath(str(spec.get("path"))), float(spec.get("scale", 1.0)))
+        if isinstance(spec, PinnedLora):
+            return ("path", spec.source, float(spec.scale))
+        if spec.name is not None:
+            return ("name", spec.name, float(spec.scale))
+        return ("path", os.path.normpath(str(spec.path)), float(spec.scale))
 
-    def pin(self, spec: dict[str, Any] | None) -> dict[str, Any] | None:
-        """``spec`` with the file its name points at now (``pinned``), for a request that will
-        run over many steps: a later ``add_lora`` re-pointing the name does not switch its adapter
-        half way (its image would match neither). A ``remove_lora`` still fails it at its next step.
-        Raises as :meth:`activate` does for a name that is not registered."""
-        if not spec or spec.get("name") is None or not self.supported:
+    def pin(self, spec: LoraSpec) -> LoraSpec:
+        """``spec`` pinned to the file its name points at now, for a request that will run over many
+        steps: a later ``add_lora`` re-pointing the name does not switch its adapter half way (its
+        image would match neither). A ``remove_lora`` still fails it at its next step. Raises as
+        :meth:`activate` does for a name that is not registered."""
+        if not isinstance(spec, LoraRequest) or spec.name is None or not self.supported:
             return spec
         source, _ = self._source(spec)
-        return {**spec, "pinned": source}
+        return PinnedLora(spec.name, source, spec.scale)
 
-    def activate(self, spec: dict[str, Any] | None) -> None:
+    def activate(self, spec: LoraSpec) -> None:
         """Make ``spec``'s adapter the only active one, at its scale (loading it if need be), or
         disable every adapter for None. Raises InvalidRequestError (an unknown name, a path that
         does not exist) or LoraLoadError (it would not load): the batch's requests fail with it.
@@ -152,9 +166,9 @@ class LoraAdapters:
         with torch.inference_mode(False):
             self._activate(spec)
 
-    def _activate(self, spec: dict[str, Any] | None) -> None:
+    def _activate(self, spec: LoraSpec) -> None:
         pipe = self._pipe
-        if not spec:
+        if spec is None:
             if self._loaded and self._active is not None:
                 pipe.disable_lora()
             self._active = None
@@ -162,18 +176,19 @@ class LoraAdapters:
         if not self.supported:
             raise InvalidRequestError(f"{type(pipe).__name__} does not take LoRA adapters", param="lora")
         source, label = self._source(spec)
-        entry = self._ensure_loaded(source, label, "lora.name" if spec.get("name") is not None else "lora.path")
+        named = isinstance(spec, PinnedLora) or spec.name is not None
+        entry = self._ensure_loaded(source, label, "lora.name" if named else "lora.path")
         entry.batches += 1
-        scale = float(spec.get("scale", 1.0))
+        scale = float(spec.scale)
         if self._active != (entry.adapter, scale):
             pipe.enable_lora()
             pipe.set_adapters([entry.adapter], adapter_weights=[scale])
             self._active = (entry.adapter, scale)
 
-    def _source(self, spec: dict[str, Any]) -> tuple[str, str]:
+    def _source(self, spec: LoraRequest | PinnedLora) -> tuple[str, str]:
         """(real path of the checked ``.safetensors`` file, how to name it in an error) of a
         request's adapter; a pinned one (:meth:`pin`) keeps its file while its name is registered."""
-        name = spec.get("name")
+        name = spec.name
         if name is not None:
             path = self._registry.get(name)
             if path is None:
@@ -183,7 +198,7 @@ class LoraAdapters:
                     "(engine_args.loras, or collective_rpc('add_lora'))",
                     param="lora.name",
                 )
-            pinned = spec.get("pinned")
+            pinned = spec.source if isinstance(spec, PinnedLora) else None
             if pinned is not None and pinned in self._loaded:
                 return pinned, repr(name)
             if pinned is not None:
@@ -193,7 +208,8 @@ class LoraAdapters:
             if not os.path.exists(path):
                 raise LoraLoadError(f"LoRA adapter {name!r} is registered at {path}, which no longer exists")
             return adapter_file(path, self._max_file_bytes, "lora.name"), repr(name)
-        path = str(spec.get("path"))
+        assert isinstance(spec, LoraRequest)  # a pinned adapter has a name
+        path = str(spec.path)
         check_lora_path(path)
         if not os.path.exists(path):
             raise InvalidRequestError(

@@ -39,7 +39,7 @@ from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, St
 from omni_runtime.media import AudioItem
 from omni_runtime.messages import StageConstraints
 from omni_runtime.models.builtin import resolve_model
-from omni_runtime.params import Code2WavSamplingParams, TalkerSamplingParams
+from omni_runtime.params import Code2WavSamplingParams, TalkerSamplingParams, in_force
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.speech import speaker_table
 from omni_runtime.stage.runners.text import TextRunner
@@ -56,7 +56,6 @@ THINKER_TENSORS = (PROMPT_IDS, PROMPT_STATES, REPLY_IDS, REPLY_STATES, MARKER_EM
 #: The codes the talker streams and the decoder reads.
 CODES = "codes"
 
-TALKER_DEFAULTS: dict[str, Any] = {"max_codes": 64, "temperature": 0.9, "top_p": 1.0, "top_k": 40}
 
 
 #: Held while a stage of this module loads. Stages of one process (the inproc backend) load in
@@ -253,10 +252,11 @@ class TalkerRunner(TransformersRunner):
         return arrays
 
     @torch.inference_mode()
-    def _talk(self, req: RunnerRequest, ctx: ExecuteContext) -> RunnerOutput:
+    def _talk(self, req: RunnerRequest[TalkerSamplingParams], ctx: ExecuteContext) -> RunnerOutput:
         arrays = self._thinker_inputs(req)
-        p = {**TALKER_DEFAULTS, **{k: v for k, v in req.params.items() if v is not None}}
-        seed = p["seed"] if p.get("seed") is not None else secrets.randbits(63)
+        p = req.params
+        seed = p.seed if p.seed is not None else secrets.randbits(63)
+        max_codes = in_force(p.max_codes)
         generator = torch.Generator(device=self.device).manual_seed(seed)
         dtype = self.model.thinker_to_talker_proj.weight.dtype
 
@@ -289,13 +289,13 @@ class TalkerRunner(TransformersRunner):
             logits[self.suppress] = float("-inf")
             if not codes:
                 logits[self.eos] = float("-inf")
-            code = _sample(logits, float(p["temperature"]), int(p["top_k"]), float(p["top_p"]), generator)
+            code = _sample(logits, in_force(p.temperature), in_force(p.top_k), in_force(p.top_p), generator)
             if code == self.eos:
                 break
             codes.append(code)
             # 4) stream the new code at once (a delta: only what is new)
             ctx.emit(req.request_id, RunnerOutput(tensors={CODES: np.asarray([code], dtype=np.int64)}))
-            if len(codes) >= p["max_codes"]:
+            if len(codes) >= max_codes:
                 break
             # 5) the next forward: the code's embedding plus the next reply state (pads at the end)
             state = stream[min(fed, len(stream) - 1)].view(1, 1, -1)
@@ -349,7 +349,9 @@ class Code2WavRunner(TransformersRunner):
         self.guidance = float(self.stage.runner_args.get("guidance_scale", 0.5))
 
     def constraints(self) -> StageConstraints:
-        return StageConstraints(voices=tuple(self.speakers))
+        # ``max_input_codes`` bounds the talker's ``max_codes`` before a request is queued, where
+        # this stage takes the talker's codes whole (params.link_constraints).
+        return StageConstraints(voices=tuple(self.speakers), max_input_codes=self.max_codes)
 
     def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
         if self.model is None:
@@ -384,18 +386,18 @@ class Code2WavRunner(TransformersRunner):
         return codes.astype(np.int64)
 
     @torch.inference_mode()
-    def _decode(self, req: RunnerRequest) -> RunnerOutput:
+    def _decode(self, req: RunnerRequest[Code2WavSamplingParams]) -> RunnerOutput:
         codes = self._codes(req)
         p = req.params
-        voice = p.get("voice")
+        voice = p.voice
         if voice is None:
             speaker = 0
         elif voice in self.speakers:
             speaker = self.speakers[voice] % len(self.conds)
         else:
             raise InvalidRequestError(f"invalid sampling param `voice`: unknown voice {voice[:64]!r}", param="voice")
-        seed = p["seed"] if p.get("seed") is not None else secrets.randbits(63)
-        speed = float(p.get("speed") or 1.0)
+        seed = p.seed if p.seed is not None else secrets.randbits(63)
+        speed = float(in_force(p.speed))
         code = torch.as_tensor(codes, device=self.device).unsqueeze(0)
         # 1) the mel spectrogram, solved from noise. The DiT draws it from torch's global RNG, so
         #    that RNG is forked and seeded here: the same codes, voice and seed give the same audio.

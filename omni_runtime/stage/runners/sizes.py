@@ -15,6 +15,9 @@ from typing import Any
 #: The step a pipeline of no registered family is held to at least: the diffusers image
 #: pipelines' ``check_inputs`` reject sizes that are not multiples of 8.
 DEFAULT_SIZE_FLOOR = 8
+#: The default ``max_pixels`` is this many times the model's native area (its configs' size, or
+#: the stage's default size for a model whose configs state none).
+NATIVE_AREA_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,14 @@ class SizeLimits:
     audio_reason: str | None = None
 
 
-def derive_size_limits(pipe: Any, floor: int = DEFAULT_SIZE_FLOOR, packing: int | None = None) -> SizeLimits:
+def derive_size_limits(
+    pipe: Any, floor: int = DEFAULT_SIZE_FLOOR, packing: int | None = None, position_table: str | None = None
+) -> SizeLimits:
     """The size rules of ``pipe``: step = lcm(``floor``, VAE scale factor x latent packing x the
     denoiser's patch size). ``packing`` None reads it off the pipeline's image processor, whose
-    scale includes it (Flux's processor works in VAE factor x 2)."""
+    scale includes it (Flux's processor works in VAE factor x 2). ``position_table`` names the
+    denoiser config key holding its positional table's length per side, in patches (SD3's
+    ``pos_embed_max_size``): a side is then at most that many patches (``max_side``)."""
     vae, scale, patch = _size_factors(pipe, packing)
     parts = [f"the VAE scale factor {vae}"]
     if scale != vae:
@@ -66,7 +73,22 @@ def derive_size_limits(pipe: Any, floor: int = DEFAULT_SIZE_FLOOR, packing: int 
     multiple = math.lcm(floor, scale * patch)
     if multiple != scale * patch:
         reason += f", and the pipeline takes multiples of {floor} only"
-    return SizeLimits(multiple=multiple, reason=reason, native=native_size(pipe))
+    module = denoiser(pipe)
+    table = getattr(getattr(module, "config", None), position_table, None) if position_table else None
+    return SizeLimits(
+        multiple=multiple,
+        reason=reason,
+        native=native_size(pipe),
+        # A side past the table fails inside the denoiser (tiny-sd3: 8 x 512, 128 patches of a
+        # 64-patch table).
+        max_side=int(table) * scale * patch if table else None,
+        max_side_reason=(
+            f"the {type(module).__name__} positional table of {int(table)} patches per side x "
+            f"{scale * patch} pixels a patch"
+            if table
+            else None
+        ),
+    )
 
 
 def size_multiple(pipe: Any) -> int:

@@ -31,7 +31,7 @@ from omni_runtime.exceptions import InvalidRequestError, StageAsleepError
 from omni_runtime.media import AudioItem
 from omni_runtime.messages import SpeechBound, StageConstraints
 from omni_runtime.models.builtin import resolve_model
-from omni_runtime.params import SpeechSamplingParams
+from omni_runtime.params import SpeechSamplingParams, in_force, resolve_params
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.torch_common import TransformersRunner, wave_rows
 
@@ -121,17 +121,18 @@ class SpeechRunner(TransformersRunner):
         symbols = "".join(sorted(k for k in self.tokenizer.get_vocab() if len(k) == 1 and k.isprintable()))
         longest = 1.0
         for seed in range(PROBE_SEEDS):
-            row = self._new_row(0, RunnerRequest(request_id="probe", prompt=symbols or "a", params={"seed": seed}))
+            probe = resolve_params(SpeechSamplingParams, {}, {"seed": seed})
+            row = self._new_row(0, RunnerRequest(request_id="probe", prompt=symbols or "a", params=probe))
             longest = max(longest, float(self._durations([row])[0].max()))
         return int(np.ceil(longest * TOKEN_FRAMES_MARGIN))
 
     def constraints(self) -> StageConstraints:
         return StageConstraints(voices=tuple(self.speakers), speech=self.bound)
 
-    def batch_key(self, request: RunnerRequest) -> tuple[()]:
+    def batch_key(self, request: RunnerRequest[SpeechSamplingParams]) -> tuple[()]:
         return ()  # voice, speed and seed apply per row: every speech request can join a wave
 
-    def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
+    def execute(self, batch: list[RunnerRequest[SpeechSamplingParams]], ctx: ExecuteContext) -> list[RunnerOutput]:
         started = time.perf_counter()
         if self.model is None:
             return [RunnerOutput(error=StageAsleepError("the speech stage is asleep")) for _ in batch]
@@ -151,7 +152,7 @@ class SpeechRunner(TransformersRunner):
             )
         return cast(list[RunnerOutput], outputs)  # every slot is filled above
 
-    def _new_row(self, index: int, req: RunnerRequest) -> _Row:
+    def _new_row(self, index: int, req: RunnerRequest[SpeechSamplingParams]) -> _Row:
         if not isinstance(req.prompt, str):
             raise InvalidRequestError(
                 f"a speech stage takes a string prompt, got {type(req.prompt).__name__}", param="prompt"
@@ -170,15 +171,15 @@ class SpeechRunner(TransformersRunner):
                 param="prompt",
             )
         p = req.params
-        voice = p.get("voice")
+        voice = p.voice
         if voice is None:
             speaker = 0
         elif voice in self.speakers:
             speaker = self.speakers[voice]
         else:  # a caller that skipped the constraints check (READY lists the voices)
             raise InvalidRequestError(f"invalid sampling param `voice`: unknown voice {voice[:64]!r}", param="voice")
-        seed = p["seed"] if p.get("seed") is not None else secrets.randbits(63)
-        rate = float(p.get("speed") or 1.0)
+        seed = p.seed if p.seed is not None else secrets.randbits(63)
+        rate = float(in_force(p.speed))
         bound = getattr(self, "bound", None)  # None while the bound itself is probed at load
         if bound is not None and bound.longest_s(len(ids), rate) > bound.max_seconds:
             # A caller's check counts characters; the tokens can be more (a romanizing tokenizer).

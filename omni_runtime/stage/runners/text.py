@@ -8,30 +8,78 @@ streamed as deltas after every step through ``ExecuteContext.emit``.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar, cast
 
 import msgspec
 import torch
 
+from omni_runtime.checks import check_prompt_tokens
 from omni_runtime.exceptions import (
     InvalidRequestError,
     RequestAbortedError,
     StageAsleepError,
 )
+from omni_runtime.messages import StageConstraints, TextBound
 from omni_runtime.models.builtin import resolve_model
-from omni_runtime.params import TextSamplingParams
+from omni_runtime.params import TextSamplingParams, in_force
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StepResult
 from omni_runtime.stage.runners.text_steps import TextSteps
 from omni_runtime.stage.runners.torch_common import TransformersRunner, wave_rows
 
-DEFAULTS: dict[str, Any] = {"max_tokens": 32, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop": []}
-
 #: Prompt tokens kept in front of the generated ones when detokenizing, so that tokenizers whose
 #: decoding depends on the left context (e.g. a leading-space marker) decode the first token right.
 _DETOKENIZE_CONTEXT = 5
+
+#: The Unicode normalizations whose effect on a prompt's bytes :class:`TextBound` computes.
+_NORMALIZATIONS = ("NFC", "NFD", "NFKC", "NFKD")
+
+
+def _pre_tokenizers(spec: Any) -> list[str]:
+    """The types of a tokenizer.json pre-tokenizer and of those of a sequence of them."""
+    if not isinstance(spec, dict):
+        return []
+    return [spec.get("type", ""), *(t for p in spec.get("pretokenizers") or [] for t in _pre_tokenizers(p))]
+
+
+def prompt_token_bound(tokenizer: Any) -> dict[str, Any]:
+    """What bounds the tokens ``tokenizer`` makes of a text from below (the fields of
+    :class:`~omni_runtime.messages.TextBound` but the lengths): given for a byte-level BPE only,
+    whose tokens each stand for a run of at most ``bytes_per_token`` bytes of the (normalized) text
+    and together for all of it, and whose special tokens are plain ASCII and take no spaces beside
+    them; anything else (another model, a normalizer that drops or folds characters) gives no bound
+    (``bytes_per_token`` None) and the stage alone checks."""
+    extra = len(tokenizer("")["input_ids"])
+    none: dict[str, Any] = {"extra_tokens": extra}
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return none
+    spec = json.loads(backend.to_str())
+    model, normalizer = spec.get("model") or {}, spec.get("normalizer")
+    if model.get("type") != "BPE" or "ByteLevel" not in _pre_tokenizers(spec.get("pre_tokenizer")):
+        return none
+    form = normalizer.get("type") if isinstance(normalizer, dict) else None
+    if normalizer is not None and form not in _NORMALIZATIONS:
+        return none
+    added = spec.get("added_tokens") or []
+    if any(t.get("lstrip") or t.get("rstrip") or t.get("single_word") for t in added):
+        return none  # such a token takes the spaces beside it too
+    if not all(t.get("content", "").isascii() for t in added):
+        return none
+    # A byte-level vocabulary spells each byte as one character.
+    longest = max((len(token) for token in model.get("vocab") or {}), default=0)
+    if longest < 1:
+        return none
+    return {
+        "bytes_per_token": longest,
+        "normalization": form,
+        "special_tokens": tuple(sorted({t["content"] for t in added if t.get("content")})),
+        "extra_tokens": extra,
+    }
 
 
 class _Detokenizer:
@@ -123,6 +171,19 @@ class TextRunner(TransformersRunner):
         self._read_decoding_settings()
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
 
+    @cached_property
+    def text_bound(self) -> TextBound:
+        """The READY bound of a request's tokens: the model's context, ``engine_args.max_output_tokens``
+        and what bounds a prompt's tokens from its text (the tokenizer, read once)."""
+        return TextBound(
+            context=self.max_positions or None,
+            max_tokens=self.stage.engine_args.max_output_tokens,
+            **prompt_token_bound(self.tokenizer),
+        )
+
+    def constraints(self) -> StageConstraints:
+        return StageConstraints(text=self.text_bound)
+
     def _read_decoding_settings(self) -> None:
         """End, pad and start ids and the suppressed tokens, from the loaded model's generation
         config and tokenizer."""
@@ -162,30 +223,28 @@ class TextRunner(TransformersRunner):
             )
         return cast(list[RunnerOutput], outputs)  # every slot is filled above
 
-    def _new_row(self, index: int, req: RunnerRequest) -> _Row:
+    def _new_row(self, index: int, req: RunnerRequest[TextSamplingParams]) -> _Row:
         if not isinstance(req.prompt, str):
             raise InvalidRequestError(
                 f"a text stage takes a string prompt, got {type(req.prompt).__name__}", param="prompt"
             )
-        p = {**DEFAULTS, **{k: v for k, v in req.params.items() if v is not None}}
+        bound = self.text_bound
+        p = req.params
+        max_tokens = in_force(p.max_tokens)
         prompt_ids = self.tokenizer(req.prompt)["input_ids"] or [self.start_id]
-        if self.max_positions and len(prompt_ids) + p["max_tokens"] > self.max_positions:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({p['max_tokens']}) exceeds the model's "
-                f"context of {self.max_positions} tokens",
-                param="max_tokens",
-            )
+        # The exact check; the caller's counted the fewest tokens the prompt could make.
+        check_prompt_tokens(len(prompt_ids), max_tokens, bound, f"the prompt ({len(prompt_ids)} tokens)")
         # A fresh seed is drawn when none is given, and reported, so any result can be replayed.
-        seed = p["seed"] if p.get("seed") is not None else secrets.randbits(63)
+        seed = p.seed if p.seed is not None else secrets.randbits(63)
         return _Row(
             index=index,
             request_id=req.request_id,
             prompt_ids=prompt_ids,
-            max_tokens=p["max_tokens"],
-            temperature=float(p["temperature"]),
-            top_p=float(p["top_p"]),
-            top_k=int(p["top_k"]),
-            stop=list(p["stop"] or []),
+            max_tokens=max_tokens,
+            temperature=in_force(p.temperature),
+            top_p=in_force(p.top_p),
+            top_k=in_force(p.top_k),
+            stop=list(in_force(p.stop)),
             seed=seed,
             generator=torch.Generator(device=self.device).manual_seed(seed),
             detok=_Detokenizer(self.tokenizer, prompt_ids[-_DETOKENIZE_CONTEXT:]),

@@ -22,7 +22,7 @@ class WaveAborted(Exception):
 
 def request_seeds(batch: list[RunnerRequest]) -> list[int]:
     """Each request's own seed, or a fresh one (reported back, so its image can be made again)."""
-    return [int(r.params["seed"]) if r.params.get("seed") is not None else secrets.randbelow(2**32) for r in batch]
+    return [int(r.params.seed) if r.params.seed is not None else secrets.randbelow(2**32) for r in batch]
 
 
 def image_generators(seeds: list[int], per_prompt: int, device: str) -> list[torch.Generator]:

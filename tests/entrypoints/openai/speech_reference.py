@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from omni_runtime.params import resolve_params
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 from omni_runtime.stage.runners.speech import SpeechRunner
 
@@ -13,8 +14,9 @@ from omni_runtime.stage.runners.speech import SpeechRunner
 class ReferenceSpeechRunner(SpeechRunner):
     def rpc_speak_alone(self, prompts: list[str], params: dict[str, Any]) -> list[list[float]]:
         ctx = ExecuteContext(lambda _: False)
+        resolved = resolve_params(self.params_cls, {}, params)  # a validated request's dict view, typed again
         clips = []
         for i, prompt in enumerate(prompts):
-            out = self.execute([RunnerRequest(request_id=f"alone-{i}", prompt=prompt, params=params)], ctx)[0]
+            out = self.execute([RunnerRequest(request_id=f"alone-{i}", prompt=prompt, params=resolved)], ctx)[0]
             clips.append(out.media[0].samples[0].tolist())
         return clips

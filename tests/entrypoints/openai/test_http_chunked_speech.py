@@ -97,7 +97,7 @@ async def settled(omni: AsyncOmni) -> list[tuple[int, int]]:
         if not any(pools) and all(b == (0, 0) for b in busy):
             break
         await asyncio.sleep(0.05)
-    assert not omni.engine._orchestrator._subs  # no chunk of any request left to route
+    assert not omni.engine._orchestrator.chunks.in_flight  # no chunk of any request left to route
     return busy
 
 
@@ -227,4 +227,4 @@ def test_a_speech_stage_killed_mid_chain_is_a_typed_error_for_the_caller(served)
         call(served, kill_after_first_audio)
     print(f"typed error {time.monotonic() - killed[0]:.2f} s after the kill")
     assert omni.health().stages[0].inflight == 0
-    assert not omni.engine._orchestrator._subs
+    assert not omni.engine._orchestrator.chunks.in_flight

@@ -1,11 +1,14 @@
-"""One real server with three models (tiny-sd first, tiny-tts, and an echo model from a models
-file, with an admission limit of its own) behind an API key, and the real openai client: routing
-by ``model``, /v1/models with states and kinds, per-model /health, /readyz and /metrics, jobs
-routed by their model, and one model's overload (429) leaving the others answering.
+"""One real server with four models (tiny-sd first, tiny-tts, an echo model from a models file
+with an admission limit of its own, and tiny-wan loaded lazily on its first request) behind an
+API key, its jobs in a real Redis, and the real openai client: routing by ``model``, /v1/models
+with states and kinds, per-model /health, /readyz and /metrics, jobs routed by their model, and
+one model's overload (429) leaving the others answering.
 
 The combination matrix: every route and job task against the model that serves it (the right
-kind of output), an unknown model (404), no model (400), a model that cannot do it (400 naming
-``model``), and no key (401); every POST route refusing hostile JSON alike (400)."""
+kind of output; the video tasks on the lazy model, through the Redis job store), an unknown
+model (404), no model (400), a model that cannot do it (400 naming ``model``), and no key (401);
+every POST route refusing hostile JSON alike (400). The memory job store's side of the matrix is
+test_http_lazymodels.py's server."""
 
 from __future__ import annotations
 
@@ -30,21 +33,26 @@ pytestmark = pytest.mark.e2e
 LIMIT = 3
 KEY = "multimodel-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-MODELS = {"tiny-sd", "tiny-tts", "echo"}
+#: Loaded at start; tiny-wan (:data:`LAZY`) on its first request.
+EAGER = {"tiny-sd", "tiny-tts", "echo"}
+LAZY = "tiny-wan"
+MODELS = EAGER | {LAZY}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(tmp_path_factory: pytest.TempPathFactory, redis_server) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("multimodel")
     flaky_echo_config(tmp / "flaky.yaml", delay_ms=20)
     (tmp / "models.yaml").write_text(f"echo: {{config: flaky.yaml, max_pending: {LIMIT}}}\n")
-    args = ("tiny-sd", "tiny-tts", "--models-file", str(tmp / "models.yaml"), "--api-key", KEY)
+    redis_url = redis_server.url.rsplit("/", 1)[0] + "/3"  # a database of its own
+    args = ("tiny-sd", "tiny-tts", f"{LAZY}@lazy", "--models-file", str(tmp / "models.yaml"), "--api-key", KEY,
+            "--redis-url", redis_url)  # fmt: skip
     srv = start_server(*args, log=tmp / "server.log")
     try:
-        # /health answers 200 once one model serves; all are wanted here.
+        # /health answers 200 once one model serves; all the eager ones are wanted here.
         def loaded() -> bool:
             models = httpx.get(f"{srv.url}/v1/models", headers=AUTH).json()["data"]
-            return {m["state"] for m in models} == {"loaded"}
+            return {m["id"]: m["state"] for m in models} == {**dict.fromkeys(EAGER, "loaded"), LAZY: "unloaded"}
 
         assert wait_for(loaded, timeout=120), srv.log()[-3000:]
         yield srv
@@ -75,7 +83,7 @@ def test_models_lists_both_with_state_and_kinds(client: openai.OpenAI) -> None:
     assert kinds == [["image"], ["audio"], ["text"]]
     assert models["tiny-tts"].tasks == ["text2speech"]  # type: ignore[attr-defined]
     assert models["tiny-sd"].serves == ["text2image", "image_edit", "image_variation", "chat"]  # type: ignore[attr-defined]
-    assert {m.state for m in models.values()} == {"loaded"}  # type: ignore[attr-defined]
+    assert {models[name].state for name in EAGER} == {"loaded"}  # type: ignore[attr-defined]
     assert client.models.retrieve("echo").id == "echo"
 
 
@@ -125,9 +133,12 @@ def test_jobs_route_by_model(http: httpx.Client) -> None:
 
 def test_health_readyz_and_metrics_per_model(http: httpx.Client) -> None:
     health = http.get("/health").json()
-    assert health == {"status": "ok", "models": {name: {"status": "ok"} for name in ("tiny-sd", "tiny-tts", "echo")}}
+    assert health["status"] == "ok" and set(health["models"]) == MODELS, health
+    assert all(health["models"][name] == {"status": "ok"} for name in EAGER), health
     ready = http.get("/readyz").json()
-    assert ready["ready"] and {n: m["state"] for n, m in ready["models"].items()} == dict.fromkeys(MODELS, "loaded")
+    states = {n: m["state"] for n, m in ready["models"].items()}
+    assert ready["ready"] and {n: states[n] for n in EAGER} == dict.fromkeys(EAGER, "loaded"), ready
+    assert states[LAZY] in ("unloaded", "loading", "loaded"), ready
     assert ready["models"]["echo"]["max_pending"] == LIMIT
     families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
     limits = {s.labels["model"]: s.value for s in families["omni_engine_max_pending"].samples}
@@ -208,6 +219,8 @@ def send(http: httpx.Client, task: str, model: str | None, headers: dict[str, st
         return http.post("/v1/videos", json={"prompt": "x", **named}, headers=headers)
     job = task.removeprefix("job:")
     inputs = {"prompt": "x", **({"size": "32x32"} if job == "text2image" else {})}
+    if job == "image2video":
+        inputs["image"] = "data:image/png;base64," + base64.b64encode(PNG).decode()
     return http.post("/v1/generate", json={"task": job, "inputs": inputs, "async_run": False, **named}, headers=headers)
 
 
@@ -232,6 +245,15 @@ def _chat(r: httpx.Response) -> None:
     assert r.json()["choices"][0]["message"]["content"] == "hi"
 
 
+def _video(r: httpx.Response) -> None:
+    """A video object whose job (in Redis, on the lazy model) completes with an MP4."""
+    video_id = r.json()["id"]
+    with httpx.Client(base_url=str(r.request.url).removesuffix("/v1/videos"), headers=AUTH, timeout=60) as c:
+        assert wait_for(lambda: c.get(f"/v1/videos/{video_id}").json()["status"] == "completed", timeout=180)
+        content = c.get(f"/v1/videos/{video_id}/content")
+    assert content.status_code == 200 and content.content[4:8] == b"ftyp", content.text[:300]
+
+
 #: task -> (the model serving it, the check of its output)
 SERVED = {
     "text2image": ("tiny-sd", _image),
@@ -241,6 +263,9 @@ SERVED = {
     "chat": ("echo", _chat),
     "job:text2image": ("tiny-sd", _job("images")),
     "job:text2speech": ("tiny-tts", _job("audios")),
+    "text2video": (LAZY, _video),
+    "job:text2video": (LAZY, _job("videos")),
+    "job:image2video": (LAZY, _job("videos")),
 }
 #: (task, a model that cannot do it): the first model (tiny-sd) for speech is the issue's case.
 REFUSED = [
@@ -256,7 +281,7 @@ REFUSED = [
     ("job:image2video", "tiny-sd"),
     ("job:text2audio", "tiny-tts"),
 ]
-TASKS = [*SERVED, "text2video", "job:text2video"]
+TASKS = list(SERVED)
 
 
 @pytest.mark.parametrize("task", list(SERVED))

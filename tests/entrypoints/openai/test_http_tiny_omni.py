@@ -3,6 +3,7 @@ text deltas arrive as separate SSE chunks, and the chat params reach the text st
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from .server_process import start_server, stop_server
@@ -43,3 +44,26 @@ def test_text_then_image_from_both_stages(client):
     assert isinstance(message.content, str) and message.content
     [image] = message.model_extra["images"]
     assert image["image_url"]["url"].startswith("data:image/png;base64,")
+
+
+def test_a_text_that_cannot_fit_the_models_context_is_a_400_naming_the_field_before_it_is_queued(client):
+    """tiny-lm's context is 16,384 tokens, and its longest token 4 bytes: 40,000 characters are at
+    least 10,000 tokens, 70,000 at least 17,500. The caller's count says "at least" (the stage's
+    own check, after the queue, counts the tokens it made)."""
+    import openai
+
+    for extra, chars, field in (
+        ({"max_tokens": 8000}, 40_000, "max_tokens"),
+        ({"max_completion_tokens": 8000}, 40_000, "max_completion_tokens"),
+        ({}, 70_000, "messages[0].content"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model="tiny-omni", messages=[{"role": "user", "content": "a" * chars}], modalities=["text"], **extra
+            )
+        error = info.value.body
+        assert error["param"] == field and "at least" in error["message"], error
+    # The same bound on /v1/generate, whose text2image task runs the text stage first.
+    job = {"task": "text2image", "model": "tiny-omni", "inputs": {"prompt": "a" * 70_000}, "async_run": False}
+    resp = httpx.post(f"{client.base_url}generate", json=job, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "inputs.prompt", resp.text

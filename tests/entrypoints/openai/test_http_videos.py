@@ -136,6 +136,10 @@ def test_seconds_become_frames(http: httpx.Client) -> None:
         ({"num_frames": 8}, "num_frames"),
         ({"size": "33x33"}, "size"),
         ({"size": "big"}, "size"),
+        # Past the rotary table's 512 px a side, and past 4 x the default 32 x 32: refused, not a 500.
+        ({"size": "1024x32"}, "size"),
+        ({"size": "16x4096"}, "size"),
+        ({"size": "256x64"}, "size"),
         ({"seconds": "abc"}, "seconds"),
         ({"num_frames": 10**9}, "num_frames"),
         ({"fps": 10**6}, "fps"),
@@ -333,6 +337,8 @@ def test_generate_takes_image2video(http: httpx.Client) -> None:
         ({"data": {"input_reference[image_url]": "data:image/png;base64,@@"}}, "input_reference", "base64"),
         ({"data": {"size": "40x40"}, "files": {"input_reference": ("r.png", png((9, 9, 9)), "image/png")}},
          "input_reference", "`input_reference`: the input image's height 40 is not a multiple of 16"),
+        ({"files": {"input_reference": ("r.png", png((9, 9, 9), 2048, 16), "image/png")}},
+         "input_reference", "declares 2048x16 pixels; this model's limit is 4096 pixels"),
     ],
 )  # fmt: skip
 def test_a_bad_input_reference_is_a_400_naming_it(http: httpx.Client, part: dict, param: str, match: str) -> None:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from omni_runtime.bounds import MAX_PROMPT_CHARS
 from omni_runtime.config import InputChunking, parse_config
 from omni_runtime.engine.chunking import Chunker, join_outputs
-from omni_runtime.engine.orchestrator import STREAMING_INPUT_CHUNKING
+from omni_runtime.engine.sequencer import STREAMING_INPUT_CHUNKING
 from omni_runtime.exceptions import ConfigError
 from omni_runtime.media import AudioItem
 from omni_runtime.messages import Payload, StageMetrics
@@ -339,3 +339,65 @@ def test_hostile_chunk_policies_are_config_errors(value):
     else:  # what is accepted is a policy the chunker runs
         chunking = config.stage(1).input_chunking
         assert chunking is None or run(chunking, ["a b. ", "c"])[-1].last
+
+
+def drain(chunker: Chunker, limit: int, deltas: list[str]) -> list[tuple[str | None, bool]]:
+    """Every chunk of ``deltas``, cutting at most ``limit`` at a time and the rest with ``more``."""
+    out = []
+    for delta in deltas:
+        out += chunker.feed(delta, limit=limit)
+        if delta.startswith("."):  # sometimes the backlog waits for the next delta
+            continue
+        while chunker.has_more and not chunker.finished:
+            out += chunker.more(limit)
+    out += chunker.finish(limit=limit)
+    while chunker.has_more:
+        out += chunker.more(limit)
+    assert [c.index for c in out] == list(range(len(out)))
+    return [(c.text, c.last) for c in out]
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(
+    deltas=WORDS,
+    policy=st.sampled_from(["sentence", "words", "tokens"]),
+    size=st.integers(1, 4),
+    limit=st.integers(0, 3),
+)
+def test_cutting_a_few_chunks_at_a_time_makes_the_same_chunks(deltas, policy, size, limit):
+    """With ``limit`` a delta cuts no more than the caller can send now; what it leaves is cut
+    by ``more``, and the chunks, their order and ``last`` are those of cutting everything at once."""
+    chunking = InputChunking(policy=policy, size=size)
+    eager = [(c.text, c.last) for c in run(chunking, deltas)]
+    assert drain(Chunker(chunking), max(limit, 1), deltas) == eager
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(lengths=st.lists(st.integers(0, 9), max_size=8), size=st.integers(1, 4), limit=st.integers(1, 3))
+def test_cutting_items_a_few_at_a_time_makes_the_same_chunks(lengths, size, limit):
+    chunking = InputChunking(policy="items", size=size)
+    deltas = [np.arange(n, dtype=np.int64) + 10 * i for i, n in enumerate(lengths)]
+
+    def cut(limit: int | None) -> list[tuple[list[int], bool]]:
+        chunker, out = Chunker(chunking), []
+        for d in deltas:
+            out += chunker.feed(tensors={"codes": d}, limit=limit)
+        out += chunker.finish(limit=limit)
+        while chunker.has_more:
+            out += chunker.more(limit)
+        return [(np.asarray(c.tensors.get("codes", [])).tolist(), c.last) for c in out]
+
+    assert cut(limit) == cut(None)
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_TEXTS))
+def test_one_huge_delta_is_cut_only_as_far_as_the_stage_can_take(name):
+    """100,000 characters of one-word sentences in one update: 33,000 chunks cut at once held the
+    orchestrator's thread for 80 ms; with the room the stage has (``max_buffered``) as the limit
+    only that many are cut, the text scanned as far as they reach."""
+    chunker = Chunker(STREAMING_INPUT_CHUNKING)
+    text = HOSTILE_TEXTS[name]
+    cuts = chunker.feed(text, limit=STREAMING_INPUT_CHUNKING.max_buffered)
+    assert len(cuts) <= STREAMING_INPUT_CHUNKING.max_buffered + 1
+    # Each scanner passes a character once at most; a sentence end stops the scan where it is.
+    assert chunker.scanned <= (100 if name == "sentences" else 3 * len(text))

@@ -26,6 +26,7 @@ from omni_runtime.models.builtin import CACHE_VERSION
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 from tests.entrypoints.openai.server_process import start_server, stop_server
+from tests.helpers import diffusion_params
 
 FAKE = "tests.omni_runtime.models.fake_family"
 
@@ -91,7 +92,8 @@ def test_the_runner_reads_its_spec(model_cache: Path) -> None:
         return len(checks) > 2  # the caller leaves during the second step
 
     ctx = ExecuteContext(aborted, progress=lambda ids, step, steps: progress.append(step))
-    request = RunnerRequest("a", "a fox", {"num_inference_steps": 6, "height": 64, "width": 64, "seed": 1})
+    params = diffusion_params({"num_inference_steps": 6, "height": 64, "width": 64, "seed": 1})
+    request = RunnerRequest("a", "a fox", params)
     (out,) = runner.execute([request], ctx)
     assert isinstance(out.error, RequestAbortedError)
     assert progress == [1]  # the first step; the second one aborted

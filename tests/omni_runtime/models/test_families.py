@@ -30,6 +30,7 @@ from omni_runtime.models.builtin import CACHE_VERSION, builder, builtin_names
 from omni_runtime.models.families import GOLDEN_PARAMS, GOLDEN_PROMPT, FamilySpec, families, register
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
+from tests.helpers import diffusion_params
 
 NOT_ABORTED = ExecuteContext(lambda rid: False)
 PROMPTS = ["a cup of coffee", "a toy dinosaur", "a fox yawning", "the running river"]
@@ -64,7 +65,8 @@ def defaults(name: str) -> dict[str, Any]:
 
 
 def req(name: str, rid: str, prompt: str = PROMPTS[0], **params: Any) -> RunnerRequest:
-    return RunnerRequest(request_id=rid, prompt=prompt, params={**defaults(name), "output_type": "np", **params})
+    params = diffusion_params({**defaults(name), "output_type": "np", **params})
+    return RunnerRequest(request_id=rid, prompt=prompt, params=params)
 
 
 def run(runner: DiffusionRunner, *requests: RunnerRequest, ctx: ExecuteContext = NOT_ABORTED) -> list[RunnerOutput]:
@@ -144,7 +146,7 @@ def test_loads_with_its_own_native_size_and_size_step(runner: DiffusionRunner, n
     assert ("patch size 2" in reason) == (name in ("tiny-sd3", "tiny-pixart"))
     assert ("latent packing x2" in reason) == (name == "tiny-flux")
     # Absent sizes resolve to the model's own, read from its configs (not Sana's 1024 default).
-    bare = RunnerRequest("a", "a fox", {"num_inference_steps": 2, "output_type": "np", "seed": 3})
+    bare = RunnerRequest("a", "a fox", diffusion_params({"num_inference_steps": 2, "output_type": "np", "seed": 3}))
     assert floats(run(runner, bare)[0]).shape == (1, facts.native_size, facts.native_size, 3)
     assert runner.batch_key(bare)[:2] == (facts.native_size, facts.native_size)
 
@@ -167,7 +169,7 @@ def test_a_fused_batch_equals_each_request_run_alone(runner: DiffusionRunner, na
     for request, out in zip(batch, fused, strict=True):
         solo = run(runner, request)[0]
         assert out.metrics["batch_size"] == 4 and solo.metrics["batch_size"] == 1
-        assert out.metrics["seed"] == solo.metrics["seed"] == request.params["seed"]
+        assert out.metrics["seed"] == solo.metrics["seed"] == request.params.seed
         if output_type == "np":
             np.testing.assert_allclose(floats(out), floats(solo), rtol=0, atol=1e-3)
         else:

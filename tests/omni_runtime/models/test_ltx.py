@@ -26,6 +26,7 @@ from omni_runtime.models.families import GOLDEN_PARAMS, GOLDEN_PROMPT, family
 from omni_runtime.params import check_constraints
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner, apply_engine_options
+from tests.helpers import diffusion_params
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +54,7 @@ def runner(model_cache: Path) -> DiffusionRunner:
 
 def req(rid: str, prompt: str = "a boat", **params: Any) -> RunnerRequest:
     defaults = dict(load_config("tiny-ltx").stage_args[0].default_sampling_params)
-    return RunnerRequest(request_id=rid, prompt=prompt, params={**defaults, **params})
+    return RunnerRequest(request_id=rid, prompt=prompt, params=diffusion_params({**defaults, **params}))
 
 
 def run(runner: DiffusionRunner, *requests: RunnerRequest) -> list[RunnerOutput]:

@@ -50,9 +50,9 @@ def test_hostile_audio_params_are_invalid_request_errors_naming_the_field(end: A
         assert e.param in ("audio_end_in_s", "audio_start_in_s", "num_waveforms_per_prompt")
         return
     # Accepted: a clip the model can make, of a sane count.
-    span_end = resolved.get("audio_end_in_s", MAX_S)
-    assert 0 <= resolved.get("audio_start_in_s", 0.0) < span_end <= MAX_S
-    assert 1 <= resolved.get("num_waveforms_per_prompt", 1) <= 16
+    span_end = MAX_S if resolved.audio_end_in_s is None else resolved.audio_end_in_s
+    assert 0 <= (resolved.audio_start_in_s or 0.0) < span_end <= MAX_S
+    assert 1 <= (resolved.num_waveforms_per_prompt or 1) <= 16
 
 
 @pytest.mark.unit

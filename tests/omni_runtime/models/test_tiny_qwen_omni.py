@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,7 +22,13 @@ from hypothesis import strategies as st
 from omni_runtime import Omni
 from omni_runtime.config import load_config
 from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError
-from omni_runtime.params import TalkerSamplingParams, resolve_params
+from omni_runtime.params import (
+    Code2WavSamplingParams,
+    TalkerSamplingParams,
+    TextSamplingParams,
+    link_constraints,
+    resolve_params,
+)
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.qwen_omni import (
     CODES,
@@ -45,7 +52,7 @@ def test_hostile_max_codes_is_an_invalid_request_error_naming_it(value: Any) -> 
     except InvalidRequestError as e:
         assert e.param == "max_codes"
         return
-    assert value is None or 1 <= resolved["max_codes"] <= 4096
+    assert value is None or 1 <= resolved.max_codes <= 4096
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +75,19 @@ def runners(omni: Any) -> dict[str, Any]:
     for runner in loaded.values():
         runner.load()
     return loaded
+
+
+def thinker_params(params: dict[str, Any]) -> TextSamplingParams:
+    """``params`` as a thinker's runner gets them: resolved (validated, fallbacks filled in)."""
+    return resolve_params(TextSamplingParams, {}, params)
+
+
+def talker_params(params: dict[str, Any]) -> TalkerSamplingParams:
+    return resolve_params(TalkerSamplingParams, {}, params)
+
+
+def code2wav_params(params: dict[str, Any]) -> Code2WavSamplingParams:
+    return resolve_params(Code2WavSamplingParams, {}, params)
 
 
 def _run(runner: Any, request: RunnerRequest) -> tuple[RunnerOutput, list[RunnerOutput]]:
@@ -123,6 +143,7 @@ def test_bad_params_are_typed_errors_before_anything_runs(omni: Any) -> None:
         (2, {"speed": 9.0}, "speed"),
         (2, {"voice": "nobody"}, "voice"),
         (0, {"max_codes": 4}, "max_codes"),  # a thinker has no codes
+        (0, {"max_tokens": 8192}, "max_tokens"),  # the thinker's context is 8192 tokens, prompt included
     ):
         per_stage: list[Any] = [None, None, None]
         per_stage[stage] = params
@@ -133,10 +154,12 @@ def test_bad_params_are_typed_errors_before_anything_runs(omni: Any) -> None:
 
 @pytest.mark.integration
 def test_the_talkers_streamed_code_deltas_add_up_to_its_final_codes(runners: dict[str, Any]) -> None:
-    thought, text_deltas = _run(runners["thinker"], RunnerRequest("t", "hello there", {"seed": 1, "max_tokens": 6}))
+    asked = RunnerRequest("t", "hello there", thinker_params({"seed": 1, "max_tokens": 6}))
+    thought, text_deltas = _run(runners["thinker"], asked)
     assert thought.error is None and "".join(d.text or "" for d in text_deltas) == thought.text
     assert set(THINKER_TENSORS) <= set(thought.tensors)
-    request = RunnerRequest("k", thought.text, {"seed": 2, "max_codes": 10}, inputs=dict(thought.tensors))
+    talked = talker_params({"seed": 2, "max_codes": 10})
+    request = RunnerRequest("k", thought.text, talked, inputs=dict(thought.tensors))
     talked, deltas = _run(runners["talker"], request)
     codes = talked.tensors[CODES]
     assert talked.error is None and 1 <= len(codes) <= 10 and codes.dtype == np.int64
@@ -152,7 +175,7 @@ def test_code2wav_of_a_chunk_equals_code2wav_of_its_codes_alone(runners: dict[st
     params = {"seed": 3, "voice": "ethan"}
 
     def audio(inputs: dict[str, Any]) -> np.ndarray:
-        out, _ = _run(runners["code2wav"], RunnerRequest("c", "", params, inputs=inputs))
+        out, _ = _run(runners["code2wav"], RunnerRequest("c", "", code2wav_params(params), inputs=inputs))
         assert out.error is None
         return np.asarray(out.media[0].data)
 
@@ -179,7 +202,7 @@ def test_code2wav_of_a_chunk_equals_code2wav_of_its_codes_alone(runners: dict[st
 def test_hostile_codes_are_invalid_request_errors(runners: dict[str, Any], codes: Any, chunk: Any) -> None:
     inputs = {CODES: codes, "chunk_index": chunk}
     try:
-        runners["code2wav"]._codes(RunnerRequest("h", "", {}, inputs=inputs))
+        runners["code2wav"]._codes(RunnerRequest("h", "", code2wav_params({}), inputs=inputs))
     except InvalidRequestError as e:
         assert e.param in ("codes", "chunk_index")
         return
@@ -190,23 +213,59 @@ def test_hostile_codes_are_invalid_request_errors(runners: dict[str, Any], codes
 
 @pytest.mark.integration
 def test_a_talker_without_a_thinkers_states_fails_alone(runners: dict[str, Any]) -> None:
-    out, deltas = _run(runners["talker"], RunnerRequest("x", "hi", {}, inputs={}))
+    out, deltas = _run(runners["talker"], RunnerRequest("x", "hi", talker_params({}), inputs={}))
     assert isinstance(out.error, InvalidRequestError) and out.error.param == "inputs" and not deltas
 
 
 @pytest.mark.integration
 def test_an_aborted_talker_stops_streaming_and_fails_with_a_typed_error(runners: dict[str, Any]) -> None:
-    thought, _ = _run(runners["thinker"], RunnerRequest("t2", "abc", {"seed": 4, "max_tokens": 3}))
+    thought, _ = _run(runners["thinker"], RunnerRequest("t2", "abc", thinker_params({"seed": 4, "max_tokens": 3})))
     deltas: list[RunnerOutput] = []
     ctx = ExecuteContext(is_aborted=lambda _: len(deltas) >= 3, emit=lambda _, out: deltas.append(out))
-    request = RunnerRequest("a", "", {"seed": 1, "max_codes": 40}, inputs=dict(thought.tensors))
+    request = RunnerRequest("a", "", talker_params({"seed": 1, "max_codes": 40}), inputs=dict(thought.tensors))
     (out,) = runners["talker"].execute([request], ctx)
     assert isinstance(out.error, RequestAbortedError) and len(deltas) == 3
 
 
 @pytest.mark.integration
 def test_a_thinker_reply_without_tokens_still_gives_codes(runners: dict[str, Any]) -> None:
-    thought, _ = _run(runners["thinker"], RunnerRequest("t3", "abc", {"seed": 4, "max_tokens": 3}))
+    thought, _ = _run(runners["thinker"], RunnerRequest("t3", "abc", thinker_params({"seed": 4, "max_tokens": 3})))
     inputs = {**thought.tensors, REPLY_IDS: np.zeros(0, np.int64), REPLY_STATES: np.zeros((0, 64), np.float32)}
-    out, deltas = _run(runners["talker"], RunnerRequest("e", "", {"seed": 1, "max_codes": 4}, inputs=inputs))
+    request = RunnerRequest("e", "", talker_params({"seed": 1, "max_codes": 4}), inputs=inputs)
+    out, deltas = _run(runners["talker"], request)
     assert out.error is None and 1 <= len(out.tensors[CODES]) <= 4 and len(deltas) == len(out.tensors[CODES])
+
+
+@pytest.mark.integration
+def test_a_talker_asked_for_more_codes_than_its_decoder_takes_is_refused_before_it_is_queued(omni: Any) -> None:
+    engine = omni.engine
+    reported = engine.constraints()
+    assert reported[2].max_input_codes == 2048  # the decoder's 4096 DiT positions / 2 repeats
+    # The bundled config decodes the codes 16 at a time: the decoder bounds no request's max_codes.
+    assert reported[1].max_codes is None
+    assert omni._async.validate("hi", [None, {"max_codes": 4096}, None]).params[1]["max_codes"] == 4096
+    # Handed on whole, the codes are bounded by the decoder, as the engine links what its stages
+    # reported at start: a talker asked for more is refused in the caller's thread.
+    thinker, talker, decoder = load_config("tiny-qwen-omni").stage_args
+    whole = msgspec.structs.replace(decoder, input_chunking=None)
+    linked = link_constraints([thinker, talker, whole], reported)
+    kept = engine._orchestrator.constraints
+    engine._orchestrator.constraints = linked
+    try:
+        with pytest.raises(InvalidRequestError) as info:
+            omni.generate("hi", [None, {"max_codes": 2049}, None], use_tqdm=False)
+        assert info.value.param == "max_codes" and "2048 codes stage 2 decodes at once" in str(info.value)
+        assert omni._async.validate("hi").params[1]["max_codes"] == 48  # the stage's default, within it
+    finally:
+        engine._orchestrator.constraints = kept
+
+
+@pytest.mark.integration
+def test_the_talker_makes_at_most_max_codes_however_long_the_thinkers_reply(runners: dict[str, Any]) -> None:
+    thought, _ = _run(runners["thinker"], RunnerRequest("t4", "abc", thinker_params({"seed": 4, "max_tokens": 3})))
+    reply = np.asarray(thought.tensors[REPLY_STATES])
+    long_reply = np.concatenate([reply] * 100) if len(reply) else np.zeros((300, 64), np.float32)
+    inputs = {**thought.tensors, REPLY_STATES: long_reply, REPLY_IDS: np.zeros(len(long_reply), np.int64)}
+    request = RunnerRequest("long", "", talker_params({"seed": 1, "max_codes": 5}), inputs=inputs)
+    out, deltas = _run(runners["talker"], request)
+    assert out.error is None and len(out.tensors[CODES]) <= 5 and len(deltas) == len(out.tensors[CODES])

@@ -18,12 +18,15 @@ import pytest
 from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.messages import Progress, StageAbort, StageOutput, StageOutputs, StageRequest
+from omni_runtime.params import DiffusionSamplingParams, EchoSamplingParams, resolve_params
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 from omni_runtime.stage.worker import StageWorker
 
 pytestmark = pytest.mark.integration
 
 SD = {"height": 64, "width": 64, "guidance_scale": 7.5, "output_type": "np"}
+#: An echo request's params as the engine sends them (resolved: nothing set, the fallbacks in force).
+ECHO = resolve_params(EchoSamplingParams, {}, {})
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +79,8 @@ def is_final(rid: str) -> Callable[[Any], bool]:
 async def test_a_higher_priority_request_preempts_and_the_other_resumes_unchanged(cache: Path) -> None:
     worker, outbox = await started(stage("diffusion", "builtin:tiny-sd", max_num_seqs=1, step_execution=True))
     try:
-        low = {**SD, "num_inference_steps": 12, "seed": 1}
-        high = {**SD, "num_inference_steps": 3, "seed": 2}
+        low = resolve_params(DiffusionSamplingParams, {}, {**SD, "num_inference_steps": 12, "seed": 1})
+        high = resolve_params(DiffusionSamplingParams, {}, {**SD, "num_inference_steps": 3, "seed": 2})
         worker.handle(StageRequest(request_id="low", prompt="a cup of coffee", params=low))
         await outbox.wait_for(lambda m: isinstance(m, StageOutput) and m.request_id == "low")  # it is stepping
         worker.handle(StageRequest(request_id="high", prompt="a toy dinosaur", params=high, priority=5))
@@ -105,7 +108,7 @@ async def test_abort_frees_the_slot_at_the_next_step_and_sends_nothing_more(cach
     config = stage("tests.helpers:SteppingEcho", max_num_seqs=2, step_execution=True)
     worker, outbox = await started(config)
     try:
-        slow = {"delay_ms": 30.0}  # 8 steps of 30 ms
+        slow = EchoSamplingParams(delay_ms=30.0)  # 8 steps of 30 ms
         for rid in ("a", "b", "c"):
             worker.handle(StageRequest(request_id=rid, prompt=rid, params=slow))
         await outbox.wait_for(lambda m: isinstance(m, StageOutput) and m.request_id == "a")
@@ -125,7 +128,7 @@ async def test_abort_frees_the_slot_at_the_next_step_and_sends_nothing_more(cach
 async def test_a_progress_interval_of_zero_reports_every_step() -> None:
     worker, outbox = await started(stage("tests.helpers:SteppingEcho", step_execution=True, progress_interval_s=0))
     try:
-        worker.handle(StageRequest(request_id="a", prompt="a", params={"delay_ms": 1.0}))
+        worker.handle(StageRequest(request_id="a", prompt="a", params=EchoSamplingParams(delay_ms=1.0)))
         await outbox.wait_for(is_final("a"))
         # Every step but the last, whose output is the final one (the throttle would send one or two).
         assert [p.step for p in outbox.progress("a")] == list(range(1, 8))
@@ -136,8 +139,8 @@ async def test_a_progress_interval_of_zero_reports_every_step() -> None:
 async def test_a_request_the_runner_does_not_step_fails_instead_of_holding_its_slot(cache: Path) -> None:
     worker, outbox = await started(stage("tests.helpers:ForgetfulStepper", max_num_seqs=2, step_execution=True))
     try:
-        worker.handle(StageRequest(request_id="lost", prompt="lost", params={}))
-        worker.handle(StageRequest(request_id="ok", prompt="ok", params={}))
+        worker.handle(StageRequest(request_id="lost", prompt="lost", params=ECHO))
+        worker.handle(StageRequest(request_id="ok", prompt="ok", params=ECHO))
         lost = await outbox.wait_for(is_final("lost"))
         ok = await outbox.wait_for(is_final("ok"))
         assert lost.error is not None and "no result" in lost.error.message and ok.payload.text == "ok"
@@ -153,7 +156,7 @@ async def test_a_runner_that_cannot_step_falls_back_with_a_logged_reason(
         worker, outbox = await started(stage("echo", max_num_seqs=4, step_execution=True))
     try:
         assert "request-level batching: EchoRunner does not run requests step by step" in caplog.text
-        worker.handle(StageRequest(request_id="r", prompt="hi", params={}))
+        worker.handle(StageRequest(request_id="r", prompt="hi", params=ECHO))
         out = await outbox.wait_for(is_final("r"))
         assert out.payload.text == "hi" and out.payload.metrics.batch_id == 1
         assert worker.stats()["step_execution"] is False

@@ -37,8 +37,9 @@ from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, St
 from omni_runtime.media import image_items
 from omni_runtime.messages import StageConstraints
 from omni_runtime.models.builtin import resolve_model
-from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams
+from omni_runtime.params import FALLBACK_MAX_PIXELS, DiffusionSamplingParams, in_force
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
+from omni_runtime.stage.runners.sizes import NATIVE_AREA_FACTOR
 from omni_runtime.stage.runners.step_limits import step_constraints
 
 if TYPE_CHECKING:
@@ -54,13 +55,17 @@ def _as_tensor(value: Any, device: str, dtype: torch.dtype | None = None) -> tor
     return tensor.to(device=device, dtype=dtype)
 
 
-def _needs_guidance(params: dict[str, Any]) -> bool:
+#: Diffusion requests as the three stages get them.
+Request = RunnerRequest[DiffusionSamplingParams]
+
+
+def _needs_guidance(params: DiffusionSamplingParams) -> bool:
     """Whether classifier-free guidance is on, as the pipeline decides it (unset: its default 7.5)."""
-    scale = params.get("guidance_scale")
+    scale = params.guidance_scale
     return scale is None or float(scale) > 1.0
 
 
-def _aborted(batch: list[RunnerRequest]) -> list[RunnerOutput]:
+def _aborted(batch: list[Request]) -> list[RunnerOutput]:
     return [RunnerOutput(error=RequestAbortedError(f"request {r.request_id} was aborted")) for r in batch]
 
 
@@ -86,7 +91,7 @@ class _SplitRunner(StageRunner):
 
     @classmethod
     def preload(cls, stage: StageConfig) -> None:
-        from omni_runtime.stage.runners.torch_common import import_model_libraries
+        from omni_runtime.stage.runners.torch_common import import_model_libraries  # lazy: imports torch
 
         import_model_libraries(diffusers=True)
 
@@ -115,7 +120,7 @@ class _SplitRunner(StageRunner):
             raise StageAsleepError(f"stage {self.stage.stage_id} is asleep; call wake_up first")
 
     def sleep(self) -> dict[str, Any]:
-        from omni_runtime.stage.runners.torch_common import release_memory
+        from omni_runtime.stage.runners.torch_common import release_memory  # lazy: imports torch
 
         for name in self._module_attrs:
             setattr(self, name, None)
@@ -163,7 +168,7 @@ class SDTextEncoderRunner(_SplitRunner):
             requires_safety_checker=False,
         )
 
-    def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
+    def execute(self, batch: list[Request], ctx: ExecuteContext) -> list[RunnerOutput]:
         import torch
 
         self._check_awake()
@@ -172,7 +177,7 @@ class SDTextEncoderRunner(_SplitRunner):
         # 1) Negative embeddings only for requests that will use guidance; one encoder call serves all.
         guided = [_needs_guidance(r.params) for r in batch]
         prompts = [r.prompt for r in batch]
-        negatives = [r.params.get("negative_prompt") or "" for r in batch]
+        negatives = [r.params.negative_prompt or "" for r in batch]
 
         # 2) The forward: prompts and negative prompts, each as one batch, like the pipeline.
         start = time.perf_counter()
@@ -243,11 +248,21 @@ class SDDenoiseRunner(_SplitRunner):
         self._pipe = pipe
 
     def constraints(self) -> StageConstraints:
-        # The SD pipelines reject sizes that are not multiples of 8, whatever the VAE.
-        limit = self.stage.engine_args.max_pixels or FALLBACK_MAX_PIXELS
-        return msgspec.structs.replace(self._step_limits, size_multiple=math.lcm(8, self._scale), max_pixels=limit)
+        # The SD pipelines reject sizes that are not multiples of 8, whatever the VAE; the default
+        # limit is 4 x the native area, as for the one-stage runner.
+        height, width = self._native_size
+        native: tuple[int, int] | None = None
+        default = FALLBACK_MAX_PIXELS
+        if height and width:
+            native, default = (height, width), NATIVE_AREA_FACTOR * height * width
+        return msgspec.structs.replace(
+            self._step_limits,
+            size_multiple=math.lcm(8, self._scale),
+            max_pixels=self.stage.engine_args.max_pixels or default,
+            native_size=native,
+        )
 
-    def batch_key(self, request: RunnerRequest) -> Hashable:
+    def batch_key(self, request: Request) -> Hashable:
         """Shape- and guidance-sensitive params, defaults resolved, and the embeddings' shape."""
         p, inputs = request.params, request.inputs
         embeds = inputs.get("prompt_embeds")
@@ -255,7 +270,7 @@ class SDDenoiseRunner(_SplitRunner):
             raise InvalidRequestError(
                 f"stage {self.stage.stage_id} needs `prompt_embeds` from an upstream text-encoder stage"
             )
-        guidance = float(p.get("guidance_scale", self._call_defaults.get("guidance_scale")) or 0.0)
+        guidance = self._guidance(p)
         negative = inputs.get("negative_prompt_embeds")
         if guidance > 1.0 and negative is None:
             raise InvalidRequestError(
@@ -263,17 +278,23 @@ class SDDenoiseRunner(_SplitRunner):
                 "none: give the encoder the same guidance_scale (or none)"
             )
         return (
-            p.get("height") or self._native_size[0],
-            p.get("width") or self._native_size[1],
-            p.get("num_inference_steps") or self._call_defaults.get("num_inference_steps"),
+            p.height or self._native_size[0],
+            p.width or self._native_size[1],
+            p.num_inference_steps or self._call_defaults.get("num_inference_steps"),
             guidance,
-            p.get("num_images_per_prompt") or 1,
+            p.per_prompt,
             tuple(embeds.shape[1:]),
         )
 
-    def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
+    def _guidance(self, p: DiffusionSamplingParams) -> float:
+        """The request's guidance scale, else the pipeline's."""
+        scale = p.guidance_scale
+        return float((self._call_defaults.get("guidance_scale") if scale is None else scale) or 0.0)
+
+    def execute(self, batch: list[Request], ctx: ExecuteContext) -> list[RunnerOutput]:
         import torch
 
+        # lazy: imports torch
         from omni_runtime.stage.runners.torch_common import WaveAborted, image_generators, request_seeds
 
         self._check_awake()
@@ -281,8 +302,8 @@ class SDDenoiseRunner(_SplitRunner):
         if all(ctx.is_aborted(rid) for rid in ids):
             return _aborted(batch)
         first = batch[0].params  # equal batch keys: the shape params of one stand for all
-        per_prompt = int(first.get("num_images_per_prompt") or 1)
-        guided = float(first.get("guidance_scale", self._call_defaults.get("guidance_scale")) or 0.0) > 1.0
+        per_prompt = first.per_prompt
+        guided = self._guidance(first) > 1.0
 
         # 1) Seeds: the request's own, or a fresh one reported back so the image can be redone.
         seeds = request_seeds(batch)
@@ -296,10 +317,10 @@ class SDDenoiseRunner(_SplitRunner):
             "prompt_embeds": torch.cat([_as_tensor(r.inputs["prompt_embeds"], self.device, dtype) for r in batch]),
             "generator": generators,
             "num_images_per_prompt": per_prompt,
-            "height": first.get("height"),
-            "width": first.get("width"),
-            "num_inference_steps": first.get("num_inference_steps"),
-            "guidance_scale": first.get("guidance_scale"),
+            "height": first.height,
+            "width": first.width,
+            "num_inference_steps": first.num_inference_steps,
+            "guidance_scale": first.guidance_scale,
             "output_type": "latent",
         }
         if guided:
@@ -361,20 +382,20 @@ class SDVaeDecodeRunner(_SplitRunner):
         self._vae = vae.to(self.device)
         self._image_processor = VaeImageProcessor(vae_scale_factor=2 ** (len(vae.config.block_out_channels) - 1))
 
-    def batch_key(self, request: RunnerRequest) -> Hashable:
+    def batch_key(self, request: Request) -> Hashable:
         latents = request.inputs.get("latents")
         if latents is None:
             raise InvalidRequestError(f"stage {self.stage.stage_id} needs `latents` from an upstream denoiser stage")
-        return (request.params.get("output_type") or "pil", tuple(latents.shape[1:]))
+        return (in_force(request.params.output_type), tuple(latents.shape[1:]))
 
-    def execute(self, batch: list[RunnerRequest], ctx: ExecuteContext) -> list[RunnerOutput]:
+    def execute(self, batch: list[Request], ctx: ExecuteContext) -> list[RunnerOutput]:
         import numpy as np
         import torch
 
         self._check_awake()
         if all(ctx.is_aborted(r.request_id) for r in batch):
             return _aborted(batch)
-        output_type = batch[0].params.get("output_type") or "pil"
+        output_type = in_force(batch[0].params.output_type)
         latents = [_as_tensor(r.inputs["latents"], self.device, self._vae.dtype) for r in batch]
 
         # 1) Decode all images of the wave at once, scaled back and post-processed as the pipeline

@@ -11,10 +11,11 @@ written with ``save_pretrained`` and afterwards loaded like any real model, thro
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from omni_runtime.models.components import save_pipeline, write_clip_vocab
 
 TINY_UNET: dict[str, Any] = dict(
     block_out_channels=(32, 64),
@@ -80,39 +81,13 @@ SCHEDULER: dict[str, Any] = dict(
     set_alpha_to_one=False,
     steps_offset=1,
 )
-#: A few common English pairs: enough for the BPE model to be a real one; ids 512..519.
-MERGES = ("t h", "i n", "e r", "o n", "a n", "r e", "th e</w>", "in g</w>")
 SEED = 0
-
-
-def _byte_alphabet() -> list[str]:
-    """The 256 printable characters GPT-2/CLIP byte-level BPE maps the bytes 0..255 to."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
-def write_clip_vocab(directory: Path) -> None:
-    """Write a 522-entry CLIP ``vocab.json`` and ``merges.txt`` (ids match TEXT_ENCODER)."""
-    alphabet = _byte_alphabet()
-    tokens = alphabet + [c + "</w>" for c in alphabet] + [m.replace(" ", "") for m in MERGES]
-    tokens += ["<|startoftext|>", "<|endoftext|>"]
-    assert len(tokens) == TEXT_ENCODER["vocab_size"]
-    (directory / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
-    (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(MERGES) + "\n")
 
 
 def _build(path: Path, unet_config: dict[str, Any], vae_config: dict[str, Any]) -> None:
     import torch
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
-    from omni_runtime.models.components import save_pipeline
 
     path = Path(path)
     # Each component is seeded on its own, so a change to one leaves the others' weights alone;

@@ -11,6 +11,10 @@ SPEC = register(
         tiny="tiny-sd3",
         native_size=64,
         size_multiple=8,
+        # The MMDiT crops its positions from a table of pos_embed_max_size patches per side: a side
+        # past it fails in the model (tiny-sd3: 64 patches x 2 x VAE factor 2 = 256 px; SD3
+        # Medium: 192 x 2 x 8 = 3072 px).
+        position_table="pos_embed_max_size",
         steps="omni_runtime.models.families.sd3.steps:StableDiffusion3Family",
         image_forms={"image": "StableDiffusion3Img2ImgPipeline", "mask": "StableDiffusion3InpaintPipeline"},
         form_channels={"StableDiffusion3InpaintPipeline": (16, 33)},

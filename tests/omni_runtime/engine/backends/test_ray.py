@@ -60,13 +60,15 @@ def solo_image(prompt: str, seed: int) -> np.ndarray:
     """The image the request-level runner makes for one request alone, in this process."""
     import torch
 
+    from omni_runtime.params import DiffusionSamplingParams, resolve_params
     from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         runner = _solo_runner()
-        params = {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 7.5, "seed": seed}
+        given = {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 7.5, "seed": seed}
+        params = resolve_params(DiffusionSamplingParams, {}, given)
         [out] = runner.execute([RunnerRequest("r", prompt, params)], ExecuteContext(lambda rid: False))
         return out.media[0].data
     finally:

@@ -15,6 +15,7 @@ from omni_runtime.config import StageConfig
 from omni_runtime.exceptions import ConfigError, InvalidRequestError
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
+from tests.helpers import diffusion_params
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +68,8 @@ def image(runner: DiffusionRunner, **params: Any) -> np.ndarray:
 
 
 def run(runner: DiffusionRunner, **params: Any) -> RunnerOutput:
-    request = RunnerRequest(request_id="r", prompt="a red fox", params={**DEFAULTS, "seed": 7, **params})
+    typed = diffusion_params({**DEFAULTS, "seed": 7, **params})
+    request = RunnerRequest(request_id="r", prompt="a red fox", params=typed)
     runner.batch_key(request)  # what the worker does first: a bad `cache` fails here
     (out,) = runner.execute([request], NOT_ABORTED)
     return out
@@ -104,14 +106,14 @@ def test_each_cache_type_engages(flux: DiffusionRunner, plain: np.ndarray, cache
 
 def test_cache_key_and_refusals(flux: DiffusionRunner) -> None:
     key = flux.batch_key
-    plain = RunnerRequest("a", "p", {**DEFAULTS})
-    off = RunnerRequest("b", "p", {**DEFAULTS, "cache": "off"})
-    fbc = RunnerRequest("c", "p", {**DEFAULTS, "cache": SKIPPING})
-    fbc2 = RunnerRequest("d", "p", {**DEFAULTS, "cache": {"threshold": 1.0, "type": "first_block"}})
+    plain = RunnerRequest("a", "p", diffusion_params(DEFAULTS))
+    off = RunnerRequest("b", "p", diffusion_params({**DEFAULTS, "cache": "off"}))
+    fbc = RunnerRequest("c", "p", diffusion_params({**DEFAULTS, "cache": SKIPPING}))
+    fbc2 = RunnerRequest("d", "p", diffusion_params({**DEFAULTS, "cache": {"threshold": 1.0, "type": "first_block"}}))
     assert len({key(plain), key(off), key(fbc)}) == 3
     assert key(fbc) == key(fbc2)
     with pytest.raises(InvalidRequestError, match="FasterCache"):
-        key(RunnerRequest("e", "p", {**DEFAULTS, "cache": {"type": "faster"}}))
+        key(RunnerRequest("e", "p", diffusion_params({**DEFAULTS, "cache": {"type": "faster"}})))
 
 
 def test_weight_bytes_reported(flux: DiffusionRunner) -> None:

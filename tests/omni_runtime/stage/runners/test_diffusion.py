@@ -15,6 +15,7 @@ from omni_runtime.exceptions import RequestAbortedError
 from omni_runtime.messages import StageConstraints
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
+from tests.helpers import diffusion_params
 
 NOT_ABORTED = ExecuteContext(lambda rid: False)
 #: What the caller merges in from the stage's default_sampling_params.
@@ -22,7 +23,7 @@ DEFAULTS = {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale
 
 
 def req(rid: str, prompt: str = "a cup of coffee", **params: Any) -> RunnerRequest:
-    return RunnerRequest(request_id=rid, prompt=prompt, params={**DEFAULTS, **params})
+    return RunnerRequest(request_id=rid, prompt=prompt, params=diffusion_params({**DEFAULTS, **params}))
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def test_output_types_and_sizes(runner: DiffusionRunner) -> None:
     latent = run(runner, req("c", seed=1, output_type="latent"))[0]
     assert latent.tensors["latents"].shape == (1, 4, 32, 32)
     # Absent params take the pipeline's own defaults (tiny-sd's native size is 64 px).
-    bare = RunnerRequest("d", "a fox", {"num_inference_steps": 2, "output_type": "np", "seed": 3})
+    bare = RunnerRequest("d", "a fox", diffusion_params({"num_inference_steps": 2, "output_type": "np", "seed": 3}))
     assert floats(run(runner, bare)[0]).shape == (1, 64, 64, 3)
 
 
@@ -110,7 +111,7 @@ def test_a_batch_equals_each_request_run_alone(runner: DiffusionRunner, output_t
     fused = run(runner, *batch)
     for request, out in zip(batch, fused, strict=True):
         solo = run(runner, request)[0]
-        assert out.metrics["seed"] == solo.metrics["seed"] == request.params["seed"]
+        assert out.metrics["seed"] == solo.metrics["seed"] == request.params.seed
         if output_type == "np":
             np.testing.assert_allclose(floats(out), floats(solo), rtol=0, atol=1e-4)
         else:
@@ -163,7 +164,7 @@ def test_batch_key(runner: DiffusionRunner) -> None:
     assert runner.batch_key(req("b", "something else", seed=2)) == key
     assert runner.batch_key(req("c")) == key
     # Defaults resolved: the pipeline's native size and one image per prompt, spelled out or not.
-    implicit = RunnerRequest("d", "x", {"num_inference_steps": 4, "guidance_scale": 7.5})
+    implicit = RunnerRequest("d", "x", diffusion_params({"num_inference_steps": 4, "guidance_scale": 7.5}))
     assert runner.batch_key(implicit) == runner.batch_key(req("e", num_images_per_prompt=1, output_type="pil"))
     for change in (
         {"height": 32},

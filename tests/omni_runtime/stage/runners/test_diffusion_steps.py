@@ -18,6 +18,7 @@ from omni_runtime.models.families import GOLDEN_PARAMS, GOLDEN_PROMPT, families,
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 from omni_runtime.stage.runners.diffusion_steps import StepState, step_family
+from tests.helpers import diffusion_params
 
 pytestmark = pytest.mark.integration
 
@@ -63,7 +64,8 @@ def runner(cache: Path, name: str) -> RecordingRunner:
 def req(runner: RecordingRunner, rid: str, prompt: str, **params: Any) -> RunnerRequest:
     model = runner.stage.model.removeprefix("builtin:")
     defaults = dict(load_config(model).stage_args[0].default_sampling_params)
-    return RunnerRequest(request_id=rid, prompt=prompt, params={**defaults, "output_type": "np", **params})
+    typed = diffusion_params({**defaults, "output_type": "np", **params})
+    return RunnerRequest(request_id=rid, prompt=prompt, params=typed)
 
 
 class Driver:
@@ -108,7 +110,7 @@ def images(out: RunnerOutput) -> np.ndarray:
 def assert_equal_to_solo(runner: RecordingRunner, out: RunnerOutput, request: RunnerRequest) -> None:
     # Batched kernels are not bitwise equal to batch-1 ones: equal within float tolerance.
     np.testing.assert_allclose(images(out), images(solo(runner, request)), rtol=0, atol=1e-3)
-    assert out.metrics["seed"] == request.params["seed"]
+    assert out.metrics["seed"] == request.params.seed
 
 
 # ---------------------------------------------------------------------------- per family
@@ -117,7 +119,7 @@ def assert_equal_to_solo(runner: RecordingRunner, out: RunnerOutput, request: Ru
 def test_joins_mid_way_with_mixed_step_counts_equal_solo_runs(runner: RecordingRunner) -> None:
     base = req(runner, "x", "x").params
     a = req(runner, "a", "a cup of coffee", seed=1, num_inference_steps=4)
-    b = req(runner, "b", "a toy dinosaur", seed=2, num_inference_steps=3, guidance_scale=base["guidance_scale"] + 1)
+    b = req(runner, "b", "a toy dinosaur", seed=2, num_inference_steps=3, guidance_scale=base.guidance_scale + 1)
     # A negative prompt among requests without one (SDXL encodes it, and zeroes theirs).
     c = req(runner, "c", "a fox yawning", seed=3, num_inference_steps=2, negative_prompt="blurry")
     assert len({runner.step_key(r) for r in (a, b, c)}) == 1  # steps, guidance, negatives: per sample
@@ -208,7 +210,9 @@ def test_step_key_is_size_and_guidance_mode_only(runner: RecordingRunner) -> Non
 @pytest.mark.parametrize("name", ["tiny-sd"], indirect=True)
 def test_bad_params_fail_their_own_admission(runner: RecordingRunner) -> None:
     good = req(runner, "good", "a", seed=1)
-    bad = req(runner, "bad", "b", seed=1, num_images_per_prompt="two")  # the caller's checks let nothing like it by
+    bad = req(runner, "bad", "b", seed=1)
+    # The caller's checks let nothing like it by: set past them.
+    msgspec.structs.force_setattr(bad.params, "num_images_per_prompt", "two")
     failed = runner.step_admit([good, bad], CTX)
     assert list(failed) == ["bad"] and failed["bad"].error is not None
     runner.step_drop(["good"])

@@ -16,6 +16,7 @@ from omni_runtime.exceptions import ConfigError
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 from omni_runtime.stage.runners.sizes import denoiser as _denoiser
+from tests.helpers import diffusion_params
 
 NOT_ABORTED = ExecuteContext(lambda rid: False)
 PARAMS = {"height": 64, "width": 64, "num_inference_steps": 2, "guidance_scale": 5.0, "seed": 4, "output_type": "np"}
@@ -44,7 +45,7 @@ def loaded(model: str, defaults: dict | None = None, **engine_args: Any) -> Diff
 
 
 def image(runner: DiffusionRunner) -> np.ndarray:
-    (out,) = runner.execute([RunnerRequest("r", "a lighthouse", dict(PARAMS))], NOT_ABORTED)
+    (out,) = runner.execute([RunnerRequest("r", "a lighthouse", diffusion_params(PARAMS))], NOT_ABORTED)
     assert out.error is None
     return out.tensors["images"]
 

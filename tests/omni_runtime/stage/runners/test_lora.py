@@ -28,6 +28,7 @@ from omni_runtime.params import LoraRequest
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 from omni_runtime.stage.runners.lora import LoraAdapters, supports_lora
+from tests.helpers import diffusion_params
 from tests.hostile_loras import bin_adapter, nan_adapter
 from tests.strategies import JSON_VALUES
 
@@ -74,7 +75,7 @@ def base(runner: DiffusionRunner) -> np.ndarray:
 
 
 def req(rid: str, prompt: str = "a cup of coffee", **params: Any) -> RunnerRequest:
-    return RunnerRequest(request_id=rid, prompt=prompt, params={**DEFAULTS, "seed": 3, **params})
+    return RunnerRequest(request_id=rid, prompt=prompt, params=diffusion_params({**DEFAULTS, "seed": 3, **params}))
 
 
 def run(runner: DiffusionRunner, *requests: RunnerRequest) -> list[RunnerOutput]:
@@ -98,15 +99,15 @@ def merged(cache: Path, adapter: Path, scale: float, request: RunnerRequest) -> 
     pipe.fuse_lora(components=["unet", "text_encoder"], lora_scale=scale)
     pipe.unload_lora_weights()  # only the merged weights are left
     p = request.params
-    generator = torch.Generator().manual_seed(p["seed"])
+    generator = torch.Generator().manual_seed(p.seed)
     with torch.inference_mode():
         out = pipe(
             [request.prompt],
             generator=[generator],
-            height=p["height"],
-            width=p["width"],
-            num_inference_steps=p["num_inference_steps"],
-            guidance_scale=p["guidance_scale"],
+            height=p.height,
+            width=p.width,
+            num_inference_steps=p.num_inference_steps,
+            guidance_scale=p.guidance_scale,
             output_type="np",
         )
     return np.asarray(out.images, dtype=np.float32)
@@ -190,7 +191,7 @@ def test_adapter_and_scale_are_in_the_batch_and_step_keys(runner: DiffusionRunne
         assert key(req("a2", "another prompt", seed=9, lora={"name": "a", "scale": 1.0})) == a
         assert key(req("a3", lora={"name": "a", "scale": 0.5})) != a
         assert key(req("p", lora={"path": "/x/../y", "scale": 1.0})) == key(req("q", lora={"path": "/y"}))
-    assert LoraAdapters.key(None) is None and LoraAdapters.key({}) is None
+    assert LoraAdapters.key(None) is None
 
 
 # ---------------------------------------------------------------------------- the cache
@@ -236,7 +237,10 @@ def test_a_bad_adapter_fails_its_requests_and_the_runner_serves_on(
     vae = Path(resolve_model("builtin:tiny-sd")) / "vae"
     (out,) = run(runner, req("v", lora={"path": str(vae / "diffusion_pytorch_model.safetensors")}))
     assert isinstance(out.error, LoraLoadError)
-    (out,) = run(runner, req("h", lora={"path": "user/repo"}))  # a hub id never reaches a download
+    hub = req("h", lora={"path": "/set/below"})
+    assert hub.params.lora is not None
+    msgspec.structs.force_setattr(hub.params.lora, "path", "user/repo")  # past the caller's check
+    (out,) = run(runner, hub)  # a hub id never reaches a download
     assert isinstance(out.error, InvalidRequestError)
     assert np.array_equal(images(run(runner, req("after"))[0]), base)
     assert np.abs(images(run(runner, req("ok", lora={"name": "a"}))[0]) - base).max() > 0.02

@@ -18,6 +18,7 @@ from omni_runtime.exceptions import ConfigError, InvalidRequestError
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 from omni_runtime.stage.runners.row_cache import RowCacheState
+from tests.helpers import diffusion_params
 
 pytestmark = pytest.mark.integration
 
@@ -63,7 +64,8 @@ def flux() -> DiffusionRunner:
 
 
 def req(rid: str, seed: int, **params: Any) -> RunnerRequest:
-    return RunnerRequest(request_id=rid, prompt=f"a red fox {seed}", params={**DEFAULTS, "seed": seed, **params})
+    typed = diffusion_params({**DEFAULTS, "seed": seed, **params})
+    return RunnerRequest(request_id=rid, prompt=f"a red fox {seed}", params=typed)
 
 
 class Driver:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -9,9 +10,13 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from omni_runtime.config import StageConfig
-from omni_runtime.exceptions import RequestAbortedError, StageAsleepError
+from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, StageAsleepError
+from omni_runtime.messages import StageConstraints, TextBound
+from omni_runtime.params import TextSamplingParams, bounded_defaults, resolve_params
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.text import TextRunner, _Row
 
@@ -54,8 +59,13 @@ class Recorder:
 
 
 def run(runner: TextRunner, specs: list[tuple[str, dict[str, Any]]], rec: Recorder | None = None) -> list[RunnerOutput]:
-    batch = [RunnerRequest(request_id=f"r{i}", prompt=p, params=dict(params)) for i, (p, params) in enumerate(specs)]
+    batch = [RunnerRequest(request_id=f"r{i}", prompt=p, params=typed(params)) for i, (p, params) in enumerate(specs)]
     return runner.execute(batch, (rec or Recorder()).ctx)
+
+
+def typed(params: dict[str, Any], defaults: dict[str, Any] | None = None) -> TextSamplingParams:
+    """``params`` as the runner gets them: resolved (over ``defaults``, fallbacks filled in)."""
+    return resolve_params(TextSamplingParams, defaults or {}, params)
 
 
 def solo(runner: TextRunner, prompt: str, params: dict[str, Any]) -> RunnerOutput:
@@ -214,3 +224,50 @@ def test_loads_in_bfloat16(runner: TextRunner) -> None:
     assert r.model.dtype == torch.bfloat16
     out = solo(r, PROMPTS[0], {"temperature": 1.0, "seed": 0, "max_tokens": 8})
     assert out.error is None and out.text.isprintable() and out.metrics["completion_tokens"] <= 8
+
+
+# --------------------------------------------------------------------------- output bounds
+
+#: Pieces that stress the bound of a prompt's tokens from its bytes: the tokenizer's special
+#: tokens, merges, what NFC joins (jamo, combining marks, one onto a special token's last byte),
+#: what it leaves apart, and 4-byte characters.
+_HARD_PIECES = (
+    "<|endoftext|>", "<|pad|>", " the", "ing", "\u1100\u1161\u11a8", "u\u0308\u0301", ">\u0338", "\uff21", "\U0001d400",
+)  # fmt: skip
+
+
+def test_the_runner_reports_its_context_and_what_bounds_a_prompt(runner: TextRunner) -> None:
+    bound = runner.constraints().text
+    assert bound == TextBound(
+        context=16_384,
+        bytes_per_token=4,  # tiny-lm's longest merge: " the"
+        normalization="NFC",
+        special_tokens=("<|endoftext|>", "<|pad|>"),
+        extra_tokens=0,
+    )
+
+
+@given(st.lists(st.one_of(st.characters(), st.sampled_from(_HARD_PIECES)), max_size=48).map("".join))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_the_fewest_tokens_never_exceed_what_the_tokenizer_makes(runner: TextRunner, prompt: str) -> None:
+    """The caller refuses only what cannot fit: its count from the text is never above the stage's."""
+    made = len(runner.tokenizer(prompt)["input_ids"]) or 1  # an empty prompt starts from one token
+    fewest = runner.text_bound.fewest_tokens(prompt)
+    assert fewest is not None and fewest <= made
+
+
+def test_the_runner_keeps_to_the_cap_and_the_context_with_the_tokens_it_made(runner: TextRunner) -> None:
+    capped = copy.copy(runner)
+    capped.__dict__["text_bound"] = msgspec.structs.replace(runner.text_bound, max_tokens=4, context=64)
+    with pytest.raises(InvalidRequestError, match=r"engine_args\.max_output_tokens") as info:
+        capped._new_row(0, RunnerRequest("cap", "hi", typed({"max_tokens": 5})))
+    assert info.value.param == "max_tokens"
+    # The default a validated request gets is within the cap (the stage's, bounded at resolve).
+    defaults = bounded_defaults(TextSamplingParams, {}, StageConstraints(text=capped.text_bound))
+    assert capped._new_row(0, RunnerRequest("default", "hi", typed({}, defaults))).max_tokens == 4
+    prompt = "the " * 60
+    made = len(runner.tokenizer(prompt)["input_ids"])
+    assert made < 64 < made + 4
+    with pytest.raises(InvalidRequestError, match=f"at most {64 - made} tokens") as info:
+        capped._new_row(0, RunnerRequest("long", prompt, typed({"max_tokens": 4})))
+    assert info.value.param == "max_tokens"

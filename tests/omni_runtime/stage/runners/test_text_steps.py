@@ -17,6 +17,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 
 from omni_runtime.config import StageConfig
 from omni_runtime.messages import StageAbort, StageOutput, StageOutputs, StageRequest
+from omni_runtime.params import TextSamplingParams, resolve_params
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 from omni_runtime.stage.runners.text import TextRunner
 from omni_runtime.stage.runners.text_steps import _is_subsequence, plain_cache_reason
@@ -86,16 +87,21 @@ async def worker(model_cache: Path) -> AsyncIterator[tuple[StageWorker, Outbox]]
 
 
 def send(w: StageWorker, rid: str, prompt: Any, **params: Any) -> None:
-    w.handle(StageRequest(request_id=rid, prompt=prompt, params=params))
+    w.handle(StageRequest(request_id=rid, prompt=prompt, params=typed(params)))
 
 
 def finished(rid: str) -> Callable[[StageOutput], bool]:
     return lambda m: m.request_id == rid and m.finished
 
 
+def typed(params: dict[str, Any]) -> TextSamplingParams:
+    """``params`` as a validated request carries them (fallbacks filled in)."""
+    return resolve_params(TextSamplingParams, {}, params)
+
+
 def solo(w: StageWorker, prompt: str, params: dict[str, Any]) -> str | None:
     """The request-level decode of one request alone (the worker is idle)."""
-    (out,) = w.runner.execute([RunnerRequest("solo", prompt, params)], ExecuteContext(lambda rid: False))
+    (out,) = w.runner.execute([RunnerRequest("solo", prompt, typed(params))], ExecuteContext(lambda rid: False))
     return out.text
 
 
@@ -172,7 +178,9 @@ async def test_stop_strings_max_tokens_and_eos_end_a_request(worker: tuple[Stage
 async def test_a_bad_request_fails_alone_with_a_typed_error(worker: tuple[StageWorker, Outbox]) -> None:
     w, outbox = worker
     send(w, "not-text", 123, max_tokens=2)
-    send(w, "too-long", "hello", max_tokens=10**6)
+    too_long = typed({})
+    msgspec.structs.force_setattr(too_long, "max_tokens", 10**6)  # past the caller's bound
+    w.handle(StageRequest(request_id="too-long", prompt="hello", params=too_long))
     send(w, "fine", "hello", max_tokens=2, temperature=0)
     for rid in ("not-text", "too-long", "fine"):
         await outbox.wait_for(finished(rid))
@@ -188,7 +196,7 @@ async def test_a_bad_request_fails_alone_with_a_typed_error(worker: tuple[StageW
 async def test_sleep_frees_every_cache(worker: tuple[StageWorker, Outbox]) -> None:
     runner = worker[0].runner
     assert isinstance(runner, TextRunner)
-    runner.steps.admit([RunnerRequest("held", "some prompt", {"max_tokens": 4})])
+    runner.steps.admit([RunnerRequest("held", "some prompt", typed({"max_tokens": 4}))])
     assert "held" in runner.steps.states
     runner.sleep()
     assert runner.steps.states == {} and runner.steps.group is None
@@ -212,10 +220,10 @@ async def test_a_paused_request_keeps_its_cache_and_resumes_unchanged(worker: tu
             if result.output is not None:
                 texts[rid] = result.output.text
 
-    steps.admit([RunnerRequest(rid, *specs[rid]) for rid in ("a", "b")])
+    steps.admit([RunnerRequest(rid, specs[rid][0], typed(specs[rid][1])) for rid in ("a", "b")])
     for ids in (["a", "b"], ["a", "b"], ["a"], ["a"]):
         step(ids)
-    steps.admit([RunnerRequest("c", *specs["c"])])
+    steps.admit([RunnerRequest("c", specs["c"][0], typed(specs["c"][1]))])
     step(["a", "c"])
     while steps.states:
         step([rid for rid in ("b", "a", "c") if rid in steps.states])

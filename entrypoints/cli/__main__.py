@@ -1,0 +1,7 @@
+"""``python -m omni_runtime.entrypoints.cli``: the ``omni-runtime`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

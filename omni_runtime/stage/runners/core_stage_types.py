@@ -1,0 +1,58 @@
+"""What a builtin stage type is (:class:`StageType`), and the core ones.
+
+Below both the stage-type registry (:mod:`omni_runtime.stage.runners.stage_types`, which adds the
+types the model families bring) and the family specs (:mod:`omni_runtime.models.families`, whose
+stage types are :class:`StageType` too and must not take a core name). Imports no runner: a
+process that only routes must not load torch and diffusers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from omni_runtime.params import (
+    Code2WavSamplingParams,
+    DiffusionSamplingParams,
+    EchoSamplingParams,
+    SpeechSamplingParams,
+    TalkerSamplingParams,
+    TextSamplingParams,
+)
+
+
+@dataclass(frozen=True)
+class StageType:
+    """What the caller's side knows of a builtin stage type without importing its runner (which
+    would load torch and diffusers into a process that only routes)."""
+
+    #: ``module:Class`` of the runner.
+    path: str
+    params_cls: type[msgspec.Struct]
+    needs_model: bool
+    max_batch_size: int | None = None
+    #: Its runner streams partial outputs (text deltas, or tensors' new items along axis 0) that a
+    #: chunked downstream stage (``input_chunking``) can take as they come.
+    streams: bool = False
+
+
+#: The core stage types; the families' own come from their specs.
+BUILTIN_RUNNERS: dict[str, StageType] = {
+    "diffusion": StageType(
+        "omni_runtime.stage.runners.diffusion:DiffusionRunner", DiffusionSamplingParams, needs_model=True
+    ),
+    "text": StageType("omni_runtime.stage.runners.text:TextRunner", TextSamplingParams, needs_model=True, streams=True),
+    "speech": StageType("omni_runtime.stage.runners.speech:SpeechRunner", SpeechSamplingParams, needs_model=True),
+    "echo": StageType("omni_runtime.stage.runners.echo:EchoRunner", EchoSamplingParams, needs_model=False),
+    # A Qwen-Omni speech pipeline's three parts (omni_runtime/stage/runners/qwen_omni.py).
+    "omni_thinker": StageType(
+        "omni_runtime.stage.runners.qwen_omni:ThinkerRunner", TextSamplingParams, needs_model=True, streams=True
+    ),
+    "omni_talker": StageType(
+        "omni_runtime.stage.runners.qwen_omni:TalkerRunner", TalkerSamplingParams, needs_model=True, streams=True
+    ),
+    "omni_code2wav": StageType(
+        "omni_runtime.stage.runners.qwen_omni:Code2WavRunner", Code2WavSamplingParams, needs_model=True
+    ),
+}
