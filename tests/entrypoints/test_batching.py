@@ -102,7 +102,7 @@ async def test_abort_mid_forward_releases_the_caller_at_once(engine):
     await eventually(  # both are in a running forward: each has had progress from its steps
         lambda: has_progress(slow_outs) and has_progress(other_outs), timeout=60, what="a step of both requests"
     )
-    first, second = list(engine.engine._pending)
+    first, second = list(engine.engine._channels.pending)
     start = time.monotonic()
     engine.abort(first)
     done, _ = await asyncio.wait({slow, other}, return_when=asyncio.FIRST_COMPLETED)

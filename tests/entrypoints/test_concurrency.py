@@ -69,7 +69,7 @@ def test_a_request_whose_loop_closed_is_swept_and_its_stage_work_stopped(echo):
 
     loop.run_until_complete(submit())
     loop.close()  # nobody will ever read its answer
-    assert "orphan" in echo.engine._pending
+    assert "orphan" in echo.engine._channels.pending
 
     async def after() -> None:
         await texts(echo, ["next"])  # a new loop: its channel sweeps the closed one
@@ -79,7 +79,7 @@ def test_a_request_whose_loop_closed_is_swept_and_its_stage_work_stopped(echo):
             await asyncio.sleep(0.05)
 
     asyncio.run(after())
-    assert "orphan" not in echo.engine._pending
+    assert "orphan" not in echo.engine._channels.pending
 
 
 def test_omni_from_many_threads_at_once():
