@@ -61,13 +61,16 @@ chromium:
 # tests are listed at the end, so that a run says where the suite's time goes.
 TEST_WORKERS ?= 2
 # The type check runs beside the tests (the two workers leave about half a core idle while they
-# wait on processes and sockets); the target fails if either fails.
+# wait on processes and sockets), at the lowest priority: a cold mypy takes a core for a minute or
+# more, and beside the first, heaviest files (Ray clusters, CLI processes) at equal priority it
+# slowed a Ray actor's start past its wait and a CLI's exit past its test's bound. The target
+# fails if either fails.
 # So does the check that the CPython 3.12 lock still resolves from binary wheels (that Python is not
 # on these machines; tools/lock.py verify): it waits on the package index, not on a core.
 test: $(STAMP) lock-check redis-server chromium
 	$(PY) -m ruff check .
-	$(PY) -m mypy & mypy=$$!; \
-	$(PY) tools/lock.py verify 3.12 & verify=$$!; \
+	nice -n 19 $(PY) -m mypy & mypy=$$!; \
+	nice -n 19 $(PY) tools/lock.py verify 3.12 & verify=$$!; \
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS); rc=$$?; \
 	wait $$mypy || rc=1; wait $$verify || rc=1; exit $$rc
 
