@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from omni_runtime.events import Event
 from omni_runtime.exceptions import (
     ConfigError,
     EngineDeadError,
@@ -398,6 +399,21 @@ class MultiOmni:
         async with self.use(model) as engine:
             async for out in engine.generate(prompt, sampling_params, request_id, modalities=modalities):
                 yield out
+
+    async def events(
+        self,
+        prompt: str | ValidRequest,
+        sampling_params: Any = None,
+        request_id: str | None = None,
+        *,
+        model: str | None = None,
+        modalities: Sequence[str] | None = None,
+    ) -> AsyncGenerator[Event, None]:
+        """:meth:`AsyncOmni.events` on ``model``'s engine: :meth:`generate`'s request (the model
+        brought back and held the same way), as typed events."""
+        async with self.use(model) as engine:
+            async for event in engine.events(prompt, sampling_params, request_id, modalities=modalities):
+                yield event
 
     def abort(
         self, request_id: str | Sequence[str], reason: BaseException | None = None, *, model: str | None = None

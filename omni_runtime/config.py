@@ -26,7 +26,9 @@ from omni_runtime.config_types import Backend as Backend
 from omni_runtime.config_types import BatchProfile as BatchProfile
 from omni_runtime.config_types import EngineArgs, InputChunking, RuntimeConfig
 from omni_runtime.config_types import MaxNumSeqs as MaxNumSeqs
+from omni_runtime.config_types import PromptCache as PromptCache
 from omni_runtime.config_types import RequestBatchMaxWaitMs as RequestBatchMaxWaitMs
+from omni_runtime.config_types import ResultCache as ResultCache
 from omni_runtime.config_types import TorchCompile as TorchCompile
 from omni_runtime.config_types import check_control_kwargs as check_control_kwargs
 from omni_runtime.exceptions import ConfigError
@@ -201,6 +203,13 @@ def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
     validate_graph(config, source)
     for i, s in enumerate(config.stage_args):
         check_acceleration(s.engine_args, s.runtime.devices, f"stage_args[{i}]", source, s.engine_args.step_execution)
+        if s.engine_args.batch_policy == "deadline" and not s.engine_args.step_execution:
+            raise ConfigError(
+                "batch_policy: deadline orders the steps of step execution (preempting at step "
+                "boundaries); set engine_args.step_execution: true, or use batch_policy: learned",
+                path=f"stage_args[{i}].engine_args.batch_policy",
+                source=source,
+            )
         if s.engine_args.load_format == "dummy" and s.stage_type != "diffusion":
             raise ConfigError(
                 f"load_format: dummy builds the components of a diffusers model directory (stage_type diffusion); "

@@ -1,5 +1,6 @@
 """The structs a stage entry's sections decode into: ``runtime:`` (:class:`RuntimeConfig`),
-``engine_args:`` (:class:`EngineArgs`, with :class:`TorchCompile` and :class:`BatchProfile`) and
+``engine_args:`` (:class:`EngineArgs`, with :class:`TorchCompile`, :class:`BatchProfile`,
+:class:`PromptCache` and :class:`ResultCache`) and
 ``input_chunking:`` (:class:`InputChunking`), and the checks of the control calls that set
 ``engine_args`` fields at run time (:func:`check_control_kwargs`).
 
@@ -155,6 +156,33 @@ class BatchProfile(msgspec.Struct, **_Struct):
     max_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 20.0
 
 
+#: The prompt cache's bound when a stage does not set one: about 280 prompts of SD 1.5 in float16
+#: under guidance (231 KiB each: two 77 x 768 embeddings), 16 of Flux in bfloat16 (4 MiB: 512 T5
+#: tokens x 4096).
+DEFAULT_PROMPT_CACHE_BYTES = 64 * 2**20
+#: The largest bound either cache takes (1 TiB): past it a value is a mistake, not a tuning.
+MAX_CACHE_BYTES = 2**40
+
+
+class PromptCache(msgspec.Struct, **_Struct):
+    """``engine_args.prompt_cache``: a diffusion stage in step execution keeps each prompt's text
+    encoder output (with its negative prompt, guidance mode, rows, size, frames and LoRA adapter),
+    least recently used out first, so a prompt seen again is not encoded again
+    (docs/configuration.md, "Caches across requests")."""
+
+    #: Most bytes of embeddings kept per replica (on the stage's device); 0 turns the cache off.
+    max_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_CACHE_BYTES)] = DEFAULT_PROMPT_CACHE_BYTES
+
+
+class ResultCache(msgspec.Struct, **_Struct):
+    """``engine_args.result_cache``: a stage keeps the final output of each request that set its
+    ``seed``, keyed by its prompt, every params field and its inputs, and answers the same request
+    again from it without running the model (docs/configuration.md, "Caches across requests")."""
+
+    #: Most bytes of outputs (images, videos, audio, tensors, text) kept per replica, in host memory.
+    max_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_CACHE_BYTES)]
+
+
 class EngineArgs(msgspec.Struct, **_Struct):
     """Scheduling knobs of one stage, and how a diffusion stage runs its model."""
 
@@ -192,13 +220,17 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: holds a wave open only while one more request saves more than its expected wait
     #: (``request_batch_max_wait_ms`` stays the upper bound); until it has evidence for a key, the
     #: window applies. ``window``: hold up to ``request_batch_max_wait_ms``, ended early by the
-    #: quiet window, and batch up to ``max_num_seqs``.
-    batch_policy: Literal["learned", "window"] = "window"
-    #: A latency target (ms) for this stage, acted on with ``batch_policy: learned`` once the model
-    #: knows a key: no admission hold lasts past the point where the wave's head would miss it.
+    #: quiet window, and batch up to ``max_num_seqs``. ``deadline`` (with ``step_execution``):
+    #: each step goes to the request with the least slack to its latency target (``slo_ms``),
+    #: predicted from the learned cost of a step; requests that can no longer meet theirs wait
+    #: behind those that can (docs/configuration.md, "Serving to deadlines"). A runner that cannot
+    #: step serves ``deadline`` as ``learned``.
+    batch_policy: Literal["learned", "window", "deadline"] = "window"
+    #: A latency target (ms) for this stage: with ``batch_policy: learned``, no admission hold lasts
+    #: past the point where the wave's head would miss it; with ``deadline``, each request's due time.
     slo_ms: Annotated[float, msgspec.Meta(gt=0, le=3_600_000)] | None = None
-    #: With ``slo_ms``: refuse (429 with ``Retry-After``) a request the learned cost says would
-    #: finish later than ``slo_ms``, instead of serving it late.
+    #: With ``slo_ms`` (the stage's or a request's): refuse (429 with ``Retry-After``) a request the
+    #: learned cost says would finish later than its target, instead of serving it late.
     slo_shed: bool = False
     #: A short profile at start-up that seeds the learned cost of a batch (off by default).
     batch_profile: BatchProfile | None = None
@@ -268,6 +300,13 @@ class EngineArgs(msgspec.Struct, **_Struct):
     #: Weights kept in CPU memory and moved to the accelerator per model, per layer or per group of
     #: blocks (``model | sequential | group``); needs a non-CPU ``runtime.devices``.
     offload: Offload | None = None
+    #: The text encoder's output per prompt, kept across requests (step execution; on by default,
+    #: 64 MiB per replica); ``{max_bytes: 0}`` or ``null`` turns it off.
+    prompt_cache: PromptCache | None = msgspec.field(default_factory=PromptCache)
+    #: Exact results, kept across requests: a request with an explicit ``seed`` whose prompt,
+    #: params and inputs equal an earlier one's gets that output again, with no denoising.
+    #: Off (``null``) by default; ``{max_bytes: N}`` turns it on.
+    result_cache: ResultCache | None = None
 
     def __post_init__(self) -> None:
         for name, path in self.loras.items():

@@ -14,7 +14,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 
-from omni_runtime.exceptions import ERROR_TYPES, OmniError, StageExecutionError
+from omni_runtime.exceptions import ERROR_TYPES, OmniError, QueueFullError, StageExecutionError, UnavailableError
 from omni_runtime.media import MediaItem
 
 #: Every message: keyword-only and frozen; encoded as a msgpack array rather than a map (about
@@ -31,6 +31,8 @@ class ErrorInfo(msgspec.Struct, **_Msg):
     message: str
     param: str | None = None
     stage_id: int | None = None
+    #: When to retry (s), for an error that says (a full queue, a request shed for its latency target).
+    retry_after_s: float | None = None
 
     @classmethod
     def from_exception(cls, exc: BaseException, stage_id: int | None = None) -> ErrorInfo:
@@ -43,6 +45,7 @@ class ErrorInfo(msgspec.Struct, **_Msg):
                 message=encodable_text(str(exc)),
                 param=encodable_text(param) if isinstance(param, str) else None,
                 stage_id=stage_id if stage_id is not None else getattr(exc, "stage_id", None),
+                retry_after_s=_retry_after(exc),
             )
         # Anything else raised by a model is this request's execution error.
         return cls(
@@ -60,7 +63,16 @@ class ErrorInfo(msgspec.Struct, **_Msg):
             exc.param = self.param
         if self.stage_id is not None:
             exc.stage_id = self.stage_id
+        if self.retry_after_s is not None and isinstance(exc, QueueFullError | UnavailableError):
+            exc.retry_after_s = self.retry_after_s
         return exc
+
+
+def _retry_after(exc: BaseException) -> float | None:
+    value = getattr(exc, "retry_after_s", None)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:  # NaN fails too
+        return None
+    return float(value)
 
 
 def encodable_text(text: str) -> str:

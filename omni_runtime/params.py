@@ -57,7 +57,7 @@ Seed = Annotated[int, meta("seed")]
 Timeout = Annotated[float, meta("timeout")]
 #: A request's priority: higher is served first (see docs/configuration.md, "Priority").
 Priority = Annotated[int, meta("priority")]
-#: A request's latency target (ms) at each stage with ``batch_policy: learned``.
+#: A request's latency target (ms) at each stage with ``batch_policy: learned`` or ``deadline``.
 SloMs = Annotated[float, meta("slo_ms")]
 #: ``max_pixels`` of a stage when neither its config nor its model says: 2048 x 2048.
 FALLBACK_MAX_PIXELS = 2048 * 2048
@@ -72,7 +72,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, t
     """Base of the typed params, with what every stage type takes: ``timeout`` (seconds), a
     per-request deadline, and ``priority`` (higher first, default 0). Either may be set in any
     stage's params; it applies to the whole request. ``slo_ms`` is a latency target at the stage
-    whose params carry it (with ``batch_policy: learned``: see docs/configuration.md)."""
+    whose params carry it (with ``batch_policy: learned`` or ``deadline``: see docs/configuration.md)."""
 
     #: Which ``stage_type`` these params are for.
     stage_type: ClassVar[str] = ""

@@ -13,6 +13,24 @@ from omni_runtime.params import DiffusionSamplingParams, EchoSamplingParams, res
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StepResult
 from omni_runtime.stage.runners.echo import EchoRunner
 
+#: A small tiny-sd request: 4 steps at 64 x 64 under guidance.
+SD_DEFAULTS = {"num_inference_steps": 4, "guidance_scale": 7.5, "height": 64, "width": 64}
+
+
+def tiny_sd_stage(**engine_args: object) -> dict[str, Any]:
+    """One tiny-sd stage in a process of one torch thread, at :data:`SD_DEFAULTS`, batching up to
+    4 (``engine_args`` added)."""
+    return {
+        "stage_id": 0,
+        "stage_type": "diffusion",
+        "model": "builtin:tiny-sd",
+        "runtime": {"backend": "process", "torch_threads": 1},
+        "final_output": True,
+        "final_output_type": "image",
+        "default_sampling_params": SD_DEFAULTS,
+        "engine_args": {"max_num_seqs": 4, **engine_args},
+    }
+
 
 def diffusion_params(params: dict[str, Any]) -> DiffusionSamplingParams:
     """``params`` as a diffusion runner gets them from the engine: resolved (validated, the

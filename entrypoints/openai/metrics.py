@@ -91,6 +91,53 @@ class _EngineCollector(Collector):
         yield from (pending, limit, running, dead, depth, live, replicas, by_node, restarts, kills)
 
 
+class _CacheSeries:
+    """The ``/metrics`` series of one cache across requests (``prompt_cache``, ``result_cache``),
+    fed from the output metrics ``<name>_hit`` (1 or 0), ``<name>_evictions``, ``<name>_bytes`` and
+    ``<name>_entries`` of each request it looked up."""
+
+    def __init__(self, name: str, what: str, model: list[str], registry: CollectorRegistry) -> None:
+        self.name = name
+        self.requests = Counter(
+            f"omni_stage_{name}_requests",
+            f"Requests looked up in a stage's cache of {what}, by outcome: hit or miss.",
+            [*model, "stage", "outcome"],
+            registry=registry,
+        )
+        self.evictions = Counter(
+            f"omni_stage_{name}_evictions",
+            f"Entries of a stage's cache of {what} evicted for room (least recently used first).",
+            [*model, "stage"],
+            registry=registry,
+        )
+        self.bytes = Gauge(
+            f"omni_stage_{name}_bytes",
+            f"Bytes held by a stage replica's cache of {what}, as of its latest request.",
+            [*model, "stage", "replica"],
+            registry=registry,
+        )
+        self.entries = Gauge(
+            f"omni_stage_{name}_entries",
+            f"Entries of a stage replica's cache of {what}, as of its latest request.",
+            [*model, "stage", "replica"],
+            registry=registry,
+        )
+
+    def observe(self, metrics: ServerMetrics, model: str, stage: str, output: dict[str, Any]) -> None:
+        hit = output.get(f"{self.name}_hit")
+        if not isinstance(hit, int) or hit not in (0, 1):
+            return
+        metrics._series(self.requests, model, stage, "hit" if hit else "miss").inc()
+        evicted = output.get(f"{self.name}_evictions")
+        if isinstance(evicted, int) and evicted > 0:
+            metrics._series(self.evictions, model, stage).inc(evicted)
+        replica = str(output.get("replica_id", 0))
+        size, entries = output.get(f"{self.name}_bytes"), output.get(f"{self.name}_entries")
+        if isinstance(size, int) and isinstance(entries, int):
+            metrics._series(self.bytes, model, stage, replica).set(size)
+            metrics._series(self.entries, model, stage, replica).set(entries)
+
+
 class ServerMetrics:
     """Every metric the server exports. ``health`` returns the running engine's health, or None
     (or each model's, by name). ``labelled``: the per-model series carry a ``model`` label,
@@ -188,6 +235,16 @@ class ServerMetrics:
             registry=r,
         )
         self._cost_keys: dict[str, set[str]] = {}
+        #: The caches across requests (docs/configuration.md, "Caches across requests"), from each
+        #: request's output metrics: its lookup's outcome, the entries storing it evicted, and the
+        #: replica's cache size when it finished.
+        self.caches = {
+            name: _CacheSeries(name, what, m, r)
+            for name, what in (
+                ("prompt_cache", "the text encoder's outputs per prompt (step execution)"),
+                ("result_cache", "exact results of seeded requests (engine_args.result_cache)"),
+            )
+        }
         #: (stage, replica, batch id) of waves already observed, so a wave of 8 counts once.
         self._waves: OrderedDict[tuple[Any, Any, Any], None] = OrderedDict()
         r.register(_EngineCollector(health))
@@ -213,6 +270,8 @@ class ServerMetrics:
         """The wave histogram and cost gauges, from one stage's output metrics (each wave counted
         once) of ``model``."""
         self._observe_cost(model, str(sid), metrics)
+        for series in self.caches.values():
+            series.observe(self, model, str(sid), metrics)
         # Step execution: each cached request's own blocks, counted per request (not per wave).
         called, ran = metrics.get("request_cache_blocks_called"), metrics.get("request_cache_blocks_run")
         if isinstance(called, int) and isinstance(ran, int) and called >= ran >= 0:

@@ -160,6 +160,28 @@ class CostModel:
         f = self._fits.get(key)
         return None if f is None else f.best_batch(max_n, self.margin)
 
+    def estimate_ms(self, key: Hashable, n: int = 1) -> float | None:
+        """The time of a batch of ``n`` of ``key``: the fit's, else, with samples at one size only,
+        that size's mean scaled to ``n`` in proportion (no fixed cost assumed: an estimate for
+        planning, not for the batching decisions, which wait for a fit). None for an unknown key."""
+        f = self._fits.get(key)
+        if f is not None:
+            return f.time_ms(n)
+        points = self._points.get(key)
+        if not points:
+            return None
+        size, point = min(points.items(), key=lambda item: abs(item[0] - n))
+        return point.mean_ms * n / size
+
+    def per_item_ms(self, key: Hashable, max_n: int) -> float | None:
+        """What one request of ``key`` costs when it runs in a batch of the best size (at most
+        ``max_n``): the machine time a queue of such requests takes, per request. None if unknown."""
+        f = self._fits.get(key)
+        if f is not None:
+            best = f.best_batch(max_n, self.margin)
+            return f.time_ms(best) / best
+        return self.estimate_ms(key, 1)
+
     def snapshot(self) -> CostSnapshot:
         keys: list[KeyCost] = []
         for key in reversed(self._points):

@@ -217,7 +217,11 @@ class StepExecutor(Executor):
     def add(self, req: RunnerRequest) -> None:
         runner = self.worker.runner
         cap = runner.step_batch_cap(req)
-        self.scheduler.add(req.request_id, runner.step_key(req), req, priority=req.priority, max_batch=cap)
+        slo_ms = getattr(req.params, "slo_ms", None)  # a custom runner's own params class may not declare it
+        self.scheduler.add(
+            req.request_id, runner.step_key(req), req, priority=req.priority, max_batch=cap,
+            slo_ms=slo_ms, steps=runner.step_count(req),
+        )  # fmt: skip
 
     def abort(self, rid: str) -> None:
         # A running request leaves at the next step boundary and nothing more is sent for it

@@ -29,6 +29,11 @@ denoising step at a time: before each step it asks :meth:`StepScheduler.schedule
   a time and the first one finishes first, instead of all finishing late together.
 * Abort. A request that has not started leaves at once; one with state leaves with the next plan,
   which asks the runner to drop that state.
+* Deadlines (``policy="deadline"``, ``engine_args.batch_policy: deadline``). The leader and the
+  batch are ranked by :mod:`omni_runtime.stage.deadline` instead: overdue requests by arrival,
+  then those that can still meet their latency target (``slo_ms``), least slack first, then those
+  that cannot; the slack comes from the cost model's time of a step. With ``slo_shed``, a request
+  the model expects to finish past its target is refused at :meth:`StepScheduler.add`.
 
 :class:`ProgressThrottle` decides when progress events go out, so that they cost about 1 % of the time.
 """
@@ -42,8 +47,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from omni_runtime.exceptions import ConfigError, DuplicateRequestError, QueueFullError
+from omni_runtime.stage import deadline
 from omni_runtime.stage.cost_model import CostModel
 from omni_runtime.stage.scheduler import BatchSize, aged_rank
+
+StepPolicy = Literal["priority", "deadline"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +98,8 @@ class _Entry:
     pauses: int = 0
     #: Most requests that may step together while this one does (None: max_num_seqs alone).
     cap: int | None = None
+    #: What the deadline policy ranks it by (None under the priority policy).
+    deadline: deadline.Deadline | None = None
 
 
 class StepScheduler(BatchSize):
@@ -103,9 +113,19 @@ class StepScheduler(BatchSize):
         max_queue_len: int | None = None,
         priority_aging_s: float = 10.0,
         cost_model: CostModel | None = None,
+        policy: StepPolicy = "priority",
+        slo_ms: float | None = None,
+        slo_shed: bool = False,
     ) -> None:
         if max_queue_len is not None:
             _check_int("max_queue_len", max_queue_len)
+        if policy not in ("priority", "deadline"):
+            raise ConfigError(f"expected 'priority' or 'deadline', got {policy!r}", path="policy")
+        self._policy = policy
+        #: The stage's latency target (ms); a request's own ``slo_ms`` tightens it.
+        self._slo_ms = slo_ms
+        self._slo_shed = slo_shed and policy == "deadline"
+        self._shed = 0
         self._aging_s = float(priority_aging_s)
         self._clock = clock
         self._max_queue_len = max_queue_len
@@ -134,18 +154,42 @@ class StepScheduler(BatchSize):
         *,
         priority: int = 0,
         max_batch: int | None = None,
+        slo_ms: float | None = None,
+        steps: int | None = None,
     ) -> None:
         """Queue a request. ``key`` groups requests that may step together; higher ``priority`` first;
-        ``max_batch`` bounds the batch of any step this one takes (at least 1)."""
+        ``max_batch`` bounds the batch of any step this one takes (at least 1). Under the deadline
+        policy, ``slo_ms`` is its latency target (tightening the stage's) and ``steps`` the
+        denoising steps it will run (what its remaining time is predicted from)."""
         if request_id in self._entries:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight", param="request_id")
         if self._max_queue_len is not None and self.num_waiting >= self._max_queue_len:
             raise QueueFullError(f"{self.num_waiting} requests already wait (max_queue_len)")
-        entry = _Entry(request_id, key, payload, int(priority), next(self._seq), self._clock())
+        now = self._clock()
+        entry = _Entry(request_id, key, payload, int(priority), next(self._seq), now)
         entry.cap = None if max_batch is None else max(1, int(max_batch))
+        if self._policy == "deadline":
+            target = self._slo_ms if slo_ms is None else slo_ms if self._slo_ms is None else min(slo_ms, self._slo_ms)
+            due = None if target is None else now + target / 1000.0
+            entry.deadline = deadline.Deadline(key, now, due, steps, 0, entry.priority, entry.seq)
+            if self._slo_shed and target is not None:
+                self._shed_if_late(entry.deadline, target, now)
         self._entries[request_id] = entry
         self._by_priority.setdefault(entry.priority, {})[request_id] = entry
         self._by_key.setdefault(key, {}).setdefault(entry.priority, {})[request_id] = entry
+
+    def _shed_if_late(self, new: deadline.Deadline, target_ms: float, now: float) -> None:
+        live = (e.deadline for e in self._entries.values() if e.deadline is not None and not e.aborted)
+        taken = deadline.admission(new, live, now, self._aging_s, self._cost_model, self._max_num_seqs)
+        if taken.finish_ms > target_ms or taken.displaced:
+            self._shed += 1
+            whose = "the stage's" if target_ms == self._slo_ms else "the request's"
+            why = (
+                f"expected to finish in {taken.finish_ms:.0f} ms, past {whose} slo_ms {target_ms:g}"
+                if taken.finish_ms > target_ms
+                else f"taking it would make {taken.displaced} admitted request(s) miss their slo_ms"
+            )
+            raise QueueFullError(why, retry_after_s=max(0.001, taken.ahead_ms / 1000.0))
 
     def abort(self, request_id: str) -> Literal["waiting", "running"] | None:
         """Drop a request that has not started ("waiting"); mark one with state to leave with the
@@ -235,6 +279,8 @@ class StepScheduler(BatchSize):
             if entry is None:
                 continue
             entry.steps += 1
+            if entry.deadline is not None:
+                entry.deadline.steps_taken = entry.steps
             entry.max_batch = max(entry.max_batch, batch)
             if entry.first_step_id is None:
                 entry.first_step_id, entry.first_step_at = step_id, now
@@ -299,6 +345,7 @@ class StepScheduler(BatchSize):
             "steps": self._next_step_id - 1,
             "requests_scheduled": self._requests_admitted,
             "batch_size_histogram": dict(sorted(self._histogram.items())),
+            **({"slo_shed": self._shed} if self._slo_shed else {}),
         }
 
     # ------------------------------------------------------------------ internals
@@ -306,9 +353,16 @@ class StepScheduler(BatchSize):
     def _rank(self, entry: _Entry) -> tuple[float, int]:
         return aged_rank(entry.priority, entry.arrival, self._aging_s), entry.seq
 
+    def _deadline_rank(self, entry: _Entry, now: float) -> tuple[float, ...]:
+        assert entry.deadline is not None
+        return deadline.rank(entry.deadline, now, self._aging_s, self._cost_model)
+
     def _leader(self) -> _Entry | None:
         if not self._by_priority:
             return None
+        if self._policy == "deadline":
+            now = self._clock()
+            return min(self._entries.values(), key=lambda e: self._deadline_rank(e, now))
         if len(self._by_priority) > 1:  # aging may lift an older, lower priority over a newer one
             return min(self._entries.values(), key=self._rank)
         return next(iter(self._by_priority[max(self._by_priority)].values()))
@@ -320,10 +374,12 @@ class StepScheduler(BatchSize):
 
     def _best_of(self, key: Hashable, limit: int) -> list[_Entry]:
         by_priority = self._by_key[key]
-        if len(by_priority) > 1:
-            entries: Iterable[_Entry] = sorted(
-                (e for same in by_priority.values() for e in same.values()), key=self._rank
-            )
+        if self._policy == "deadline":
+            now = self._clock()
+            members = (e for same in by_priority.values() for e in same.values())
+            entries: Iterable[_Entry] = sorted(members, key=lambda e: self._deadline_rank(e, now))
+        elif len(by_priority) > 1:
+            entries = sorted((e for same in by_priority.values() for e in same.values()), key=self._rank)
         else:
             entries = (e for priority in sorted(by_priority, reverse=True) for e in by_priority[priority].values())
         best: list[_Entry] = []

@@ -53,12 +53,17 @@ from omni_runtime.stage.cost_model import CostModel
 from omni_runtime.stage.executors import Executor, RequestExecutor, StepExecutor
 from omni_runtime.stage.memory import fix_mmap_threshold
 from omni_runtime.stage.profile import profile_batches
+from omni_runtime.stage.result_cache import ExactResultCache
 from omni_runtime.stage.runners.base import RunnerOutput, RunnerRequest, runner_class
 from omni_runtime.stage.scheduler import RequestScheduler
 from omni_runtime.stage.step_scheduler import ProgressThrottle, StepScheduler
 from omni_runtime.tasks import BackgroundTasks
 
 logger = logging.getLogger(__name__)
+
+#: Runner control calls that change nothing a result was made from: every other ``rpc_*`` call
+#: (``add_lora``, ``remove_lora``, a runner's own weight update) invalidates the result cache.
+READ_ONLY_CALLS = frozenset({"list_loras"})
 
 
 class StageWorker:
@@ -82,9 +87,10 @@ class StageWorker:
         self.runner.replica_id = replica_id
         args = stage.engine_args
         #: What a batch costs here, learned from every wave or step (reported in get_stats); the
-        #: schedulers act on it only with ``batch_policy: learned``.
+        #: schedulers act on it only with ``batch_policy: learned`` or ``deadline`` (which a runner
+        #: that cannot step serves as ``learned``).
         self.cost_model = CostModel()
-        policy_model = self.cost_model if args.batch_policy == "learned" else None
+        policy_model = self.cost_model if args.batch_policy in ("learned", "deadline") else None
         #: Request-level waves (the default), or a StepExecutor once start() finds that the runner
         #: can run step by step and ``step_execution`` asks for it.
         self.executor: Executor = RequestExecutor(
@@ -124,6 +130,10 @@ class StageWorker:
         self.progress_at: float | None = None
         #: What the start-up profile measured (``engine_args.batch_profile``), or None.
         self.batch_profile: BatchProfileReport | None = None
+        #: Final outputs of seeded requests, answered again without the model
+        #: (``engine_args.result_cache``; None: off).
+        bound = args.result_cache
+        self.result_cache = ExactResultCache(bound.max_bytes) if bound is not None else None
 
     @property
     def scheduler(self) -> RequestScheduler | StepScheduler:
@@ -138,6 +148,7 @@ class StageWorker:
         await loop.run_in_executor(self.forward_thread, self.runner.load)
         constraints = self._constraints()  # before the loop starts: a bad one fails the load
         args = self.stage.engine_args
+        policy_model = self.cost_model if args.batch_policy in ("learned", "deadline") else None
         if args.step_execution:
             reason = self.runner.step_support()
             if reason is None:
@@ -147,7 +158,10 @@ class StageWorker:
                         args.max_num_seqs,
                         max_queue_len=args.max_queue_len,
                         priority_aging_s=args.priority_aging_s,
-                        cost_model=self.cost_model if args.batch_policy == "learned" else None,
+                        cost_model=policy_model,
+                        policy="deadline" if args.batch_policy == "deadline" else "priority",
+                        slo_ms=args.slo_ms,
+                        slo_shed=args.slo_shed,
                     ),
                 )
             else:
@@ -246,18 +260,34 @@ class StageWorker:
         try:
             if self.asleep:
                 raise StageAsleepError(f"stage {self.stage_id} is asleep; call collective_rpc('wake_up')")
+            if self.result_cache is not None:
+                hit = self.result_cache.lookup(msg.request_id, msg.prompt, msg.params, req.inputs)
+                if hit is not None:
+                    # Answered now: the request never enters the scheduler.
+                    metrics = {"queue_wait_ms": 0.0, "replica_id": self.replica_id, **hit.metrics}
+                    metrics.update(self.result_cache.hit_metrics())
+                    self.emit_outputs([self.final_output(msg.request_id, hit, metrics)])
+                    return
             self.executor.add(req)
         except OmniError as e:
+            self._forget(msg.request_id)
             self._emit(StageOutput(request_id=msg.request_id, error=ErrorInfo.from_exception(e, self.stage_id)))
             return
         except Exception as e:  # batch_key choked on the params: this request's bad input
+            self._forget(msg.request_id)
             err = InvalidRequestError(f"stage {self.stage_id} cannot take this request: {e}")
             self._emit(StageOutput(request_id=msg.request_id, error=ErrorInfo.from_exception(err, self.stage_id)))
             return
         self.wake.set()
 
     def _abort(self, rid: str) -> None:
+        self._forget(rid)
         self.executor.abort(rid)
+
+    def _forget(self, rid: str) -> None:
+        """A request that will send no output of its own here: nothing is stored for it."""
+        if self.result_cache is not None:
+            self.result_cache.forget(rid)
 
     # ------------------------------------------------------------------ what the executors send
 
@@ -265,6 +295,8 @@ class StageWorker:
         # Wall-clock end of this stage's work on the request: with the durations above, a trace
         # places the stage's spans, and the time from here to the next stage is the hand-off.
         metrics["finished_at"] = time.time()
+        if self.result_cache is not None:  # a seeded miss is stored now, unless it failed
+            metrics.update(self.result_cache.finished(rid, out))
         if out.error is None:
             self._served += 1
         else:
@@ -340,6 +372,7 @@ class StageWorker:
             # Asleep first: from now on requests are refused and waves not yet begun fail with
             # StageAsleepError. The release runs on the forward thread, after the running wave.
             self.asleep = True
+            self._invalidate_results()  # the model goes; a later wake_up may load other weights
             result = await loop.run_in_executor(self.forward_thread, self.runner.sleep)
             gc.collect()
             return {"asleep": True, **(result or {})}
@@ -352,7 +385,17 @@ class StageWorker:
         handler = getattr(self.runner, f"rpc_{method}", None)
         if handler is None:
             raise RpcError(f"unknown control method {method!r}")
-        return await loop.run_in_executor(self.forward_thread, lambda: handler(*args, **kwargs))
+        try:
+            return await loop.run_in_executor(self.forward_thread, lambda: handler(*args, **kwargs))
+        finally:
+            # Once the call is over, failed or not (it may have changed part of the model): what
+            # is stored, and what runs now, may have been made by the model as it was.
+            if method not in READ_ONLY_CALLS:
+                self._invalidate_results()
+
+    def _invalidate_results(self) -> None:
+        if self.result_cache is not None:
+            self.result_cache.invalidate()
 
     def _set_batching(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         # The bounds of the deploy YAML (config.FIELD_BOUNDS): a control call cannot set what a
@@ -393,6 +436,7 @@ class StageWorker:
             "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
             **self.executor.stats(),
             "mmap_threshold_fixed": self.mmap_threshold_fixed,
+            "result_cache": self.result_cache.stats() if self.result_cache is not None else None,
             **self.runner.stats(),
             **({} if self.batch_profile is None else {"batch_profile": self._profile_stats(self.batch_profile)}),
         }

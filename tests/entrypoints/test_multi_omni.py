@@ -113,6 +113,18 @@ async def test_validate_then_generate_and_abort_on_one_model(multi):
     multi.abort(["no-such-request"])  # unknown ids are ignored by every model
 
 
+async def test_events_come_typed_from_the_model_named(multi):
+    from omni_runtime.events import Final, StageDone
+
+    texts = [e async for e in multi.events("typed", model="echo")]
+    assert isinstance(texts[-1], Final) and texts[-1].output.text == "typed"
+    images = [e async for e in multi.events("a fox", {**SMALL, "seed": 3}, model="sd")]
+    assert isinstance(images[-1], Final) and images[-1].output.images[0].size == (32, 32)
+    assert [type(e) for e in images][-2:] == [StageDone, Final]
+    with pytest.raises(UnknownModelError):
+        [e async for e in multi.events("lost", model="nope")]
+
+
 async def test_one_models_death_leaves_the_others_serving(multi):
     """Last in the module: the echo model's engine dies for good; tiny-sd serves on."""
     [ping] = await multi.collective_rpc("ping", model="echo", timeout=10)

@@ -26,24 +26,15 @@ from omni_runtime.exceptions import (
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 from tests.conftest import eventually, make_config
-from tests.helpers import diffusion_params
+from tests.helpers import SD_DEFAULTS, diffusion_params, tiny_sd_stage
 
 pytestmark = pytest.mark.integration
 
-DEFAULTS = {"num_inference_steps": 4, "guidance_scale": 7.5, "height": 64, "width": 64}
+DEFAULTS = SD_DEFAULTS
 
 
 def sd_stage(**engine_args: object) -> dict:
-    return {
-        "stage_id": 0,
-        "stage_type": "diffusion",
-        "model": "builtin:tiny-sd",
-        "runtime": {"backend": "process", "torch_threads": 1},
-        "final_output": True,
-        "final_output_type": "image",
-        "default_sampling_params": DEFAULTS,
-        "engine_args": {"max_num_seqs": 4, "step_execution": True, **engine_args},
-    }
+    return tiny_sd_stage(step_execution=True, **engine_args)
 
 
 @pytest.fixture(scope="module")

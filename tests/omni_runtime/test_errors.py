@@ -45,6 +45,17 @@ def test_queue_full_from_a_stage_keeps_its_type_and_retry_hint():
     assert QueueFullError("full", param="n", stage_id=1, retry_after_s=3).retry_after_s == 3
 
 
+@given(retry=st.floats(allow_nan=True, allow_infinity=True) | st.integers() | st.booleans() | st.text(max_size=3))
+def test_a_stage_s_retry_hint_crosses_the_socket_when_it_is_a_sane_number(retry):
+    """A request shed for its latency target says when its backlog clears; the hint reached the
+    client as the default 1 s before it travelled with the error."""
+    exc = QueueFullError("shed", retry_after_s=1.0)
+    exc.retry_after_s = retry
+    info = msgspec.msgpack.decode(msgspec.msgpack.encode(ErrorInfo.from_exception(exc, 0)), type=ErrorInfo)
+    sane = not isinstance(retry, bool) and isinstance(retry, int | float) and 0 <= retry < 1e9
+    assert info.to_exception().retry_after_s == (float(retry) if sane else 1.0)
+
+
 @given(name=st.text(max_size=20))
 def test_an_unknown_error_name_becomes_an_execution_error(name):
     err = ErrorInfo(type=name, message="m").to_exception()

@@ -38,7 +38,7 @@ Seed = Annotated[int, Field(**bounds("seed")), NotBool]
 Timeout = Annotated[float, Field(**bounds("timeout")), NotBool]
 #: Higher is served first (an extension); see docs/configuration.md, "Priority".
 Priority = Annotated[int, Field(**bounds("priority")), NotBool]
-#: A latency target (ms) at stages with ``batch_policy: learned`` (an extension).
+#: A latency target (ms) at stages with ``batch_policy: learned`` or ``deadline`` (an extension).
 SloMs = Annotated[float, Field(**bounds("slo_ms")), NotBool]
 
 

@@ -168,6 +168,11 @@ class StageRunner(ABC):
         """Requests with equal keys may take a step together (in one batched call)."""
         return self.batch_key(request)
 
+    def step_count(self, request: RunnerRequest) -> int | None:
+        """How many steps the request will take (what a deadline-aware scheduler predicts its
+        remaining time from); None: unknown."""
+        return None
+
     def step_batch_cap(self, request: RunnerRequest) -> int | None:
         """Most requests that may take a step together while this one does (a memory bound of the
         runner's); None: only ``max_num_seqs`` bounds the step's batch."""

@@ -56,6 +56,7 @@ from omni_runtime.stage.runners.diffusion_stepper import DiffusionStepper
 from omni_runtime.stage.runners.diffusion_steps import StepFamily, StepState, step_family
 from omni_runtime.stage.runners.image_inputs import TEXT, PipelineForm, PipelineForms, image_call_kwargs, size_kwargs
 from omni_runtime.stage.runners.lora import LoraAdapters
+from omni_runtime.stage.runners.prompt_cache import PromptEmbeddingCache
 from omni_runtime.stage.runners.sizes import NATIVE_AREA_FACTOR, derive_size_limits
 from omni_runtime.stage.runners.step_limits import step_constraints
 from omni_runtime.stage.runners.torch_common import (
@@ -127,6 +128,14 @@ class DiffusionRunner(StageRunner):
         self._warmup_s: float | None = None
         self.loras = LoraAdapters(
             stage.engine_args.loras, stage.engine_args.max_loras, stage.engine_args.max_lora_file_mb * 2**20
+        )
+        #: Step execution: each prompt's encoder outputs kept across requests (None: off, or
+        #: request-level, where the pipeline's own call encodes).
+        bound = stage.engine_args.prompt_cache
+        self.prompt_cache: PromptEmbeddingCache | None = (
+            PromptEmbeddingCache(bound.max_bytes)
+            if stage.engine_args.step_execution and bound is not None and bound.max_bytes > 0
+            else None
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -228,6 +237,7 @@ class DiffusionRunner(StageRunner):
         self._weight_bytes = {}
         self._step_family = None
         self._states.clear()  # the worker fails those requests at the next step boundary
+        self._invalidate_prompts()  # the cached embeddings hold device memory too
         return release_memory()
 
     def wake_up(self) -> dict[str, Any]:
@@ -245,12 +255,24 @@ class DiffusionRunner(StageRunner):
 
     def rpc_add_lora(self, name: str, path: str, load: bool = False) -> dict[str, Any]:
         """``collective_rpc("add_lora", kwargs={"name": ..., "path": ..., "load": False})``: offer the
-        adapter at ``path`` (absolute, on the stage's machine) under ``name``; ``load`` loads it now."""
-        return self.loras.add(name, path, load)
+        adapter at ``path`` (absolute, on the stage's machine) under ``name``; ``load`` loads it now.
+        The prompt cache is cleared, failed or not: a name may now point at other weights."""
+        try:
+            return self.loras.add(name, path, load)
+        finally:
+            self._invalidate_prompts()
 
     def rpc_remove_lora(self, name: str) -> dict[str, Any]:
-        """``collective_rpc("remove_lora", kwargs={"name": ...})``: stop offering ``name`` and unload it."""
-        return self.loras.remove(name)
+        """``collective_rpc("remove_lora", kwargs={"name": ...})``: stop offering ``name`` and unload
+        it; the prompt cache is cleared, as by ``add_lora``."""
+        try:
+            return self.loras.remove(name)
+        finally:
+            self._invalidate_prompts()
+
+    def _invalidate_prompts(self) -> None:
+        if self.prompt_cache is not None:
+            self.prompt_cache.invalidate()
 
     # ------------------------------------------------------------------ scheduling
 
@@ -389,10 +411,12 @@ class DiffusionRunner(StageRunner):
         return cache_key(value)
 
     def stats(self) -> dict[str, Any]:
-        """Step-cache block counts (``cache``) and resident weight bytes (``weight_bytes``, total and
+        """Step-cache block counts (``cache``), the prompt cache's counts (``prompt_cache``; None
+        when off) and resident weight bytes (``weight_bytes``, total and
         ``weight_bytes_by_component``) of the loaded model."""
         return {
             "cache": self.cache.stats() if self.cache is not None else None,
+            "prompt_cache": self.prompt_cache.stats() if self.prompt_cache is not None else None,
             "weight_bytes": sum(self._weight_bytes.values()),
             "weight_bytes_by_component": dict(self._weight_bytes),
             "compile_warmup_s": self._warmup_s,
@@ -552,6 +576,15 @@ class DiffusionRunner(StageRunner):
         p = request.params
         cfg = self._family.uses_cfg(self.guidance_of(p))
         return (*self.size_of(p), cfg, LoraAdapters.key(p.lora), self.frames_of(p))
+
+    def step_count(self, request: Request) -> int | None:
+        """Its steps; an image request's ``strength`` runs that share of them (its pipeline's
+        default strength, when unset, is not read here: the count is then an upper bound)."""
+        p = request.params
+        steps = self.steps_of(p)
+        if steps is None or p.strength is None or self._form(p).kind == TEXT:
+            return steps
+        return max(1, int(steps * p.strength))
 
     def step_batch_cap(self, request: Request) -> int | None:
         """A video's share of ``engine_args.max_video_pixels``, as a request-level wave's."""

@@ -1,8 +1,9 @@
 """The diffusion runner's step execution (``engine_args.step_execution``): each admitted request's
-:class:`~omni_runtime.stage.runners.diffusion_steps.StepState`, made and encoded at admission,
-stepped in one batched denoiser call per step with the others of its key, decoded when done, and
-dropped when aborted. The runner's ``step_*`` methods call it; the per-family loop it drives is
-:mod:`omni_runtime.stage.runners.diffusion_steps`.
+:class:`~omni_runtime.stage.runners.diffusion_steps.StepState`, made and encoded at admission
+(its prompt's encoder outputs from the runner's prompt cache when it holds them:
+:mod:`~omni_runtime.stage.runners.prompt_cache`), stepped in one batched denoiser call per step
+with the others of its key, decoded when done, and dropped when aborted. The runner's ``step_*``
+methods call it; the per-family loop it drives is :mod:`omni_runtime.stage.runners.diffusion_steps`.
 
 Runs in the stage worker's forward thread.
 """
@@ -96,10 +97,11 @@ class DiffusionStepper:
                 failed[r.request_id] = RunnerOutput(error=e)
         with torch.inference_mode():
             # 1) Prompts encoded once, one encoder call per adapter and guidance mode for all that
-            #    join now (a text encoder may carry the adapter too).
+            #    join now (a text encoder may carry the adapter too), except those the prompt
+            #    cache holds.
             for group in self._lora_groups(states, failed):
                 for cfg in (False, True):
-                    self.isolated([s for s in group if s.cfg == cfg], family.encode, failed)
+                    self._encode([s for s in group if s.cfg == cfg], family, failed)
             # 2) Per request: timesteps, noise from its generators, a scheduler of its own.
             for s in states:
                 if s.request_id not in failed:
@@ -108,6 +110,23 @@ class DiffusionStepper:
             if s.request_id not in failed:
                 self.runner._states[s.request_id] = s
         return failed
+
+    def _encode(self, states: list[StepState], family: StepFamily, failed: dict[str, RunnerOutput]) -> None:
+        """``family.encode`` for ``states`` (one adapter and guidance mode), through the prompt
+        cache: 1) hits filled from it  2) one encoder call for the rest, one request per prompt
+        3) what it made stored, and copied to the requests of a prompt encoded for another."""
+        cache = self.runner.prompt_cache
+        if cache is None or not states:
+            self.isolated(states, family.encode, failed)
+            return
+        plan = cache.plan(states, family.encode_reads_image)
+        self.isolated(plan.encode, family.encode, failed)
+        cache.remember([s for s in plan.encode if s.request_id not in failed])
+        for follower, leader in plan.followers:
+            if leader.request_id in failed:  # the same prompt would fail the same way
+                failed[follower.request_id] = RunnerOutput(error=failed[leader.request_id].error)
+            else:
+                cache.follow(follower, leader)
 
     def run(self, request_ids: list[str], ctx: ExecuteContext) -> dict[str, StepResult]:
         family, runner = self.family, self.runner
@@ -204,10 +223,16 @@ class DiffusionStepper:
             if s.request_id in decoded:
                 fps = (s.fps or self.runner._fps) if s.num_frames is not None else None
                 outputs[s.request_id] = decoded_output(decoded[s.request_id], s.output_type, s.seed, fps=fps)
-        for s in done:  # the request's own cache blocks (/metrics counts them per request)
-            if s.cache is not None and s.request_id in outputs:
-                outputs[s.request_id].metrics["request_cache_blocks_called"] = s.cache.blocks_called
-                outputs[s.request_id].metrics["request_cache_blocks_run"] = s.cache.blocks_run
+        prompts = self.runner.prompt_cache
+        for s in done:  # the request's own cache blocks and prompt (/metrics counts them per request)
+            if s.request_id not in outputs:
+                continue
+            metrics = outputs[s.request_id].metrics
+            if s.cache is not None:
+                metrics["request_cache_blocks_called"] = s.cache.blocks_called
+                metrics["request_cache_blocks_run"] = s.cache.blocks_run
+            if prompts is not None:
+                metrics.update(prompts.metrics(s))
         for rid, out in outputs.items():
             out.metrics["seed"] = self.runner._states[rid].seed
             if rid in decode_ms:

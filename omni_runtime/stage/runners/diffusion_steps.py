@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -71,6 +72,12 @@ class StepState:
     fps: int | None = None
     #: The request's own step-cache state (first block or MagCache; None: it runs uncached).
     cache: RowState | None = None
+    #: The prompt cache's key of this request's encode (None: not cached), whether its encoder
+    #: outputs came from the cache (None: the cache is off or does not take it), and the entries
+    #: storing its own outputs evicted (``prompt_cache.py``).
+    prompt_key: Hashable | None = None
+    prompt_cache_hit: bool | None = None
+    prompt_cache_evictions: int = 0
 
     @property
     def steps(self) -> int:
@@ -94,6 +101,9 @@ class StepFamily:
     begin_index: ClassVar[bool] = False
     #: Whether this loop runs img2img requests (``StepState.image``) given an ``image_pipe``.
     takes_images: ClassVar[bool] = False
+    #: Whether :meth:`encode` may read an img2img request's input image: then the image is part of
+    #: the prompt cache's key. A family's own loop is assumed to; SD's (the builtin img2img loop) does not.
+    encode_reads_image: ClassVar[bool] = True
 
     def __init__(self, pipe: Any, call_defaults: dict[str, Any], device: str) -> None:
         self.pipe = pipe

@@ -57,7 +57,6 @@ THINKER_TENSORS = (PROMPT_IDS, PROMPT_STATES, REPLY_IDS, REPLY_STATES, MARKER_EM
 CODES = "codes"
 
 
-
 #: Held while a stage of this module loads. Stages of one process (the inproc backend) load in
 #: threads at once, and transformers imported from several threads at once can see its own
 #: modules half-initialised (its lazy top level and circular imports): one load at a time, each

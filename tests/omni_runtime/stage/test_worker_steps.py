@@ -190,3 +190,51 @@ async def test_the_stage_checks_set_batching_against_the_yaml_bounds_too(kwargs:
     assert (worker.scheduler.max_num_seqs, worker.scheduler.max_wait_ms) == (4, 50)
     applied = await worker._call("set_batching", [], {"max_num_seqs": 1024, "request_batch_max_wait_ms": 60_000})
     assert applied["max_num_seqs"] == 1024 and applied["request_batch_max_wait_ms"] == 60_000
+
+
+async def test_the_deadline_policy_lets_an_urgent_request_through_and_sheds_what_cannot_make_it(cache: Path) -> None:
+    """tiny-sd in step execution with ``batch_policy: deadline`` and ``slo_shed``: a request with a
+    target takes the one place from a long one without a target at the next step, and, once the
+    cost of a step is known, a request whose target its steps alone exceed is refused at once
+    with when to come back; one of an unknown key is never refused."""
+    config = stage(
+        "diffusion", "builtin:tiny-sd", max_num_seqs=1, step_execution=True, batch_policy="deadline", slo_shed=True
+    )
+    worker, outbox = await started(config)
+    try:
+
+        def params(steps: int, seed: int, **extra: Any) -> DiffusionSamplingParams:
+            given = {**SD, "num_inference_steps": steps, "seed": seed, **extra}
+            return resolve_params(DiffusionSamplingParams, {}, given)
+
+        # Unknown key at first: an impossible target is not refused without evidence.
+        worker.handle(StageRequest(request_id="first", prompt="a kite", params=params(2, 0, slo_ms=1)))
+        await outbox.wait_for(is_final("first"))
+        assert outbox.finals()[0].error is None
+        worker.handle(StageRequest(request_id="long", prompt="a cup of coffee", params=params(16, 1)))
+        await outbox.wait_for(lambda m: isinstance(m, StageOutput) and m.request_id == "long")  # it is stepping
+        worker.handle(StageRequest(request_id="urgent", prompt="a toy dinosaur", params=params(3, 2, slo_ms=5000)))
+        worker.handle(StageRequest(request_id="hopeless", prompt="a boat", params=params(10, 3, slo_ms=1)))
+        await outbox.wait_for(is_final("long"))
+        by_id = {m.request_id: m for m in outbox.finals()}
+        assert [m.request_id for m in outbox.finals()][1:] == ["hopeless", "urgent", "long"]
+        shed = by_id["hopeless"].error
+        assert shed is not None and shed.type == "QueueFullError" and "past the request's slo_ms 1" in shed.message
+        assert shed.retry_after_s is not None and shed.retry_after_s > 0
+        assert by_id["urgent"].payload.metrics.pauses == 0 and by_id["long"].payload.metrics.pauses == 1
+        assert worker.stats()["requests_served"] == 3
+    finally:
+        await worker.close()
+
+
+def test_the_deadline_policy_needs_step_execution() -> None:
+    from omni_runtime.config import parse_config
+    from omni_runtime.exceptions import ConfigError
+
+    echo = {"stage_id": 0, "stage_type": "echo", "final_output": True, "final_output_type": "text"}
+    echo["engine_args"] = {"batch_policy": "deadline"}
+    data = {"stage_args": [echo]}
+    with pytest.raises(ConfigError, match=r"stage_args\[0\]\.engine_args\.batch_policy.*step_execution: true"):
+        parse_config(data)
+    data["stage_args"][0]["engine_args"]["step_execution"] = True
+    assert parse_config(data).stage_args[0].engine_args.batch_policy == "deadline"

@@ -32,6 +32,8 @@ class StableDiffusionFamily(StepFamily):
         return self.pipe.unet(x, t, encoder_hidden_states=cond["embeds"], return_dict=False)[0]
 
     takes_images = True
+    #: The input image goes into the latents (``prepare``), never into the prompt's encoding.
+    encode_reads_image = False
 
     def prepare(self, state: StepState) -> None:
         if state.image is None:

@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from omni_runtime.config import StageConfig, load_config
+from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.models.families import GOLDEN_PARAMS, GOLDEN_PROMPT, families, family
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest
 from omni_runtime.stage.runners.diffusion import DiffusionRunner
 from omni_runtime.stage.runners.diffusion_steps import StepState, step_family
+from omni_runtime.stage.runners.prompt_cache import PromptEmbeddingCache
 from tests.helpers import diffusion_params
 
 pytestmark = pytest.mark.integration
@@ -181,6 +183,43 @@ def test_images_per_prompt_and_latent_outputs_per_request(runner: RecordingRunne
     np.testing.assert_allclose(
         d.outputs["lat"].tensors["latents"], solo(runner, latent).tensors["latents"], rtol=0, atol=1e-3
     )
+
+
+def test_a_prompt_seen_again_comes_from_the_prompt_cache_and_makes_the_uncached_image(
+    runner: RecordingRunner,
+) -> None:
+    # The stage's cache as engine_args.prompt_cache makes it in step execution (64 MiB).
+    runner.prompt_cache = PromptEmbeddingCache(64 * 2**20)
+    try:
+        first = req(runner, "first", "a lighthouse at dusk", seed=13, negative_prompt="fog")
+        again = req(runner, "again", "a lighthouse at dusk", seed=14, negative_prompt="fog")
+        twin = req(runner, "twin", "a red kite", seed=15)
+        twin_too = req(runner, "twin-too", "a red kite", seed=16)
+        d = Driver(runner)
+        d.admit(first)
+        d.finish()
+        d.admit(again, twin, twin_too)  # a hit, and one prompt asked for twice in one admission
+        d.finish()
+        hits = {rid: out.metrics["prompt_cache_hit"] for rid, out in d.outputs.items()}
+        assert hits == {"first": 0, "again": 1, "twin": 0, "twin-too": 1}
+        stats = runner.stats()["prompt_cache"]
+        assert (stats["hits"], stats["misses"], stats["entries"]) == (2, 2, 2)
+        assert stats["bytes"] == d.outputs["twin-too"].metrics["prompt_cache_bytes"] > 0
+        for request in (first, again, twin, twin_too):
+            assert_equal_to_solo(runner, d.outputs[request.request_id], request)
+        # Another guidance scale is another key (Flux's guidance is an encoder output).
+        scale = first.params.guidance_scale
+        other = req(runner, "other", "a lighthouse at dusk", seed=13, negative_prompt="fog", guidance_scale=scale + 1)
+        d.admit(other)
+        d.finish()
+        assert d.outputs["other"].metrics["prompt_cache_hit"] == 0
+        # A LoRA control call clears it, even one that fails (it may have changed an adapter).
+        with pytest.raises(InvalidRequestError):
+            runner.rpc_add_lora("late", "/nonexistent/adapter.safetensors")
+        assert runner.stats()["prompt_cache"]["entries"] == 0
+        assert runner.stats()["prompt_cache"]["invalidations"] == 1
+    finally:
+        runner.prompt_cache = None
 
 
 # ---------------------------------------------------------------------------- family-independent
