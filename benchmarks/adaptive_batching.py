@@ -1,13 +1,27 @@
-"""Cost-aware batching: the learned policy beside today's window, a plain batcher, and no batching.
+"""Cost-aware batching: the learned policy against the runtime's own request batching, each beside
+its own one-at-a-time figure.
 
-On the same arrival sequences (16 closed-loop clients; Poisson arrivals below and above one
-request at a time's capacity; two sizes interleaved), four servers of the same runner:
+Three servers of the same runner, each the runtime with one batching configuration
+(``max_num_seqs`` 4 for all):
 
-* ``learned``: the runtime, ``batch_policy: learned`` (max_num_seqs 4, request_batch_max_wait_ms 20);
-* ``window``: the runtime, ``batch_policy: window`` (the same knobs, the fixed window and quiet window);
-* ``plain``: a plain dynamic batcher written here: first come first served, the head waits up to
-  20 ms for up to 3 more requests of its size, then one fused call; no runtime around it;
-* ``sequential``: the runtime with max_num_seqs 1 and no wait.
+* ``learned``: ``batch_policy: learned``, ``request_batch_max_wait_ms`` 20 (the upper bound of a hold);
+* ``window``: ``batch_policy: window`` with the same wait (the fixed window, ended early by the quiet
+  window): today's default policy;
+* ``fcfs``: ``batch_policy: window`` with ``request_batch_max_wait_ms`` 0: a wave goes as soon as the
+  runner is free, with whatever of the oldest request's key is waiting. The FCFS baseline: the
+  runtime's own dynamic batching with no hold.
+
+``fcfs`` and ``window`` are the baselines. Every server first serves the run's requests one at a time
+(closed loop, one client, one request in flight): its own one-at-a-time figure, taken in the same
+run. Then the same sizes in order as four loads: 16 closed-loop clients, and Poisson arrivals at
+0.6x, 1.5x and 3x of what ``fcfs`` served one at a time. Every row states its throughput against
+its server's own one-at-a-time figure and against ``fcfs`` in the same load.
+
+A baseline that serves fewer requests per second batched than one at a time is a bug in the
+baseline, not a win for the policy beside it: where a baseline's throughput, in a load that offers
+at least twice what it serves one at a time, is more than :data:`NOISE` below its own
+one-at-a-time figure, the run prints a ``WARNING`` line naming it, and the JSON lists it under
+``warnings`` (:func:`baseline_warnings`).
 
 Two runners: tiny-sd on the CPU (20 steps, 2 torch threads), where a fused forward costs about what
 its requests cost one by one, and :class:`SleepRunner`, whose batch of n requests sleeps
@@ -18,10 +32,10 @@ its requests cost one by one, and :class:`SleepRunner`, whose batch of n request
 The machine's load average is printed at the start and the end, and beside each row (``load1``,
 taken as the row ends): a CPU comparison is only as good as the quiet it was taken in. On a shared
 machine use ``--threads 1``: with two threads per process, a descheduled thread stalls every
-operation of the other. The full run (both runners, 20 steps, 24 tiny-sd requests per load) took
-6.5 minutes for tiny-sd alone on 1 thread at load average 3 to 8, so both runners should take about
-7 minutes on a quiet machine; ``--quick`` (8 tiny-sd and 24 synthetic requests per load) takes
-about a third of that.
+operation of the other. The full run (both runners, 20 steps, 24 tiny-sd and 64 synthetic requests
+per load) runs three servers over five loads where the version before it ran four over four
+(about 8 minutes on a quiet 2-core machine); ``--quick`` (8 tiny-sd and 24 synthetic requests per
+load) takes about a third of that.
 """
 
 from __future__ import annotations
@@ -32,7 +46,6 @@ import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Hashable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +66,26 @@ SIZES = (64, 48)
 FIXED_MS = 150.0
 PER_ITEM_MS = 150.0
 CLIENTS = 16
+
+#: The servers: (name, max_num_seqs, request_batch_max_wait_ms, batch_policy).
+SERVERS: tuple[tuple[str, int, float, str], ...] = (
+    ("learned", 4, 20.0, "learned"),
+    ("window", 4, 20.0, "window"),
+    ("fcfs", 4, 0.0, "window"),
+)
+#: The servers the policy is measured against, and that :func:`baseline_warnings` checks.
+BASELINES = ("fcfs", "window")
+#: The baseline every ratio is stated against, and whose one-at-a-time figure sets the Poisson rates.
+FCFS = "fcfs"
+#: The load every server serves first: its own one-at-a-time figure.
+ONE_AT_A_TIME = "one at a time"
+#: How far (a fraction) a baseline's batched throughput may fall below its own one-at-a-time
+#: figure before it counts as a loss rather than noise.
+NOISE = 0.10
+#: A load is checked by the guard when it offers at least this many times what the server serves
+#: one at a time (closed loops always are): below that, throughput is the arrival rate, and a
+#: lower figure than one at a time says nothing about the batcher.
+SATURATING = 2.0
 
 
 def synthetic_cost_s(size: int, n: int) -> float:
@@ -81,22 +114,36 @@ class Load:
     name: str
     #: Open loop: (arrival offset s, size) per request; closed loop: the sizes, taken in order.
     arrivals: list[tuple[float, int]]
-    closed: bool = False
+    #: Closed loop: how many clients, each sending its next request when its last is answered.
+    #: 0: open loop (the arrival offsets hold).
+    clients: int = 0
+    #: The rate an open loop offers (requests/s); ``None`` for a closed loop.
+    offered_req_s: float | None = None
 
 
-def make_loads(capacity: float, total: int, seed: int) -> list[Load]:
-    """``capacity``: requests/s one at a time; Poisson at 0.6x, 1.5x and 3x of it. The last is
-    past what the plain batcher serves too (its batches average about 2), the one load where a
-    batcher's throughput can differ from the arrival rate for every server but sequential."""
+def draw_sizes(total: int, seed: int) -> list[int]:
+    """Each request's size, drawn once per run: every load takes them in this order."""
     rng = random.Random(seed)
-    sizes = [rng.choice(SIZES) for _ in range(total)]
-    loads = [Load(f"closed {CLIENTS} clients", [(0.0, s) for s in sizes], closed=True)]
+    return [rng.choice(SIZES) for _ in range(total)]
+
+
+def one_at_a_time_load(sizes: list[int]) -> Load:
+    return Load(ONE_AT_A_TIME, [(0.0, s) for s in sizes], clients=1)
+
+
+def make_loads(sizes: list[int], capacity: float, seed: int) -> list[Load]:
+    """The closed loop, then Poisson at 0.6x, 1.5x and 3x of ``capacity`` (the requests/s ``fcfs``
+    served one at a time). Where a server keeps up with an open load, its throughput is the arrival
+    rate; 3x is the open load that offers a batcher the most room (and the one the guard checks)."""
+    rng = random.Random(seed + 1)
+    loads = [Load(f"closed {CLIENTS} clients", [(0.0, s) for s in sizes], clients=CLIENTS)]
     for name, factor in (("poisson below", 0.6), ("poisson above", 1.5), ("poisson far above", 3.0)):
+        rate = capacity * factor
         t, arrivals = 0.0, []
         for s in sizes:
             arrivals.append((t, s))
-            t += rng.expovariate(capacity * factor)
-        loads.append(Load(f"{name} {capacity * factor:.1f}/s", arrivals))
+            t += rng.expovariate(rate)
+        loads.append(Load(f"{name} {rate:.1f}/s", arrivals, offered_req_s=rate))
     return loads
 
 
@@ -113,7 +160,7 @@ async def drive(load: Load, submit: Submit) -> dict[str, Any]:
         lat.append((time.perf_counter() - t) * 1000.0)
 
     t0 = time.perf_counter()
-    if load.closed:
+    if load.clients:
         queue = list(enumerate(s for _, s in load.arrivals))
 
         async def client() -> None:
@@ -121,7 +168,7 @@ async def drive(load: Load, submit: Submit) -> dict[str, Any]:
                 i, size = queue.pop(0)
                 await one(i, size)
 
-        await asyncio.gather(*(client() for _ in range(CLIENTS)))
+        await asyncio.gather(*(client() for _ in range(load.clients)))
     else:
         tasks = []
         for i, (at, size) in enumerate(load.arrivals):
@@ -140,48 +187,105 @@ async def drive(load: Load, submit: Submit) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------- the plain batcher
+# ---------------------------------------------------------------- the figures
 
 
-class PlainBatcher:
-    """First come first served; the head waits up to ``timeout_ms`` for up to ``max_batch - 1``
-    more of its size (the first of another size closes the batch); one call per batch."""
+def one_at_a_time_figures(rows: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
+    """(runner, server) -> the requests/s that server served one at a time."""
+    return {(r["runner"], r["server"]): r["req_s"] for r in rows if r["load"] == ONE_AT_A_TIME}
 
-    def __init__(self, run_batch: Callable[[int, list[int]], None], max_batch: int = 4, timeout_ms: float = 20.0):
-        self.run_batch = run_batch
-        self.max_batch = max_batch
-        self.timeout_s = timeout_ms / 1000.0
-        self.queue: asyncio.Queue[tuple[int, int, asyncio.Future[int]]] = asyncio.Queue()
-        self.thread = ThreadPoolExecutor(1)
-        self.task: asyncio.Task[None] | None = None
 
-    async def submit(self, i: int, size: int) -> int:
-        if self.task is None:
-            self.task = asyncio.create_task(self._loop())
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        await self.queue.put((i, size, fut))
-        return await fut
+def annotate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row with its server's own one-at-a-time figure, and its throughput as a multiple of
+    that (``x_solo``) and of ``fcfs`` in the same load (``x_fcfs``); ``None`` where the run lacks
+    the figure."""
+    own = one_at_a_time_figures(rows)
+    fcfs = {(r["runner"], r["load"]): r["req_s"] for r in rows if r["server"] == FCFS}
+    out = []
+    for r in rows:
+        one = own.get((r["runner"], r["server"]))
+        base = fcfs.get((r["runner"], r["load"]))
+        out.append(
+            {
+                **r,
+                "solo_req_s": one,
+                "x_solo": r["req_s"] / one if one else None,
+                "x_fcfs": r["req_s"] / base if base else None,
+            }
+        )
+    return out
 
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        carry: tuple[int, int, asyncio.Future[int]] | None = None
-        while True:
-            head = carry or await self.queue.get()
-            carry = None
-            batch = [head]
-            deadline = loop.time() + self.timeout_s
-            while len(batch) < self.max_batch:
-                try:
-                    nxt = await asyncio.wait_for(self.queue.get(), max(0.0, deadline - loop.time()))
-                except TimeoutError:
-                    break
-                if nxt[1] != head[1]:
-                    carry = nxt
-                    break
-                batch.append(nxt)
-            await loop.run_in_executor(self.thread, self.run_batch, head[1], [b[0] for b in batch])
-            for _, _, fut in batch:
-                fut.set_result(len(batch))
+
+def baseline_warnings(
+    rows: list[dict[str, Any]], baselines: tuple[str, ...] = BASELINES, noise: float = NOISE
+) -> list[dict[str, Any]]:
+    """Every baseline row whose throughput is more than ``noise`` below the same server's own
+    one-at-a-time figure, in a load that offers at least :data:`SATURATING` times that figure (a
+    closed loop of several clients, or ``offered_req_s`` high enough): a baseline that loses to
+    sequential is a bug in the baseline. ``rows``: dicts with ``runner``, ``load``, ``server``,
+    ``req_s`` and, for an open loop, ``offered_req_s``; one row per (runner, server) with ``load``
+    :data:`ONE_AT_A_TIME`. Each warning carries the figures and a ``message``."""
+    own = one_at_a_time_figures(rows)
+    warnings = []
+    for r in rows:
+        one = own.get((r["runner"], r["server"]))
+        if r["server"] not in baselines or r["load"] == ONE_AT_A_TIME or not one:
+            continue
+        offered = r.get("offered_req_s")
+        if offered is not None and offered < SATURATING * one:
+            continue
+        ratio = r["req_s"] / one
+        if ratio < 1.0 - noise:
+            warnings.append(
+                {
+                    "runner": r["runner"],
+                    "load": r["load"],
+                    "server": r["server"],
+                    "req_s": r["req_s"],
+                    "one_at_a_time_req_s": one,
+                    "ratio": ratio,
+                    "message": (
+                        f"WARNING: baseline {r['server']} ({r['runner']} / {r['load']}) serves "
+                        f"{r['req_s']:.2f} req/s batched, {ratio:.2f}x its own one-at-a-time "
+                        f"{one:.2f} req/s: a baseline that loses to sequential is a bug in the "
+                        "baseline, and no ratio against it means anything"
+                    ),
+                }
+            )
+    return warnings
+
+
+def verdict(rows: list[dict[str, Any]], runner: str) -> str:
+    """Per load: learned against ``fcfs`` and ``window``, every server against its own one at a
+    time, and the targets (against ``fcfs``)."""
+    rows = annotate(rows)
+    lines = []
+    for load in dict.fromkeys(r["load"] for r in rows if r["runner"] == runner):
+        by = {r["server"]: r for r in rows if r["runner"] == runner and r["load"] == load}
+        if load == ONE_AT_A_TIME:
+            figures = ", ".join(f"{name} {r['req_s']:.2f}" for name, r in by.items())
+            lines.append(f"{runner} / {load} (req/s): {figures}")
+            continue
+        learned, fcfs = by["learned"], by[FCFS]
+        ratio = learned["req_s"] / fcfs["req_s"]
+        own = ", ".join(
+            f"{name} {r['req_s']:.2f} = {r['x_solo']:.2f}x its {r['solo_req_s']:.2f}"
+            for name, r in by.items()
+            if r["x_solo"] is not None
+        )
+        if runner == "synthetic":
+            ok = ratio >= 1.3 and learned["p99_ms"] <= fcfs["p99_ms"]
+            target = ">= 1.3x fcfs throughput, p99 <= fcfs"
+        else:
+            ok = ratio >= 1.0 and learned["p99_ms"] < fcfs["p99_ms"]
+            target = ">= fcfs throughput, lower p99"
+        lines.append(
+            f"{runner} / {load}: learned/fcfs {ratio:.2f}x, learned/window "
+            f"{learned['req_s'] / by['window']['req_s']:.2f}x; against one at a time: {own}; p99 "
+            f"learned {learned['p99_ms']:.0f}, window {by['window']['p99_ms']:.0f}, fcfs "
+            f"{fcfs['p99_ms']:.0f} ms ({target}): {'met' if ok else 'NOT met'}"
+        )
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- the runtime
@@ -222,31 +326,6 @@ def runtime_submit(engine: AsyncOmni, runner: str) -> Submit:
     return submit
 
 
-def tiny_sd_batch() -> Callable[[int, list[int]], None]:
-    import torch
-    from diffusers import DiffusionPipeline
-
-    from omni_runtime.models.builtin import ensure_builtin
-
-    torch.set_num_threads(THREADS)
-    pipe = DiffusionPipeline.from_pretrained(str(ensure_builtin("tiny-sd")))
-    pipe.set_progress_bar_config(disable=True)
-
-    def run(size: int, ids: list[int]) -> None:
-        with torch.inference_mode():
-            pipe(
-                prompt=[f"a red bicycle {i}" for i in ids],
-                generator=[torch.Generator().manual_seed(abs(i)) for i in ids],
-                num_inference_steps=STEPS,
-                guidance_scale=7.5,
-                height=size,
-                width=size,
-                output_type="np",
-            )
-
-    return run
-
-
 async def warm_up(submit: Submit) -> None:
     """Both sizes alone, then in bursts: every server sees waves of several sizes first."""
     for size in SIZES:
@@ -254,41 +333,34 @@ async def warm_up(submit: Submit) -> None:
         await asyncio.gather(*(submit(-2 - k, size) for k in range(5)))
 
 
-async def bench_runner(runner: str, loads: list[Load]) -> list[dict[str, Any]]:
-    """Every server is started and warmed up first; then each load runs on each server in turn
+async def bench_runner(runner: str, total: int, seed: int) -> list[dict[str, Any]]:
+    """Every server is started and warmed up first, then serves the requests one at a time; the
+    Poisson rates follow from what ``fcfs`` served so. Each load runs on each server in turn
     (starting with another server per load), so a busy machine's swings fall on all servers alike
     rather than on whichever ran last."""
-    systems: list[tuple[str, int, float, str]] = [
-        ("learned", 4, 20.0, "learned"),
-        ("window", 4, 20.0, "window"),
-        ("sequential", 1, 0.0, "window"),
-    ]
     loop = asyncio.get_running_loop()
-    engines = [AsyncOmni(stage(runner, n, wait, policy)) for _, n, wait, policy in systems]
+    engines = [AsyncOmni(stage(runner, n, wait, policy)) for _, n, wait, policy in SERVERS]
+    rows: list[dict[str, Any]] = []
     try:
-        submits: dict[str, Submit] = {
-            name: runtime_submit(engine, runner) for (name, *_), engine in zip(systems, engines, strict=True)
-        }
-        if runner == "synthetic":
-
-            def run_batch(size: int, ids: list[int]) -> None:
-                time.sleep(synthetic_cost_s(size, len(ids)))
-        else:
-            run_batch = await loop.run_in_executor(None, tiny_sd_batch)
-        submits["plain"] = PlainBatcher(run_batch).submit
+        submits = {name: runtime_submit(engine, runner) for (name, *_), engine in zip(SERVERS, engines, strict=True)}
         for submit in submits.values():
             await warm_up(submit)
-        rows = []
         names = list(submits)
-        for k, load in enumerate(loads):
+        sizes = draw_sizes(total, seed)
+
+        async def run_load(k: int, load: Load) -> None:
             # Each load starts with another server: none always runs first (or last) in a load.
             for name in names[k % len(names) :] + names[: k % len(names)]:
-                submit = submits[name]
-                result = await drive(load, submit)
-                rows.append(
-                    {"runner": runner, "load": load.name, "server": name, **result, "load1": os.getloadavg()[0]}
-                )
+                result = await drive(load, submits[name])
+                row = {"runner": runner, "load": load.name, "server": name, **result}
+                rows.append({**row, "offered_req_s": load.offered_req_s, "load1": os.getloadavg()[0]})
                 print(rows[-1], flush=True)
+
+        await run_load(0, one_at_a_time_load(sizes))
+        capacity = one_at_a_time_figures(rows)[(runner, FCFS)]
+        print(f"{runner}: {FCFS} one at a time {capacity:.2f} req/s sets the Poisson rates", flush=True)
+        for k, load in enumerate(make_loads(sizes, capacity, seed), start=1):
+            await run_load(k, load)
         [stats] = await engines[0].collective_rpc("get_stats")
         print("learned cost model:", stats.result["cost_model"], flush=True)
     finally:
@@ -297,40 +369,7 @@ async def bench_runner(runner: str, loads: list[Load]) -> list[dict[str, Any]]:
     return rows
 
 
-def capacity(runner: str) -> float:
-    """Requests/s one at a time, over the two sizes."""
-    if runner == "synthetic":
-        return 2.0 / sum(synthetic_cost_s(s, 1) for s in SIZES)
-    run = tiny_sd_batch()
-    run(64, [0])  # warm-up
-    per_size = []
-    for s in SIZES:
-        times = []
-        for _ in range(3):  # the median: a busy machine's spikes do not set the rates
-            t0 = time.perf_counter()
-            run(s, [0])
-            times.append(time.perf_counter() - t0)
-        per_size.append(sorted(times)[1])
-    return len(SIZES) / sum(per_size)
-
-
-def verdict(rows: list[dict[str, Any]], runner: str) -> str:
-    lines = []
-    for load in dict.fromkeys(r["load"] for r in rows if r["runner"] == runner):
-        by = {r["server"]: r for r in rows if r["runner"] == runner and r["load"] == load}
-        learned, plain = by["learned"], by["plain"]
-        ratio = learned["req_s"] / plain["req_s"]
-        if runner == "synthetic":
-            ok = ratio >= 1.3 and learned["p99_ms"] <= plain["p99_ms"]
-            target = ">= 1.3x plain throughput, p99 <= plain"
-        else:
-            ok = ratio >= 1.0 and learned["p99_ms"] < plain["p99_ms"]
-            target = ">= plain throughput, lower p99"
-        lines.append(
-            f"{runner} / {load}: learned/plain throughput {ratio:.2f}x, p99 {learned['p99_ms']:.0f} vs "
-            f"{plain['p99_ms']:.0f} ms ({target}): {'met' if ok else 'NOT met'}"
-        )
-    return "\n".join(lines)
+COLUMNS = ["runner", "load", "server", "req_s", "solo_req_s", "x_solo", "x_fcfs", "p50_ms", "p99_ms"]
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -338,20 +377,27 @@ async def main_async(args: argparse.Namespace) -> None:
     print("load average at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
     rows: list[dict[str, Any]] = []
     for runner in runners:
-        cap = capacity(runner)
         total = {"synthetic": 24 if args.quick else 64, "tiny-sd": 8 if args.quick else 24}[runner]
         if runner == "tiny-sd" and args.tiny_total:
             total = args.tiny_total
-        how = f" ({STEPS} steps, {THREADS} torch threads)" if runner == "tiny-sd" else ""
-        print(f"{runner}: one at a time {cap:.2f} req/s{how}", flush=True)
-        rows += await bench_runner(runner, make_loads(cap, total, seed=args.seed))
+        how = f", {STEPS} steps, {THREADS} torch threads" if runner == "tiny-sd" else ""
+        print(f"{runner}: {total} requests per load{how}", flush=True)
+        rows += await bench_runner(runner, total, seed=args.seed)
+    rows = annotate(rows)
+    warnings = baseline_warnings(rows)
     print()
-    print(table(rows, ["runner", "load", "server", "req_s", "p50_ms", "p99_ms", "mean_batch", "load1"]))
+    print(table(rows, [*COLUMNS, "mean_batch", "load1"]))
+    print("solo_req_s: the server's own one-at-a-time req/s; x_solo: req_s / solo_req_s; x_fcfs: req_s / fcfs's req_s")
     print()
     for runner in runners:
         print(verdict(rows, runner))
+    print()
+    for w in warnings:
+        print(w["message"], flush=True)
+    if not warnings:
+        print(f"no baseline fell more than {NOISE:.0%} below its own one-at-a-time figure in a saturating load")
     print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
-    write_json(args.json, rows)
+    write_json(args.json, {"rows": rows, "warnings": warnings})
 
 
 def main() -> None:
