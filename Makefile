@@ -80,6 +80,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.step_batching
 	$(PY) -m benchmarks.text_batching
 	$(PY) -m benchmarks.adaptive_batching
+	$(PY) -m benchmarks.slo run
 	$(PY) -m benchmarks.video
 	$(PY) -m benchmarks.audio
 	$(PY) -m benchmarks.streaming --handoff

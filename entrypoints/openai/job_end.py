@@ -130,7 +130,13 @@ class JobEnds:
 
 def error_of(exc: BaseException) -> dict[str, Any]:
     status, type_, param, code, message = classify_error(exc)
-    return {"message": message, "type": type_, "param": param, "code": code, "status": status}
+    error: dict[str, Any] = {"message": message, "type": type_, "param": param, "code": code, "status": status}
+    retry = getattr(exc, "retry_after_s", None)
+    if status in (429, 503) and isinstance(retry, int | float) and not isinstance(retry, bool) and 0 <= retry < 1e9:
+        # A stage that refused the request once admitted (shed for its latency target) says when
+        # to come back: the synchronous answer passes it on as Retry-After.
+        error["retry_after_s"] = round(float(retry), 3)
+    return error
 
 
 def timings_of(record: JobRecord, out: Any, now: float) -> dict[str, Any]:

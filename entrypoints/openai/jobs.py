@@ -74,7 +74,14 @@ async def generate(body: GenerateRequest, request: Request, state: State, model:
         headers = {"X-Request-Id": job_id, "Location": f"/v1/jobs/{job_id}"}
         try:
             await state.until_disconnect(request, [], _until_done(manager, job_id))
-            return SafeJSONResponse(await manager.get(job_id), headers=headers)
+            done = await manager.get(job_id)
+            error = done.get("error") or {}
+            if done.get("status") == "failed" and error.get("status") in (429, 503):
+                # Refused by a stage after admission (a request shed for its latency target, a
+                # replica's full queue): the synchronous answer says so as the other routes do.
+                headers["Retry-After"] = str(max(1, round(error.get("retry_after_s", 1.0))))
+                return SafeJSONResponse(done, status_code=error["status"], headers=headers)
+            return SafeJSONResponse(done, headers=headers)
         except ClientDisconnected:
             await manager.cancel(job_id)
             raise
