@@ -155,6 +155,15 @@ class BatchProfile(msgspec.Struct, **_Struct):
     #: and the profile stops, keeping what it measured.
     max_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 20.0
 
+    def __post_init__(self) -> None:
+        # The learned cost fits a line once it has 3 samples at 2 sizes or more: a profile of fewer
+        # would add to every start and seed nothing.
+        if len(set(self.sizes)) < 2 or len(self.sizes) * self.repeats < 3:
+            raise ValueError(
+                f"a fit needs at least 3 forwards at 2 sizes or more; sizes {self.sizes} x repeats "
+                f"{self.repeats} gives {len(self.sizes) * self.repeats} at {len(set(self.sizes))}"
+            )
+
 
 #: The prompt cache's bound when a stage does not set one: about 280 prompts of SD 1.5 in float16
 #: under guidance (231 KiB each: two 77 x 768 embeddings), 16 of Flux in bfloat16 (4 MiB: 512 T5

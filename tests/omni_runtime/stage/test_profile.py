@@ -90,3 +90,16 @@ def test_no_request_or_a_failing_one_leaves_the_model_empty(clock: FakeClock) ->
     report = profile_batches(failing, model, BatchProfile(), clock=clock)
     assert report.forwards == {} and report.note is not None and "needs an image" in report.note
     assert failing.sizes == [1] and model.snapshot().num_keys == 0
+
+
+@pytest.mark.parametrize("profile", [{"sizes": [1, 2]}, {"sizes": [4], "repeats": 3}, {"sizes": [2, 2, 2]}])
+def test_a_profile_that_cannot_seed_a_fit_is_refused_naming_it(profile: dict) -> None:
+    """Two forwards, or one size: the cost model fits nothing from it (3 samples at 2 sizes), yet
+    the stage would have paid for it at every start."""
+    from omni_runtime.config import parse_config
+    from omni_runtime.exceptions import ConfigError
+
+    echo = {"stage_id": 0, "stage_type": "echo", "final_output": True, "final_output_type": "text"}
+    echo["engine_args"] = {"batch_profile": profile}
+    with pytest.raises(ConfigError, match=r"engine_args\.batch_profile: a fit needs at least 3 forwards at 2 sizes"):
+        parse_config({"stage_args": [echo]})
