@@ -44,6 +44,7 @@ from .job_manager import JobSettings
 from .protocol import DISCONNECTED, ApiError, ClientDisconnected
 from .responses import SafeJSONResponse, error_response
 from .state import LEASES, ServerState
+from .status_history import StatusHistory
 
 logger = logging.getLogger(__name__)
 
@@ -227,13 +228,18 @@ def create_app(
         load_timeout=load_timeout,
     )
 
+    #: The dashboard's charts: every model sampled in the background while the app runs.
+    history = StatusHistory(state)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.start_jobs()
         state.start()
+        history.start()
         try:
             yield
         finally:
+            await history.stop()
             await state.close()
 
     # The body limit is enforced by _HttpMiddleware, which answers in the OpenAI error shape.
@@ -249,6 +255,7 @@ def create_app(
         **docs,
     )
     app.state.omni = state
+    app.state.history = history
     app.add_middleware(_HttpMiddleware, state=state, routes=lambda: api_routes(app))
     if allowed_origins:
         # Outermost, so that preflight requests are answered before the API-key check.

@@ -7,6 +7,9 @@ stage worker's event loop, so a long forward does not hold it), and the server's
 of the latest waves and requests, job counters). Waves per second are the change of the wave
 counters over the last :data:`RATE_WINDOW_S` seconds of calls, so a page polling every second
 sees a live rate and a script calling once sees 0 until its second call.
+
+``GET /v1/status/history``: the last minutes of each model, sampled by the server in the
+background (status_history.py), for the dashboard's charts.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import msgspec
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from omni_runtime.engine.status import EngineState, ReplicaState
@@ -29,6 +32,7 @@ from .body import BodyRoute
 from .dependencies import AUTH, State
 from .responses import SafeJSONResponse
 from .state import ServerState
+from .status_history import HistoryReport, MultiHistoryReport, StatusHistory
 
 router = APIRouter(prefix="/v1", dependencies=[AUTH], route_class=BodyRoute)
 
@@ -250,4 +254,22 @@ async def status(request: Request, state: State, model: str | None = None) -> JS
         served_models = list(state.multi.models.values())
         reports = [await build_status(state, m, _rates(request, m.name)) for m in served_models]
         report = MultiStatusReport(models=reports)
+    return SafeJSONResponse(msgspec.to_builtins(report), headers={"Cache-Control": "no-store"})
+
+
+@router.get("/status/history")
+async def status_history(
+    request: Request,
+    state: State,
+    model: str | None = None,
+    since: float | None = Query(None, description="only the samples taken after this time (epoch seconds)"),
+) -> JSONResponse:
+    """One model's samples (``?model=NAME``, or the only one), oldest first; with several models
+    served and none named, every model's (``{"models": [...]}``)."""
+    history: StatusHistory = request.app.state.history
+    report: HistoryReport | MultiHistoryReport
+    if model is not None or not state.several:
+        report = history.report(state.model(model).name, since)
+    else:
+        report = MultiHistoryReport(models=[history.report(name, since) for name in state.multi.models])
     return SafeJSONResponse(msgspec.to_builtins(report), headers={"Cache-Control": "no-store"})
