@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 PYVER := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 LOCK := locks/py$(PYVER).txt
 
-.PHONY: serve test bench lint format clean redis-server chromium lock lock-check gpu-wheels
+.PHONY: serve test bench lint format clean redis-server chromium prometheus lock lock-check gpu-wheels
 
 # 1) uv, at the locked version, by pip  2) exactly the lock, by uv (what an older lock installed and
 # this one no longer names is removed), then the project, editable, built by the locked
@@ -55,6 +55,16 @@ chromium:
 		$(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver; }
 
+# The observability test runs its own Prometheus (Debian's package) on a free port and stops it by
+# PID. The package enables a prometheus service: stopped and disabled at once, so that nothing is
+# left scraping; without recommends, so no node exporter comes with it.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+		$(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends prometheus && \
+		if [ -d /run/systemd/system ]; then $(SUDO) systemctl disable --now prometheus; \
+		else $(SUDO) /etc/init.d/prometheus stop >/dev/null 2>&1 || true; fi; }
+
 # Two pytest-xdist workers, a test file each at a time (module-scoped engines stay in one worker):
 # most tests wait on processes, sockets and leases, so two overlap well on two cores. Files go out
 # longest first (tests/conftest.py, HEAVIEST_FILES), so that no long file starts last. The slowest
@@ -67,7 +77,7 @@ TEST_WORKERS ?= 2
 # fails if either fails.
 # So does the check that the CPython 3.12 lock still resolves from binary wheels (that Python is not
 # on these machines; tools/lock.py verify): it waits on the package index, not on a core.
-test: $(STAMP) lock-check redis-server chromium
+test: $(STAMP) lock-check redis-server chromium prometheus
 	$(PY) -m ruff check .
 	nice -n 19 $(PY) -m mypy & mypy=$$!; \
 	nice -n 19 $(PY) tools/lock.py verify 3.12 & verify=$$!; \

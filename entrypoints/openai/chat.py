@@ -158,13 +158,13 @@ async def _stream_chat(
 ) -> StreamingResponse:
     omni = model.engine
     stream = omni.events(valid, request_id=rid)
-    state.inflight.add(rid)
+    state.inflight[rid] = model.name
     try:
         # Wait for the first event before sending headers, so that admission errors (429, 400,
         # 503) keep their status code instead of arriving inside a 200 stream.
         first = await state.until_disconnect(request, [rid], stream.__anext__())
     except BaseException:
-        state.inflight.discard(rid)
+        state.inflight.pop(rid, None)
         await stream.aclose()
         raise
     created = int(time.time())
@@ -214,10 +214,10 @@ async def _stream_chat(
         except asyncio.CancelledError:
             # Starlette cancels the stream when the client disconnects.
             request.scope[DISCONNECTED] = True
-            state.metrics.aborted.labels("client_disconnect").inc()
+            state.count_aborted("client_disconnect", [rid])
             raise
         finally:
-            state.inflight.discard(rid)
+            state.inflight.pop(rid, None)
             if not finished:
                 omni.abort(rid)
             await stream.aclose()

@@ -18,7 +18,7 @@ from . import protocol as proto
 from .body import BodyRoute
 from .dependencies import AUTH, JSON_BODY, State
 from .responses import SafeJSONResponse
-from .state import LEASES
+from .state import LEASES, MODEL
 
 router = APIRouter(prefix="/v1/omni", dependencies=[AUTH], route_class=BodyRoute)
 
@@ -33,7 +33,9 @@ async def collective_rpc(body: proto.CollectiveRpcRequest, request: Request, sta
     targets: list[tuple[str | None, AsyncOmni]]
     state.check_draining()
     if body.model is not None or not state.several:
-        model = await state.serve(state.model(body.model), request.scope.get(LEASES))
+        served = state.model(body.model)
+        request.scope[MODEL] = served.name
+        model = await state.serve(served, request.scope.get(LEASES))
         targets = [(model.name if state.several else None, model.engine)]
     else:
         # Every loaded model, not those evicted or loading: a control call brings none back.

@@ -22,7 +22,7 @@ from ..tasks.inputs import require
 from .body import requested_model
 from .job_manager import JobManager
 from .protocol import ApiError
-from .state import LEASES, ModelHandle, ServerState, get_state
+from .state import LEASES, MODEL, ModelHandle, ServerState, get_state
 
 #: The shared state, as a handler parameter: ``state: State``.
 State = Annotated[ServerState, Depends(get_state)]
@@ -94,6 +94,7 @@ def model_for(task: TaskName | None) -> Callable[[Request, ServerState], Awaitab
         if name is not None and (not isinstance(name, str) or not _encodable(name)):
             raise ApiError(400, "`model` must be the name of a served model", param="model", code="invalid_value")
         served = state.model(name)
+        request.scope[MODEL] = served.name
         if task is not None:
             require(served, task)
         return await state.serve(served, request.scope.get(LEASES))

@@ -89,7 +89,7 @@ async def run_images(
         outs, body.output_format, sink if body.response_format == "url" else None, quality=body.output_compression
     )
     data = [proto.ImageData(seed=e["seed"], url=e.get("url"), b64_json=e.get("b64_json")) for e in rendered["images"]]
-    state.metrics.images.inc(len(data))
+    state.metrics.series(state.metrics.images, model.name).inc(len(data))
     resp = proto.ImageGenerationResponse(data=data, output_format=body.output_format, size=rendered["size"])
     return resp.model_dump(exclude_none=True), base
 

@@ -25,15 +25,15 @@ RECORD_RETRY_S = (0.25, 5.0)
 
 
 class JobEnds:
-    """The ends of one gateway's (``gateway_id``) jobs; ``on_recorded(status)`` once the store
-    took each."""
+    """The ends of one gateway's (``gateway_id``) jobs; ``on_recorded(status, model)`` once the
+    store took each."""
 
     def __init__(
-        self, store: JobStore, gateway_id: str, otlp: OtlpExporter | None, *, on_recorded: Callable[[str], None]
+        self, store: JobStore, gateway_id: str, otlp: OtlpExporter | None, *, on_recorded: Callable[[str, str], None]
     ) -> None:
         self.store, self.gateway_id, self.otlp, self.on_recorded = store, gateway_id, otlp, on_recorded
         #: Job ends the store did not take yet (it was unreachable): job id -> the write.
-        self._unrecorded: dict[str, tuple[str, dict[str, Any], dict[str, Any], Fence]] = {}
+        self._unrecorded: dict[str, tuple[str, dict[str, Any], dict[str, Any], Fence, str]] = {}
         self._recorder: asyncio.Task | None = None
 
     async def close(self) -> None:
@@ -89,10 +89,10 @@ class JobEnds:
             data["result"] = result
         if error is not None:
             data["error"] = error
-        await self.record(job.job_id, status, data, fields, job.fence)
+        await self.record(job.job_id, status, data, fields, job.fence, job.model)
 
     async def record(
-        self, job_id: str, status: str, data: dict[str, Any], fields: dict[str, Any], fence: Fence
+        self, job_id: str, status: str, data: dict[str, Any], fields: dict[str, Any], fence: Fence, model: str = ""
     ) -> bool:
         """Write a job's end; True once the store took it or refused it for good (the job ended
         already, or is another gateway's now). An unreachable store keeps it for the recorder,
@@ -108,12 +108,12 @@ class JobEnds:
             if job_id not in self._unrecorded:
                 logger.warning("job %s ended %s; the store is unreachable (%s): recording it when it is back",
                                job_id, status, e)  # fmt: skip
-            self._unrecorded[job_id] = (status, data, fields, fence)
+            self._unrecorded[job_id] = (status, data, fields, fence, model)
             if self._recorder is None or self._recorder.done():
                 self._recorder = asyncio.create_task(self._record_pending(), name="job-end-recorder")
             return False
         self._unrecorded.pop(job_id, None)
-        self.on_recorded(status)
+        self.on_recorded(status, model)
         return True
 
     async def _record_pending(self) -> None:
@@ -121,8 +121,8 @@ class JobEnds:
         backoff = Backoff(*RECORD_RETRY_S)
         while self._unrecorded:
             await backoff.wait()
-            for job_id, (status, data, fields, fence) in list(self._unrecorded.items()):
-                if not await self.record(job_id, status, data, fields, fence):
+            for job_id, (status, data, fields, fence, model) in list(self._unrecorded.items()):
+                if not await self.record(job_id, status, data, fields, fence, model):
                     break
             else:
                 backoff.reset()

@@ -144,9 +144,11 @@ class JobManager:
         self._background: asyncio.Task | None = None
         self._closing = False
         #: How jobs end: their end written once, kept through store outages.
-        self.ends = JobEnds(
-            store, self.gateway_id, otlp, on_recorded=lambda status: self.state.metrics.jobs.labels(status).inc()
-        )
+        self.ends = JobEnds(store, self.gateway_id, otlp, on_recorded=self._count)
+
+    def _count(self, status: str, model: str) -> None:
+        """One more job of ``model`` reached ``status`` (``omni_runtime_jobs_total``)."""
+        self.state.metrics.series(self.state.metrics.jobs, model, status).inc()
 
     def active(self) -> dict[str, int]:
         """The jobs this gateway runs now: ``queued`` (waiting for their first stage) and ``running``."""
@@ -300,7 +302,7 @@ class JobManager:
             omni.abort(job.request_id)
             await _close(agen, first)
             raise
-        self.state.metrics.jobs.labels("queued").inc()
+        self._count("queued", job.model)
         if loading is not None:
             await self._emit(job, "loading", loading)
         job.task = asyncio.create_task(self._follow(job, record, agen, first), name=f"job-{job_id}")
@@ -375,7 +377,7 @@ class JobManager:
             {"batch_id": batch_id, "batch_size": batch_size},
             {"status": "running", "started_at": record.started_at},
         )
-        self.state.metrics.jobs.labels("running").inc()
+        self._count("running", job.model)
 
     async def _observe(self, job: _LocalJob, record: JobRecord, event: EngineEvent, seen: set[int]) -> None:
         """One engine event: a denoising step (a ``step`` event), or a stage done, an inner one or
@@ -437,7 +439,7 @@ class JobManager:
         key = renderer_of(task).key
         made = len(result[key])
         if task.kind == "image":
-            self.state.metrics.images.inc(made)
+            self.state.metrics.series(self.state.metrics.images, record.model or "").inc(made)
         record.trace.append(span("encode", start, time.time(), **{key: made}, format=result["output_format"]))
         return result
 
@@ -459,7 +461,7 @@ class JobManager:
     def _cancel_local(self, job: _LocalJob) -> None:
         if not job.cancelled and self.state.serving:
             job.cancelled = True
-            self.state.metrics.aborted.labels("job_cancel").inc()
+            self.state.metrics.series(self.state.metrics.aborted, job.model, "job_cancel").inc()
             self.state.abort(job.request_id, RequestAbortedError(f"job {job.job_id} was cancelled"))
 
     def _remote_cancel(self, job_id: str) -> None:
@@ -535,7 +537,7 @@ class JobManager:
             return
         record = JobRecord.from_store(stored)
         lost = {"message": "the gateway running this job was lost", "code": "gateway_lost"}
-        job = _LocalJob(job_id, (self.gateway_id, record.attempts))
+        job = _LocalJob(job_id, (self.gateway_id, record.attempts), record.model or "")
         if record.cancel_requested or record.attempts > MAX_REQUEUES:
             status = "cancelled" if record.cancel_requested else "failed"
             await self.ends.end(job, record, status, error=None if status == "cancelled" else lost)
@@ -548,7 +550,7 @@ class JobManager:
             {"reason": "gateway_lost", "attempt": record.attempts},
             {"attempts": record.attempts, "status": "queued", "progress": None},
         )
-        self.state.metrics.jobs.labels("requeued").inc()
+        self._count("requeued", job.model)
         try:
             model = await self.state.job_model(record.model)
             body = GenerateRequest.model_validate(record.request | {"async_run": True})

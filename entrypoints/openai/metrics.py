@@ -5,6 +5,10 @@ colliding on metric names. Request-level histograms are fed from the metrics the
 with each output (``e2e_ms``, ``queue_wait_ms``, ``batch_size``); engine gauges (queue depth,
 live replicas, restarts) are read from ``stage_status()`` at scrape time, so they are never stale
 and cost nothing between scrapes.
+
+With several models served, every series carries a ``model`` label (``ServerMetrics.series``
+puts it first). docs/observability.md tables every metric; a test holds the table to this
+registry, so a metric added or relabelled here needs its row there.
 """
 
 from __future__ import annotations
@@ -127,15 +131,15 @@ class _CacheSeries:
         hit = output.get(f"{self.name}_hit")
         if not isinstance(hit, int) or hit not in (0, 1):
             return
-        metrics._series(self.requests, model, stage, "hit" if hit else "miss").inc()
+        metrics.series(self.requests, model, stage, "hit" if hit else "miss").inc()
         evicted = output.get(f"{self.name}_evictions")
         if isinstance(evicted, int) and evicted > 0:
-            metrics._series(self.evictions, model, stage).inc(evicted)
+            metrics.series(self.evictions, model, stage).inc(evicted)
         replica = str(output.get("replica_id", 0))
         size, entries = output.get(f"{self.name}_bytes"), output.get(f"{self.name}_entries")
         if isinstance(size, int) and isinstance(entries, int):
-            metrics._series(self.bytes, model, stage, replica).set(size)
-            metrics._series(self.entries, model, stage, replica).set(entries)
+            metrics.series(self.bytes, model, stage, replica).set(size)
+            metrics.series(self.entries, model, stage, replica).set(entries)
 
 
 class ServerMetrics:
@@ -153,13 +157,18 @@ class ServerMetrics:
         r = self.registry
         self._labelled = labelled
         m = ["model"] if labelled else []
+        # The HTTP series carry the model a request named (resolved to a served one), "" for a
+        # request on none (probes, /v1/models, a job by id, an unknown name).
         self.http_requests = Counter(
-            "omni_http_requests", "HTTP requests by route and status code.", ["route", "method", "status"], registry=r
+            "omni_http_requests",
+            "HTTP requests by route and status code.",
+            [*m, "route", "method", "status"],
+            registry=r,
         )
         self.http_latency = Histogram(
             "omni_http_request_duration_seconds",
             "HTTP request latency, first byte in to last byte out.",
-            ["route"],
+            [*m, "route"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -185,14 +194,14 @@ class ServerMetrics:
             registry=r,
         )
         self.aborted = Counter(
-            "omni_requests_aborted", "Engine requests aborted by the server, by reason.", ["reason"], registry=r
+            "omni_requests_aborted", "Engine requests aborted by the server, by reason.", [*m, "reason"], registry=r
         )
-        self.images = Counter("omni_images_generated", "Images returned to clients.", registry=r)
+        self.images = Counter("omni_images_generated", "Images returned to clients.", m, registry=r)
         self.jobs = Counter(
             "omni_runtime_jobs",
             "Jobs (/v1/generate) of this gateway reaching each status: queued, running, completed, failed, "
             "cancelled, requeued.",
-            ["status"],
+            [*m, "status"],
             registry=r,
         )
         self.wave_seconds = Histogram(
@@ -256,14 +265,14 @@ class ServerMetrics:
             return
         e2e = out.metrics.get("e2e_ms")
         if isinstance(e2e, int | float):
-            self._series(self.e2e, model).observe(e2e / 1000.0)
+            self.series(self.e2e, model).observe(e2e / 1000.0)
             self.recent_e2e.append(e2e / 1000.0)
         for sid, result in out.outputs_by_stage.items():
             wait, size = result.metrics.get("queue_wait_ms"), result.metrics.get("batch_size")
             if isinstance(wait, int | float):
-                self._series(self.queue_wait, model, str(sid)).observe(wait / 1000.0)
+                self.series(self.queue_wait, model, str(sid)).observe(wait / 1000.0)
             if isinstance(size, int | float):
-                self._series(self.batch_size, model, str(sid)).observe(size)
+                self.series(self.batch_size, model, str(sid)).observe(size)
             self.observe_stage(sid, result.metrics, model)
 
     def observe_stage(self, sid: int, metrics: dict[str, Any], model: str = "") -> None:
@@ -275,8 +284,8 @@ class ServerMetrics:
         # Step execution: each cached request's own blocks, counted per request (not per wave).
         called, ran = metrics.get("request_cache_blocks_called"), metrics.get("request_cache_blocks_run")
         if isinstance(called, int) and isinstance(ran, int) and called >= ran >= 0:
-            self._series(self.cache_blocks, model, str(sid), "run").inc(ran)
-            self._series(self.cache_blocks, model, str(sid), "skipped").inc(called - ran)
+            self.series(self.cache_blocks, model, str(sid), "run").inc(ran)
+            self.series(self.cache_blocks, model, str(sid), "skipped").inc(called - ran)
         execution, batch = metrics.get("execution_ms"), metrics.get("batch_id")
         if not isinstance(execution, int | float):
             return
@@ -287,27 +296,29 @@ class ServerMetrics:
             self._waves[key] = None
             if len(self._waves) > 4096:
                 self._waves.popitem(last=False)
-        self._series(self.wave_seconds, model, str(sid)).observe(execution / 1000.0)
+        self.series(self.wave_seconds, model, str(sid)).observe(execution / 1000.0)
         self.recent_waves.setdefault(sid, deque(maxlen=RECENT)).append(execution / 1000.0)
         called, ran, weights = (metrics.get(k) for k in ("cache_blocks_called", "cache_blocks_run", "weight_bytes"))
         if isinstance(called, int) and isinstance(ran, int) and called >= ran >= 0:
-            self._series(self.cache_blocks, model, str(sid), "run").inc(ran)
-            self._series(self.cache_blocks, model, str(sid), "skipped").inc(called - ran)
+            self.series(self.cache_blocks, model, str(sid), "run").inc(ran)
+            self.series(self.cache_blocks, model, str(sid), "skipped").inc(called - ran)
         if isinstance(weights, int | float):
-            self._series(self.weight_bytes, model, str(sid)).set(weights)
+            self.series(self.weight_bytes, model, str(sid)).set(weights)
 
-    def _series(self, metric: _M, model: str, *labels: str) -> _M:
+    def series(self, metric: _M, model: str, *labels: str) -> _M:
         """``metric``'s series for ``labels``, with ``model`` first when labelled by model."""
         values = (model, *labels) if self._labelled else labels
         return metric.labels(*values) if values else metric
 
     def job_counts(self) -> dict[str, int]:
-        """How many jobs of this gateway reached each status, from the ``omni_runtime_jobs`` counter."""
+        """How many jobs of this gateway reached each status (every model's), from the
+        ``omni_runtime_jobs`` counter."""
         counts: dict[str, int] = {}
         for family in self.jobs.collect():
             for sample in family.samples:
                 if sample.name.endswith("_total"):
-                    counts[sample.labels["status"]] = int(sample.value)
+                    status = sample.labels["status"]
+                    counts[status] = counts.get(status, 0) + int(sample.value)
         return counts
 
     def _observe_cost(self, model: str, stage: str, metrics: dict[str, Any]) -> None:
@@ -319,8 +330,8 @@ class ServerMetrics:
             if len(keys) >= _COST_KEYS_PER_STAGE:
                 return
             keys.add(key)
-        self._series(self.cost_fixed, model, stage, key).set(fixed / 1000.0)
-        self._series(self.cost_per_item, model, stage, key).set(per_item / 1000.0)
+        self.series(self.cost_fixed, model, stage, key).set(fixed / 1000.0)
+        self.series(self.cost_per_item, model, stage, key).set(per_item / 1000.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -43,7 +43,7 @@ from .dependencies import guards_of, require_api_key
 from .job_manager import JobSettings
 from .protocol import DISCONNECTED, ApiError, ClientDisconnected
 from .responses import SafeJSONResponse, error_response
-from .state import LEASES, ServerState
+from .state import LEASES, MODEL, ServerState
 from .status_history import StatusHistory
 
 logger = logging.getLogger(__name__)
@@ -167,9 +167,9 @@ class _HttpMiddleware:
             label = getattr(scope.get("route") or route, "path", None) or "unmatched"
             if scope.get(DISCONNECTED):
                 status = 499
-            m = self.state.metrics
-            m.http_requests.labels(label, scope["method"], str(status)).inc()
-            m.http_latency.labels(label).observe(time.perf_counter() - start)
+            m, model = self.state.metrics, scope.get(MODEL, "")
+            m.series(m.http_requests, model, label, scope["method"], str(status)).inc()
+            m.series(m.http_latency, model, label).observe(time.perf_counter() - start)
 
 
 # --------------------------------------------------------------------------- the app

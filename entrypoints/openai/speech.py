@@ -105,16 +105,16 @@ async def _stream_chunked(
     rid = headers["X-Request-Id"] = f"speech-{uuid.uuid4().hex}"
     fmt, sse = body.response_format, body.stream_format == "sse"
     stream = omni.events(valid, request_id=rid)
-    state.inflight.add(rid)
+    state.inflight[rid] = model.name
     try:
         # The first event before the headers: admission errors keep their status code.
         first = await state.until_disconnect(request, [rid], stream.__anext__())
     except InvalidRequestError as e:
-        state.inflight.discard(rid)
+        state.inflight.pop(rid, None)
         await stream.aclose()
         raise SPEECH_FIELDS.rename(e) from None
     except BaseException:
-        state.inflight.discard(rid)
+        state.inflight.pop(rid, None)
         await stream.aclose()
         raise
 
@@ -142,7 +142,7 @@ async def _stream_chunked(
                 raise  # a raw stream can only be cut short
             yield _sse({"type": "error", **error_body(e)[1]})
         finally:
-            state.inflight.discard(rid)
+            state.inflight.pop(rid, None)
             if not finished:
                 omni.abort(rid)
             await stream.aclose()

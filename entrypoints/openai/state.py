@@ -11,7 +11,7 @@ import gc
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -56,6 +56,8 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 #: The ASGI scope key of an HTTP request's leases (the models it holds until it ends).
 LEASES = "omni.leases"
+#: The ASGI scope key of the served model an HTTP request named: its HTTP metrics' ``model``.
+MODEL = "omni.model"
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,8 @@ class ServerState:
             )
         else:
             self.files = FileStore(file_ttl_s, file_store_bytes)
-        self.inflight: set[str] = set()
+        #: The engine requests running for HTTP requests: request id -> its model's name.
+        self.inflight: dict[str, str] = {}
         self.draining = False
         self.created = int(time.time())
 
@@ -266,8 +269,14 @@ class ServerState:
         Runs on the server's loop (from a timer or a signal)."""
         ids = list(self.inflight)
         if ids and self.serving:
-            self.metrics.aborted.labels("shutdown").inc(len(ids))
+            self.count_aborted("shutdown", ids)
             self.abort(ids, RequestAbortedError(reason))
+
+    def count_aborted(self, reason: str, ids: Iterable[str]) -> None:
+        """Count the aborts of the in-flight requests ``ids``, each under its model."""
+        for rid in ids:
+            if (model := self.inflight.get(rid)) is not None:
+                self.metrics.series(self.metrics.aborted, model, reason).inc()
 
     def engine_of(self, model: ServedModel) -> AsyncOmni:
         """``model``'s engine, or a 503 saying why there is none (still loading, failed, evicted,
@@ -354,12 +363,12 @@ class ServerState:
     async def collect(self, model: ModelHandle, request: ValidRequest, request_id: str) -> OmniRequestOutput:
         """Run one validated engine request on ``model`` to its end; its metrics go to Prometheus."""
         last = None
-        self.inflight.add(request_id)
+        self.inflight[request_id] = model.name
         try:
             async for out in model.engine.generate(request, request_id=request_id):
                 last = out
         finally:
-            self.inflight.discard(request_id)
+            self.inflight.pop(request_id, None)
         self.metrics.observe_output(last, model.name)
         assert last is not None  # generate always yields a finished output or raises
         return last
@@ -374,7 +383,7 @@ class ServerState:
                 return task.result()
             request.scope[DISCONNECTED] = True
             live = [rid for rid in ids if rid in self.inflight]
-            self.metrics.aborted.labels("client_disconnect").inc(len(live))
+            self.count_aborted("client_disconnect", live)
             self.abort(live)  # no engine holds them before the engines started
             raise ClientDisconnected()
         finally:
