@@ -214,8 +214,10 @@ class ServerMetrics:
         )
         #: The latest engine end-to-end latencies and wave durations (seconds), per stage, for the
         #: quantiles of ``GET /v1/status`` (a histogram's buckets are too coarse for a p99).
-        self.recent_e2e: deque[float] = deque(maxlen=RECENT)
-        self.recent_waves: dict[int, deque[float]] = {}
+        #: Per model (on a multi-model server, each model's own: one model's slow videos must not
+        #: move another's quantiles), and per model and stage.
+        self.recent_e2e: dict[str, deque[float]] = {}
+        self.recent_waves: dict[tuple[str, int], deque[float]] = {}
         self.cache_blocks = Counter(
             "omni_stage_cache_blocks",
             "Denoiser transformer blocks called per stage, by outcome: run, or skipped by a step cache "
@@ -254,8 +256,8 @@ class ServerMetrics:
                 ("result_cache", "exact results of seeded requests (engine_args.result_cache)"),
             )
         }
-        #: (stage, replica, batch id) of waves already observed, so a wave of 8 counts once.
-        self._waves: OrderedDict[tuple[Any, Any, Any], None] = OrderedDict()
+        #: (model, stage, replica, batch id) of waves already observed, so a wave of 8 counts once.
+        self._waves: OrderedDict[tuple[Any, Any, Any, Any], None] = OrderedDict()
         r.register(_EngineCollector(health))
 
     def observe_output(self, out: OmniRequestOutput | None, model: str = "") -> None:
@@ -266,7 +268,7 @@ class ServerMetrics:
         e2e = out.metrics.get("e2e_ms")
         if isinstance(e2e, int | float):
             self.series(self.e2e, model).observe(e2e / 1000.0)
-            self.recent_e2e.append(e2e / 1000.0)
+            self.recent_e2e.setdefault(model, deque(maxlen=RECENT)).append(e2e / 1000.0)
         for sid, result in out.outputs_by_stage.items():
             wait, size = result.metrics.get("queue_wait_ms"), result.metrics.get("batch_size")
             if isinstance(wait, int | float):
@@ -290,14 +292,14 @@ class ServerMetrics:
         if not isinstance(execution, int | float):
             return
         if batch is not None:
-            key = (sid, metrics.get("replica_id"), batch)
+            key = (model, sid, metrics.get("replica_id"), batch)  # each model's engine numbers its own
             if key in self._waves:
                 return
             self._waves[key] = None
             if len(self._waves) > 4096:
                 self._waves.popitem(last=False)
         self.series(self.wave_seconds, model, str(sid)).observe(execution / 1000.0)
-        self.recent_waves.setdefault(sid, deque(maxlen=RECENT)).append(execution / 1000.0)
+        self.recent_waves.setdefault((model, sid), deque(maxlen=RECENT)).append(execution / 1000.0)
         called, ran, weights = (metrics.get(k) for k in ("cache_blocks_called", "cache_blocks_run", "weight_bytes"))
         if isinstance(called, int) and isinstance(ran, int) and called >= ran >= 0:
             self.series(self.cache_blocks, model, str(sid), "run").inc(ran)

@@ -206,7 +206,7 @@ async def build_status(state: ServerState, model: ServedModel, rates: WaveRates)
                     waves=replica_waves,
                 )
             )
-        recent = state.metrics.recent_waves.get(s.stage_id, ())
+        recent = state.metrics.recent_waves.get((model.name, s.stage_id), ())
         stages.append(
             StageReport(
                 stage_id=s.stage_id,
@@ -235,8 +235,8 @@ async def build_status(state: ServerState, model: ServedModel, rates: WaveRates)
         max_pending=h.max_pending,
         draining=state.draining,
         stages=stages,
-        e2e_p50_ms=quantile_ms(state.metrics.recent_e2e, 0.5),
-        e2e_p99_ms=quantile_ms(state.metrics.recent_e2e, 0.99),
+        e2e_p50_ms=quantile_ms(state.metrics.recent_e2e.get(model.name, ()), 0.5),
+        e2e_p99_ms=quantile_ms(state.metrics.recent_e2e.get(model.name, ()), 0.99),
         jobs=jobs,
         **msgspec.structs.asdict(counts),
     )

@@ -86,3 +86,19 @@ def test_learned_batch_costs_are_gauges_per_stage_and_key_bounded() -> None:
     assert len(fixed) == 16
     assert fixed[("omni_stage_batch_fixed_cost_seconds", (("key", "64x64x0"), ("stage", "0")))] == 0.1
     assert found[("omni_stage_batch_per_item_cost_seconds", (("key", "64x64x0"), ("stage", "0")))] == 0.01
+
+
+def test_each_models_waves_and_latencies_are_its_own_on_a_multi_model_server():
+    """Two models' engines number their waves alike (stage 0, replica 0, batch 1): the second's wave
+    was taken for the first's and dropped, and /v1/status mixed both models' quantiles."""
+    metrics = ServerMetrics(lambda: None, labelled=True)
+    metrics.observe_stage(0, {"execution_ms": 10.0, "batch_id": 1, "replica_id": 0}, "sd")
+    metrics.observe_stage(0, {"execution_ms": 900.0, "batch_id": 1, "replica_id": 0}, "wan")
+    assert list(metrics.recent_waves[("sd", 0)]) == [0.01] and list(metrics.recent_waves[("wan", 0)]) == [0.9]
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+    for model in ("sd", "wan"):
+        assert got[("omni_runtime_stage_wave_seconds_count", (("model", model), ("stage", "0")))] == 1
