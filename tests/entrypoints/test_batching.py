@@ -25,6 +25,9 @@ def sd_stage(**engine_args):
         "final_output_type": "image",
         "default_sampling_params": DEFAULTS,
         "engine_args": {"max_num_seqs": 4, "request_batch_max_wait_ms": 200, **engine_args},
+        # One torch thread: intra-op threads that wait for each other slow down badly on a busy
+        # machine (the batched and the solo runs of a comparison both run on it).
+        "runtime": {"torch_threads": 1},
     }
 
 

@@ -33,6 +33,17 @@ def write_config(path: Path, data: dict) -> Path:
     return path
 
 
+def one_thread_config(path: Path, name: str = "tiny-sd", **engine_args: object) -> str:
+    """The bundled config ``name`` with one torch thread in each stage (intra-op threads that wait
+    for each other slow down badly on a busy machine) and ``engine_args`` over its own, written to
+    ``path``; the path, for ``serve``."""
+    config = yaml.safe_load((REPO / "stage_configs" / f"{name}.yaml").read_text())
+    for stage in config["stage_args"]:
+        stage["runtime"] = {**stage.get("runtime", {}), "torch_threads": 1}
+        stage["engine_args"] = {**stage.get("engine_args", {}), **engine_args}
+    return str(write_config(path, config))
+
+
 def flaky_echo_config(path: Path, delay_ms: float, **runtime: object) -> Path:
     """One echo stage whose prompts can say ``hang`` (blocks until aborted) or ``poison`` (raises);
     see tests/helpers.py. No restarts, so a killed stage stays dead."""

@@ -16,7 +16,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from .jobs_client import first_step, job_body, read_sse, submit, wait_status
-from .server_process import start_server, stop_server
+from .server_process import one_thread_config, start_server, stop_server, wait_for
 
 KEY = "job-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -28,10 +28,10 @@ LONG_STEPS = 400
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("jobs")
+    sd = one_thread_config(tmp / "tiny-sd.yaml")
     srv = start_server(
-        "tiny-sd", "--step-execution", "--max-num-seqs", "1", "--api-key", KEY, "--job-ttl", "600",
-        log=tmp / "server.log",
-    )  # fmt: skip
+        sd, "--step-execution", "--max-num-seqs", "1", "--api-key", KEY, "--job-ttl", "600", log=tmp / "server.log"
+    )
     yield srv
     stop_server(srv)
 
@@ -217,18 +217,27 @@ def test_unknown_jobs_bad_event_ids_and_post_jobs(server, http):
     wait_status(http, job["job_id"], {"completed"})
 
 
+def _stage_depth(http: httpx.Client) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith('omni_stage_queue_depth{stage="0"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_a_high_priority_job_overtakes_low_ones_under_load(server, http):
-    hog = submit(http, job_body("hog", steps=60))  # over a second: at least one step event
+    hog = submit(http, job_body("hog", steps=LONG_STEPS))  # holds the one replica until cancelled
     first_step(http, hog["job_id"])
     low = [submit(http, job_body(f"low {i}", steps=2, priority=0)) for i in range(2)]
     high = submit(http, job_body("high", steps=2, priority=10))
+    # All three wait in the stage behind the hog; then the replica is freed for them.
+    assert wait_for(lambda: _stage_depth(http) == 4, timeout=60)
+    assert http.delete(f"/v1/jobs/{hog['job_id']}").json()["status"] == "cancelled"
     ends = {}
     for job in (*low, high):
-        # A bound for a hang, not a speed check: on a loaded machine the hog alone takes minutes.
+        # A bound for a hang, not a speed check.
         done = wait_status(http, job["job_id"], {"completed"}, timeout=300)
         ends[job["job_id"]] = done["finished_at"]
     assert ends[high["job_id"]] < min(ends[j["job_id"]] for j in low)
-    wait_status(http, hog["job_id"], {"completed"})
 
 
 def test_metrics_and_readyz_show_jobs(server, http):

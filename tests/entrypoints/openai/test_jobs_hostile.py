@@ -17,7 +17,7 @@ from websockets.sync.client import connect
 from tests.strategies import ANY_TEXT, EDGE_INTS, JSON_VALUES
 
 from .jobs_client import job_body, read_sse, submit, wait_status
-from .server_process import start_server, stop_server, wait_for
+from .server_process import one_thread_config, start_server, stop_server, wait_for
 
 FUZZ = settings(
     max_examples=150,
@@ -31,7 +31,8 @@ FUZZ = settings(
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("jobs-hostile")
-    srv = start_server("tiny-sd", "--max-pending", "8", "--max-jobs", "64", "--job-ttl", "30", log=tmp / "server.log")
+    sd = one_thread_config(tmp / "tiny-sd.yaml")
+    srv = start_server(sd, "--max-pending", "8", "--max-jobs", "64", "--job-ttl", "30", log=tmp / "server.log")
     yield srv
     stop_server(srv)
 

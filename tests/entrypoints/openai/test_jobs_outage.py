@@ -16,12 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import yaml
 
 from tests.redis_server import RedisServer
 
 from .jobs_client import first_step, job_body, read_sse, submit, wait_status
-from .server_process import REPO, start_server, start_servers, stop_server, stop_servers, wait_for, write_config
+from .server_process import one_thread_config, start_server, start_servers, stop_server, stop_servers, wait_for
 
 BUDGET = 8
 TERMINAL = {"completed", "failed", "cancelled"}
@@ -37,9 +36,7 @@ def redis_aof():
 def every_step_sd(tmp) -> str:
     """tiny-sd with progress after every step: the tests wait for a job's first step before the
     fault, and a short job must not end before the progress throttle lets one through."""
-    config = yaml.safe_load((REPO / "stage_configs" / "tiny-sd.yaml").read_text())
-    config["stage_args"][0]["engine_args"]["progress_interval_s"] = 0
-    return str(write_config(tmp / "tiny-sd.yaml", config))
+    return one_thread_config(tmp / "tiny-sd.yaml", progress_interval_s=0)
 
 
 @pytest.fixture(scope="module")
@@ -206,40 +203,37 @@ def test_redis_stopped_calls_are_503_within_seconds_and_jobs_end_once_after(http
     assert wait_for(lambda: http.get("/readyz").status_code == 200, timeout=30)
 
 
-def test_a_paused_gateway_past_its_lease_does_not_end_a_job_twice(tmp_path, redis_server):
-    url = redis_server.url.rsplit("/", 1)[0] + "/4"
-    common = (every_step_sd(tmp_path), "--step-execution", "--redis-url", url, "--job-lease", "1")
-    a, b = start_servers((common, tmp_path / "a.log"), (common, tmp_path / "b.log"))
-    try:
-        with httpx.Client(base_url=a.url, timeout=60) as ca, httpx.Client(base_url=b.url, timeout=60) as cb:
-            job = submit(ca, job_body("paused mid-job", steps=20))  # run twice: by a, then by b
-            first_step(ca, job["job_id"])
-            a.signal(signal.SIGSTOP)
-            try:  # b claims the job once a's lease ran out, and runs it again
-                assert wait_for(lambda: cb.get(f"/v1/jobs/{job['job_id']}").json()["attempts"] == 2, timeout=30)
-            finally:
-                a.signal(signal.SIGCONT)
-            seen: list[str] = []
-            end = time.monotonic() + 120
-            while time.monotonic() < end:
-                seen.append(cb.get(f"/v1/jobs/{job['job_id']}").json()["status"])
-                if seen[-1] in TERMINAL and len(seen) > 1:
-                    break
-                time.sleep(0.05)
-            assert seen[-1] == "completed", seen
-            first_end = next(i for i, s in enumerate(seen) if s in TERMINAL)
-            assert set(seen[first_end:]) == {"completed"}
-            assert _terminal_events(cb, job["job_id"]) == ["completed"]
-            # a was not blamed on its stage: it serves its next job.
-            nxt = submit(ca, job_body("a serves on", steps=2))
-            assert wait_status(ca, nxt["job_id"], TERMINAL, timeout=60)["status"] == "completed"
-            assert "answered no heartbeat" not in a.log()
-    finally:
-        stop_servers(a, b)
+def test_a_paused_gateway_past_its_lease_does_not_end_a_job_twice(gateway, gateway_b, http):
+    a, b = gateway, gateway_b  # the module's two gateways on one Redis, idle here
+    with httpx.Client(base_url=b.url, timeout=60) as cb:
+        job = submit(http, job_body("paused mid-job", steps=20))  # run twice: by a, then by b
+        first_step(http, job["job_id"])
+        logged = len(a.log())
+        a.signal(signal.SIGSTOP)
+        try:  # b claims the job once a's lease ran out, and runs it again
+            assert wait_for(lambda: cb.get(f"/v1/jobs/{job['job_id']}").json()["attempts"] == 2, timeout=30)
+        finally:
+            a.signal(signal.SIGCONT)
+        seen: list[str] = []
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            seen.append(cb.get(f"/v1/jobs/{job['job_id']}").json()["status"])
+            if seen[-1] in TERMINAL and len(seen) > 1:
+                break
+            time.sleep(0.05)
+        assert seen[-1] == "completed", seen
+        first_end = next(i for i, s in enumerate(seen) if s in TERMINAL)
+        assert set(seen[first_end:]) == {"completed"}
+        assert _terminal_events(cb, job["job_id"]) == ["completed"]
+        # a was not blamed on its stage: it serves its next job.
+        nxt = submit(http, job_body("a serves on", steps=2))
+        assert wait_status(http, nxt["job_id"], TERMINAL, timeout=60)["status"] == "completed"
+        assert "answered no heartbeat" not in a.log()[logged:]
 
 
 def test_a_full_memory_store_is_a_429(tmp_path):
-    server = start_server("tiny-sd", "--step-execution", "--max-jobs", "1", log=tmp_path / "m.log")
+    sd = one_thread_config(tmp_path / "tiny-sd.yaml")
+    server = start_server(sd, "--step-execution", "--max-jobs", "1", log=tmp_path / "m.log")
     try:
         with httpx.Client(base_url=server.url, timeout=60) as c:
             held = submit(c, job_body("holds the one place", steps=200))

@@ -26,6 +26,7 @@ from .server_process import (
     ServerProcess,
     assert_gone,
     free_port,
+    one_thread_config,
     start_server,
     start_servers,
     stop_server,
@@ -88,7 +89,9 @@ def receiver():
 @pytest.fixture(scope="module")
 def gateways(tmp_path_factory, redis_server, receiver):
     tmp = tmp_path_factory.mktemp("gateways")
-    common = ("tiny-sd", "--step-execution", "--max-num-seqs", "1", "--redis-url", redis_server.url)
+    # A lease of 2 s: a gateway stopped cleanly has its jobs taken over by these within seconds.
+    sd = one_thread_config(tmp / "tiny-sd.yaml")
+    common = (sd, "--step-execution", "--max-num-seqs", "1", "--redis-url", redis_server.url, "--job-lease", "2")
     a, b = start_servers(
         ((*common, "--otlp-endpoint", receiver.url), tmp / "a.log"),
         ((*common, "--public-url", PUBLIC_URL), tmp / "b.log"),
@@ -315,17 +318,25 @@ def _kill(server) -> None:
 def test_a_killed_gateways_jobs_are_requeued_once_then_lost(tmp_path, redis_server):
     # Database 1: the module's gateways (database 0) must not be the ones that recover these.
     url = redis_server.url.rsplit("/", 1)[0] + "/1"
-    common = ("tiny-sd", "--step-execution", "--redis-url", url, "--job-lease", "1")
-    c = start_server(*common, "--max-num-seqs", "1", log=tmp_path / "c.log")
-    with httpx.Client(base_url=c.url, timeout=60) as http:
-        running = submit(http, job_body("running when killed", steps=LONG_STEPS))
-        first_step(http, running["job_id"])
-        queued = submit(http, job_body("queued when killed", steps=2))
-        assert http.get(f"/v1/jobs/{queued['job_id']}").json()["status"] == "queued"
-    _kill(c)
+    sd = one_thread_config(tmp_path / "tiny-sd.yaml")
+    common = (sd, "--step-execution", "--redis-url", url, "--job-lease", "1")
+    # d runs beside c from the start (their loads overlap): it owns nothing until c's lease runs out.
+    c, d = start_servers(
+        ((*common, "--max-num-seqs", "1"), tmp_path / "c.log"),
+        ((*common, "--max-num-seqs", "2"), tmp_path / "d.log"),
+    )
+    try:
+        with httpx.Client(base_url=c.url, timeout=60) as http:
+            running = submit(http, job_body("running when killed", steps=LONG_STEPS))
+            first_step(http, running["job_id"])
+            queued = submit(http, job_body("queued when killed", steps=2))
+            assert http.get(f"/v1/jobs/{queued['job_id']}").json()["status"] == "queued"
+        _kill(c)
+    except BaseException:
+        stop_servers(c, d)
+        raise
 
-    # The next gateway recovers both (its lease check runs at start and every lease / 3 * 3).
-    d = start_server(*common, "--max-num-seqs", "2", log=tmp_path / "d.log")
+    # The live gateway recovers both once c's lease ran out (its lease check runs every lease).
     try:
         with httpx.Client(base_url=d.url, timeout=60) as http:
             done = wait_status(http, queued["job_id"], {"completed", "failed"}, timeout=90)
@@ -345,7 +356,8 @@ def test_a_killed_gateways_jobs_are_requeued_once_then_lost(tmp_path, redis_serv
         raise
     _kill(d)
 
-    # Lost a second time: the next gateway fails it with gateway_lost instead of running it again.
+    # Lost a second time: the next gateway (its lease check at start) fails it with gateway_lost
+    # instead of running it again.
     e = start_server(*common, log=tmp_path / "e.log")
     try:
         with httpx.Client(base_url=e.url, timeout=60) as http:
@@ -368,19 +380,16 @@ def test_an_unreachable_redis_stops_the_server_at_start_saying_so(tmp_path):
     assert "job store (redis) cannot be reached" in server.log()
 
 
-def test_a_gateway_stopped_cleanly_hands_its_unfinished_jobs_over(tmp_path, redis_server):
-    url = redis_server.url.rsplit("/", 1)[0] + "/2"
-    common = ("tiny-sd", "--step-execution", "--redis-url", url, "--job-lease", "1")
+def test_a_gateway_stopped_cleanly_hands_its_unfinished_jobs_over(tmp_path, redis_server, clients):
+    # On the module's database: its two (idle) gateways are the next ones, and one takes the job over.
+    sd = one_thread_config(tmp_path / "tiny-sd.yaml")
+    common = (sd, "--step-execution", "--redis-url", redis_server.url, "--job-lease", "1")
     f = start_server(*common, log=tmp_path / "f.log")
     with httpx.Client(base_url=f.url, timeout=60) as http:
         job = submit(http, job_body("running at SIGTERM", steps=LONG_STEPS))
         first_step(http, job["job_id"])
     stop_server(f)  # SIGTERM: exit 0, no stage process left; the job is left to the next gateway
-    g = start_server(*common, log=tmp_path / "g.log")
-    try:
-        with httpx.Client(base_url=g.url, timeout=60) as http:
-            # Left as it was (running, attempt 1), then re-queued and denoising again here.
-            assert wait_for(lambda: _denoising(http, job["job_id"], attempt=2), timeout=90, interval=0.1)
-            assert http.delete(f"/v1/jobs/{job['job_id']}").json()["status"] == "cancelled"
-    finally:
-        stop_server(g)
+    a, b = clients
+    # Left as it was (running, attempt 1), then re-queued and denoising again on a or b.
+    assert wait_for(lambda: _denoising(b, job["job_id"], attempt=2), timeout=90, interval=0.1)
+    assert a.delete(f"/v1/jobs/{job['job_id']}").json()["status"] == "cancelled"

@@ -47,9 +47,15 @@ def ray_cluster() -> Iterator[RayCluster]:
     import ray
     from ray.cluster_utils import Cluster
 
-    # A lost node is declared dead after a few failed health checks of a second each (Ray's
-    # default takes about 15 s): the tests that remove a node wait for that.
-    health = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+    # A lost node is declared dead after a few failed health checks half a second apart, checked
+    # from a second after it joined (Ray's defaults take about 15 s, 5 s more for a new node): the
+    # tests that remove a node wait for that. A check fails on a refused call or one unanswered for
+    # Ray's health_check_timeout_ms, not on a slow answer of a busy node.
+    health = {
+        "health_check_initial_delay_ms": 1000,
+        "health_check_period_ms": 500,
+        "health_check_failure_threshold": 3,
+    }
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
