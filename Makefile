@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 PYVER := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 LOCK := locks/py$(PYVER).txt
 
-.PHONY: serve test bench lint format clean redis-server chromium prometheus lock lock-check gpu-wheels
+.PHONY: serve test bench lint format clean redis-server chromium prometheus espeak-ng lock lock-check gpu-wheels
 
 # 1) uv, at the locked version, by pip  2) exactly the lock, by uv (what an older lock installed and
 # this one no longer names is removed), then the project, editable, built by the locked
@@ -48,6 +48,12 @@ redis-server:
 		$(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q redis-server; }
 
+# The bundled espeak config (omni-runtime serve espeak) and its tests run Debian's espeak-ng.
+espeak-ng:
+	@command -v espeak-ng >/dev/null 2>&1 || { \
+		$(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q espeak-ng; }
+
 # The page tests drive Debian's Chromium through its chromedriver (both paths given to Selenium, which
 # then downloads nothing).
 chromium:
@@ -77,7 +83,7 @@ TEST_WORKERS ?= 2
 # fails if either fails.
 # So does the check that the CPython 3.12 lock still resolves from binary wheels (that Python is not
 # on these machines; tools/lock.py verify): it waits on the package index, not on a core.
-test: $(STAMP) lock-check redis-server chromium prometheus
+test: $(STAMP) lock-check redis-server chromium prometheus espeak-ng
 	$(PY) -m ruff check .
 	nice -n 19 $(PY) -m mypy & mypy=$$!; \
 	nice -n 19 $(PY) tools/lock.py verify 3.12 & verify=$$!; \

@@ -160,6 +160,7 @@ def check_constraints(params: Mapping[str, Any] | msgspec.Struct, constraints: S
     check_frames(params, constraints)
     check_audio(params, constraints)
     check_voice(params, constraints)
+    check_speed(params, constraints)
     check_cache(params, constraints)
     check_step_range(params.get("num_inference_steps"), constraints)
     h = params.get("height")
@@ -274,6 +275,19 @@ def check_voice(params: Mapping[str, Any], constraints: StageConstraints) -> Non
         raise InvalidRequestError(
             f"invalid sampling param `voice`: {voice[:64]!r} is not a voice of this model; expected one of {shown}",
             param="voice",
+        )
+
+
+def check_speed(params: Mapping[str, Any], constraints: StageConstraints) -> None:
+    """Refuse a ``speed`` outside the range a speech stage speaks at (``speech.speeds``)."""
+    bound, speed = constraints.speech, params.get("speed")
+    if bound is None or bound.speeds is None or speed is None:
+        return
+    low, high = bound.speeds
+    if not low <= speed <= high:
+        raise InvalidRequestError(
+            f"invalid sampling param `speed`: {speed:g} is outside the {low:.3g}..{high:.3g} this stage speaks at",
+            param="speed",
         )
 
 

@@ -109,6 +109,16 @@ class StageExecutionError(RequestError):
     """The stage's model raised for this request. ``stage_id`` says which stage."""
 
 
+class ProgramError(StageExecutionError):
+    """An external program (a ``subprocess`` stage) failed this request: it exited with an error,
+    passed a limit (time, standard output, an output file's size), or wrote an output that cannot
+    be read. Its process group is gone; the stage serves on."""
+
+
+class ProgramTimeoutError(ProgramError):
+    """An external program ran past its ``timeout_s``; its process group was killed."""
+
+
 class StageDeadError(RequestError):
     """The stage replica that held this request died. The engine may restart it."""
 
@@ -213,6 +223,8 @@ ERROR_TYPES: dict[str, type[OmniError]] = {
         RequestAbortedError,
         RequestTimeoutError,
         StageExecutionError,
+        ProgramError,
+        ProgramTimeoutError,
         StageDeadError,
         StageAsleepError,
         LoraLoadError,

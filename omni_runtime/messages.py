@@ -152,6 +152,8 @@ class SpeechBound(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     #: (it romanizes or phonemizes), and only the stage checks, with the tokens it made.
     tokens_per_char: int | None = None
     extra_tokens: int = 0
+    #: The ``speed`` range the stage takes (an external program's rate limits); None: any.
+    speeds: tuple[float, float] | None = None
 
     def longest_s(self, tokens: int, speed: float) -> float:
         """The longest clip ``tokens`` tokens make at ``speed``: each lasts at most

@@ -44,6 +44,7 @@ from omni_runtime.checks import check_max_codes as check_max_codes
 from omni_runtime.checks import check_max_tokens as check_max_tokens
 from omni_runtime.checks import check_prompt_tokens as check_prompt_tokens
 from omni_runtime.checks import check_speech_length as check_speech_length
+from omni_runtime.checks import check_speed as check_speed
 from omni_runtime.checks import check_step_range as check_step_range
 from omni_runtime.checks import check_text_length as check_text_length
 from omni_runtime.checks import check_video_pixels as check_video_pixels

@@ -124,6 +124,11 @@ def _resolve_stage(stage: StageConfig, at: str, source: str, errors: list[Config
     builtin = stage_type(stage.stage_type)
     if builtin is not None:
         params_cls, needs_model, max_batch = builtin.params_cls, builtin.needs_model, builtin.max_batch_size
+        try:  # a stage type whose runner_args choose its params (an external program's)
+            params_cls = builtin.params_for(stage.runner_args)
+        except ConfigError as e:
+            fail(f"runner_args.{e.path}" if e.path else "runner_args", str(e).removeprefix(f"{e.path}: "))
+            return None
     else:
         try:
             cls = runner_class(stage.stage_type)

@@ -1,8 +1,9 @@
 """The builtin stage types: the one registry of ``stage_type`` names.
 
-Core types (``diffusion``, ``text``, ``speech``, ``echo``, and ``omni_thinker``, ``omni_talker``,
-``omni_code2wav``) are listed in :mod:`~omni_runtime.stage.runners.core_stage_types` (with
-:class:`StageType`, below this module and the families); a model family brings its own in
+Core types (``diffusion``, ``text``, ``speech``, ``echo``, ``subprocess``, ``worker``, and
+``omni_thinker``, ``omni_talker``, ``omni_code2wav``) are listed in
+:mod:`~omni_runtime.stage.runners.core_stage_types` (with :class:`StageType`, below this module
+and the families); a model family brings its own in
 its spec (:attr:`omni_runtime.models.families.FamilySpec.stage_types`: the SD family's split
 stages ``sd_text_encoder``, ``sd_denoise``, ``sd_vae_decode``), and :func:`stage_type` reads both.
 Read by config validation (which names are known), by ``resolve`` (params class, whether a model is
