@@ -153,6 +153,8 @@ HEAVIEST_FILES = (
     "tests/entrypoints/openai/test_http_videos.py",
     "tests/entrypoints/openai/test_jobs.py",
     "tests/entrypoints/openai/test_jobs_hostile.py",
+    "tests/entrypoints/openai/test_pages.py",
+    "tests/entrypoints/openai/test_http_espeak.py",
     "tests/entrypoints/test_multistage.py",
 )
 
