@@ -147,6 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="clients that may wait on job events at once (SSE, WebSocket, async_run=false); then 503",
     )
     s.add_argument(
+        "--realtime-sessions",
+        type=positive_int,
+        default=16,
+        help="realtime sessions (WS /v1/realtime) open at once; then refused (close code 4503)",
+    )
+    s.add_argument(
+        "--realtime-idle-timeout",
+        type=number(1.0),
+        default=300.0,
+        help="(s) a realtime session without a client message, while no response runs, is closed",
+    )
+    s.add_argument(
         "--redis-connections", type=positive_int, default=16, help="connections of each Redis pool (reads; writes)"
     )
     s.add_argument(

@@ -98,6 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # lazy: imports FastAPI and the engine (not at the CLI's start)
     from ..multi_omni import load_models_file, parse_model_arg
     from ..openai.job_manager import JobSettings
+    from ..openai.realtime_session import RealtimeLimits
     from ..openai.server import create_app
     from ..openai.timeouts import timed_protocol
 
@@ -136,6 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ),
         public_url=args.public_url,
         local_url=_local_url(args.host, args.port),
+        realtime=RealtimeLimits(max_sessions=args.realtime_sessions, idle_timeout_s=args.realtime_idle_timeout),
     )
     # Bind before the engine starts: a busy port is a clear error, not a model load and a crash.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET

@@ -11,17 +11,19 @@ a 413 and a 415), and they run again as the route's dependencies."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Annotated, Any
 
 from fastapi import Depends
 from starlette.requests import HTTPConnection, Request
+from starlette.websockets import WebSocket
 
 from ..tasks import TaskName
 from ..tasks.inputs import require
 from .body import requested_model
 from .job_manager import JobManager
 from .protocol import ApiError
+from .realtime_session import SessionModel
 from .state import LEASES, MODEL, ModelHandle, ServerState, get_state
 
 #: The shared state, as a handler parameter: ``state: State``.
@@ -102,6 +104,20 @@ def model_for(task: TaskName | None) -> Callable[[Request, ServerState], Awaitab
     return resolve
 
 
+async def realtime_model(websocket: WebSocket, state: State) -> AsyncIterator[ModelHandle]:
+    """The model of a realtime session: the one its query names as ``model`` (the only model when
+    one is served), resolved and checked as :func:`model_for` does (404, 400, 503), and one that
+    answers with text or speech (400 ``no_speech``); held for as long as the session lasts."""
+    state.check_draining()
+    name = websocket.query_params.get("model")
+    if name is not None and not _encodable(name):
+        raise ApiError(400, "`model` must be the name of a served model", param="model", code="invalid_value")
+    served = state.model(name)
+    SessionModel.of(served.name, served.capabilities)
+    async with state.holding() as leases:
+        yield await state.serve(served, leases)
+
+
 #: A route's model, as a handler parameter (``model: ImageModel``), for each task.
 ImageModel = Annotated[ModelHandle, Depends(model_for("text2image"))]
 EditModel = Annotated[ModelHandle, Depends(model_for("image_edit"))]
@@ -111,6 +127,8 @@ SpeechModel = Annotated[ModelHandle, Depends(model_for("text2speech"))]
 ChatModel = Annotated[ModelHandle, Depends(model_for("chat"))]
 #: A model for a task the route reads from its body (``/v1/generate``).
 AnyModel = Annotated[ModelHandle, Depends(model_for(None))]
+#: A realtime session's model (``WS /v1/realtime?model=``).
+RealtimeModel = Annotated[ModelHandle, Depends(realtime_model)]
 
 AUTH = Depends(require_api_key)
 JSON_BODY = Depends(require_json)

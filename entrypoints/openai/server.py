@@ -38,10 +38,11 @@ from omni_runtime.resolve import ResolvedConfig
 
 from ..async_omni import load_resolved
 from ..multi_omni import ModelSpec
-from . import chat, control, file_routes, health, images, jobs, pages, speech, status, videos
+from . import chat, control, file_routes, health, images, jobs, pages, realtime, speech, status, videos
 from .dependencies import guards_of, require_api_key
 from .job_manager import JobSettings
 from .protocol import DISCONNECTED, ApiError, ClientDisconnected
+from .realtime_session import RealtimeLimits
 from .responses import SafeJSONResponse, error_response
 from .state import LEASES, MODEL, ServerState
 from .status_history import StatusHistory
@@ -58,6 +59,7 @@ ROUTERS = (
     jobs.router,
     videos.router,
     speech.router,
+    realtime.router,
     file_routes.router,
     control.router,
     status.router,
@@ -192,6 +194,7 @@ def create_app(
     max_loaded_models: int | None = None,
     max_resident_bytes: int | None = None,
     load_timeout: float | None = 300.0,
+    realtime: RealtimeLimits | None = None,
 ) -> FastAPI:
     """The FastAPI app for ``model`` (a config name, YAML path, model dir or DeployConfig), or
     for several models (:class:`ModelSpec` each), routed by the requests' ``model``.
@@ -202,6 +205,7 @@ def create_app(
         With ``api_key``, the interactive docs and the OpenAPI schema are not served.
         ``max_loaded_models`` / ``max_resident_bytes``: the budget that evicts the least recently
         used idle model; ``load_timeout``: how long a request waits for its model to come back.
+        ``realtime``: the bounds of ``WS /v1/realtime`` sessions.
     """
     served: ResolvedConfig | list[ModelSpec]
     if isinstance(model, str | Path | DeployConfig):
@@ -226,6 +230,7 @@ def create_app(
         max_loaded_models=max_loaded_models,
         max_resident_bytes=max_resident_bytes,
         load_timeout=load_timeout,
+        realtime=realtime,
     )
 
     #: The dashboard's charts: every model sampled in the background while the app runs.

@@ -39,6 +39,7 @@ from .job_manager import JobManager, JobSettings
 from .metrics import ServerMetrics
 from .model_metrics import ModelCollector
 from .protocol import DISCONNECTED, ApiError, ClientDisconnected
+from .realtime_session import RealtimeLimits
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -105,6 +106,7 @@ class ServerState:
         max_loaded_models: int | None = None,
         max_resident_bytes: int | None = None,
         load_timeout: float | None = None,
+        realtime: RealtimeLimits | None = None,
     ) -> None:
         specs = [ModelSpec(source=resolved)] if isinstance(resolved, ResolvedConfig) else list(resolved)
         if len(specs) == 1:  # a lone model is what the server is for: it loads at start
@@ -156,6 +158,9 @@ class ServerState:
         self.inflight: dict[str, str] = {}
         self.draining = False
         self.created = int(time.time())
+        #: The bounds of realtime sessions, and how many are open (``WS /v1/realtime``).
+        self.realtime = realtime or RealtimeLimits()
+        self.realtime_sessions = 0
 
     # ------------------------------------------------------------------ the served models
 

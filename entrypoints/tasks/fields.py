@@ -2,7 +2,7 @@
 one table per (task, surface); the registry (registry.py) names which task takes which. A surface
 is where a request comes in: ``images`` (``/v1/images/*``), ``generate`` (``/v1/generate`` jobs,
 and ``/v1/videos`` over them), ``speech`` (``/v1/audio/speech``), ``chat``
-(``/v1/chat/completions``) and ``cli`` (``omni-runtime generate``'s options)."""
+(``/v1/chat/completions``), ``realtime`` (``WS /v1/realtime``) and ``cli`` (``omni-runtime generate``'s options)."""
 
 from __future__ import annotations
 
@@ -105,6 +105,11 @@ CHAT = FieldMap(
         "stop": lambda body: [body.stop] if isinstance(body.stop, str) else body.stop,
         "lora": _lora,
     },
+)
+#: ``WS /v1/realtime``: a response's settings (over the session's) to every stage that takes them.
+REALTIME = FieldMap(
+    {"voice": "voice", "max_response_output_tokens": "max_tokens"},
+    read={"max_response_output_tokens": lambda start: start.max_tokens},
 )
 #: ``omni-runtime generate``, the diffusion tasks: its options (argparse's names) as image params;
 #: the input image and the LoRA adapter are read by the command.

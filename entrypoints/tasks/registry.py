@@ -96,12 +96,20 @@ TASKS: dict[str, Task] = {
             "speech",
             AUDIO.default_format,
             AUDIO,
-            fields={"speech": f.SPEECH, "generate": f.GENERATE_SPEECH, "cli": f.CLI_SPEECH},
+            fields={"speech": f.SPEECH, "generate": f.GENERATE_SPEECH, "cli": f.CLI_SPEECH, "realtime": f.REALTIME},
             job=True,
             params="shared",
             max_prompt=MAX_SPEECH_CHARS,
         ),
-        Task("chat", "text", None, MESSAGE.default_format, MESSAGE, fields={"chat": f.CHAT}, params="shared"),
+        Task(
+            "chat",
+            "text",
+            None,
+            MESSAGE.default_format,
+            MESSAGE,
+            fields={"chat": f.CHAT, "realtime": f.REALTIME},
+            params="shared",
+        ),
     )
 }
 #: Every task's name (tests/entrypoints/test_tasks.py checks it is the registry's, in order).

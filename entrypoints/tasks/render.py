@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from omni_runtime import encoders
 from omni_runtime.media import AudioItem, ImageItem, MediaItem, VideoItem, items_of
 from omni_runtime.outputs import OmniRequestOutput
@@ -203,6 +205,17 @@ class AudioRenderer(MediaRenderer):
         step = file_bytes or max(len(blob), 1)
         for start in range(0, max(len(blob), 1), step):
             yield blob[start : start + step]
+
+    def pcm16_pieces(self, clip: AudioItem, rate: int) -> list[bytes]:
+        """``clip`` as mono 16-bit PCM at ``rate`` Hz (channels averaged, resampled), in pieces of
+        :data:`PCM_CHUNK_SAMPLES` at that rate: a realtime session's audio deltas. On the caller's
+        thread (a chunk of speech takes well under a millisecond)."""
+        mono = clip.samples.mean(axis=0, keepdims=True).astype("float32")
+        frames = encoders.resample(np.ascontiguousarray(mono.T), clip.sample_rate, rate)
+        item = AudioItem(data=np.ascontiguousarray(frames.T), sample_rate=rate)
+        blob = encoders.encode(item, "pcm")
+        step = 2 * PCM_CHUNK_SAMPLES
+        return [blob[start : start + step] for start in range(0, len(blob), step)]
 
 
 IMAGES, VIDEOS, AUDIO = ImageRenderer(), VideoRenderer(), AudioRenderer()

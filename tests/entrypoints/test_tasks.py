@@ -45,8 +45,8 @@ SURFACES = {
     "text2video": {"generate", "cli"},
     "image2video": {"generate", "cli"},
     "text2audio": {"generate", "cli"},
-    "text2speech": {"speech", "generate", "cli"},
-    "chat": {"chat"},
+    "text2speech": {"speech", "generate", "cli", "realtime"},
+    "chat": {"chat", "realtime"},
 }
 
 

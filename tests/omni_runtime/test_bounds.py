@@ -31,7 +31,7 @@ _SCHEMA_BOUNDS = {
     "pattern": "pattern",
 }
 #: Where a field's name in a model differs from its name in the table.
-_ALIASES = {"max_completion_tokens": "max_tokens"}
+_ALIASES = {"max_completion_tokens": "max_tokens", "max_response_output_tokens": "max_tokens"}
 #: Nested models whose fields the table names with a prefix.
 _CACHE_MODELS = ("FirstBlockCache", "TaylorSeerCache", "MagCache", "PyramidAttentionBroadcast", "FasterCache")
 _PREFIXES = {"LoraSpec": "lora.", "LoraRequest": "lora."} | dict.fromkeys(_CACHE_MODELS, "cache.")

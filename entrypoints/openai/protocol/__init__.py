@@ -1,7 +1,7 @@
 """The HTTP schema: pydantic request and response models of the OpenAI-style server, one module
-per surface (``images``, ``generate`` for the jobs, ``speech``, ``videos``, ``chat``, ``models``
-for ``/v1/models`` and the control call), what they share (``common``) and the error ladder
-(``errors``). Every name is importable from here.
+per surface (``images``, ``generate`` for the jobs, ``speech``, ``videos``, ``chat``, ``realtime``
+for the WebSocket's client events, ``models`` for ``/v1/models`` and the control call), what they
+share (``common``) and the error ladder (``errors``). Every name is importable from here.
 
 Request models forbid unknown fields, so a typo is a 400 naming the field instead of a silently
 ignored option. The fields that the official ``openai`` client (or common OpenAI callers) send but
@@ -75,16 +75,38 @@ from .images import (
     ImageVariationForm,
 )
 from .models import CollectiveRpcRequest, ModelCard, ModelList, ReplicaResult
+from .realtime import (
+    CLIENT_EVENT_TYPES,
+    CLIENT_EVENTS,
+    AudioAppend,
+    AudioClear,
+    AudioCommit,
+    ClientEvent,
+    ConversationItem,
+    ItemContent,
+    ItemCreate,
+    ResponseCancel,
+    ResponseCreate,
+    ResponseSettings,
+    SessionSettings,
+    SessionUpdate,
+    TurnDetection,
+)
 from .speech import SpeechRequest, SpeechVoice
 from .videos import VideoCreateRequest, VideoReference
 
 __all__ = [
+    "CLIENT_EVENTS",
+    "CLIENT_EVENT_TYPES",
     "DISCONNECTED",
     "MAX_IMAGES",
     "MAX_MESSAGES",
     "MAX_SECONDS",
     "VARIATION_STRENGTH",
     "ApiError",
+    "AudioAppend",
+    "AudioClear",
+    "AudioCommit",
     "ChatAudio",
     "ChatChoice",
     "ChatCompletionChunk",
@@ -93,8 +115,10 @@ __all__ = [
     "ChatMessage",
     "ChunkChoice",
     "ClientDisconnected",
+    "ClientEvent",
     "CollectiveRpcRequest",
     "ContentPart",
+    "ConversationItem",
     "DeltaMessage",
     "ErrorDetail",
     "ErrorResponse",
@@ -108,6 +132,8 @@ __all__ = [
     "ImageGenerationResponse",
     "ImageUrl",
     "ImageVariationForm",
+    "ItemContent",
+    "ItemCreate",
     "JobFormat",
     "LoraSpec",
     "ModelCard",
@@ -115,14 +141,20 @@ __all__ = [
     "NotBool",
     "Priority",
     "ReplicaResult",
+    "ResponseCancel",
+    "ResponseCreate",
     "ResponseMessage",
+    "ResponseSettings",
     "Seed",
+    "SessionSettings",
+    "SessionUpdate",
     "SloMs",
     "SpeechRequest",
     "SpeechVoice",
     "StepCacheField",
     "StreamOptions",
     "Timeout",
+    "TurnDetection",
     "UnencodableValue",
     "Usage",
     "VideoCreateRequest",

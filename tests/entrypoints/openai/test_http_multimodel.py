@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -24,6 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 from .server_process import ServerProcess, flaky_echo_config, start_server, stop_server, wait_for
 
@@ -314,6 +317,37 @@ def test_the_openai_clients_speech_reaches_the_speech_model(client: openai.OpenA
     """The issue's report: tiny-sd is served first, and speech went to it (400) every time."""
     audio = client.audio.speech.create(model="tiny-tts", voice="alloy", input="hello there", response_format="wav")
     assert audio.content[:4] == b"RIFF"
+
+
+def test_a_realtime_session_runs_on_the_model_named_and_refuses_alike(server: ServerProcess) -> None:
+    """``WS /v1/realtime`` in the matrix: the speech model answers a text turn (its transcript is the
+    prompt, then its audio); an image model, an unknown one, none named and no key are refused with
+    the route's codes (close code 4000 + the HTTP status)."""
+    base = server.url.replace("http://", "ws://") + "/v1/realtime"
+    with connect(f"{base}?model=tiny-tts", additional_headers=AUTH, open_timeout=10) as ws:
+        assert json.loads(ws.recv(timeout=30))["session"]["modalities"] == ["audio"]
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello there"}]}
+        ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+        ws.send(json.dumps({"type": "response.create"}))
+        events = [json.loads(ws.recv(timeout=30))]
+        while events[-1]["type"] != "response.done":
+            events.append(json.loads(ws.recv(timeout=30)))
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.audio_transcript.delta") < kinds.index("response.audio.delta")
+    assert events[kinds.index("response.audio_transcript.delta")]["delta"] == "hello there"
+    assert events[-1]["response"]["status"] == "completed"
+    for query, headers, code, param, close in (
+        ("?model=tiny-sd", AUTH, "no_speech", "model", 4400),
+        ("?model=nope", AUTH, "model_not_found", "model", 4404),
+        ("", AUTH, None, "model", 4400),
+        ("?model=tiny-tts", {"Authorization": "Bearer wrong"}, "invalid_api_key", None, 4401),
+    ):
+        with connect(base + query, additional_headers=headers, open_timeout=10) as ws:
+            error = json.loads(ws.recv(timeout=10))["error"]
+            assert (code is None or error["code"] == code) and error["param"] == param, (query, error)
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=10)
+            assert ws.close_code == close, query
 
 
 #: Every POST route with a JSON body.

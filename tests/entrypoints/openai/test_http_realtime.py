@@ -1,0 +1,211 @@
+"""Realtime sessions (``WS /v1/realtime``) on a real ``omni-runtime serve`` of tiny-omni-speech (the
+tiny LM, then a tiny VITS speech stage) with an API key and at most two sessions: a text turn gets
+its transcript, then its audio (pcm16 at the session's rate), then ``response.done``; a cancel
+mid-answer, or speech that the server's VAD detects, ends the response (nothing of it after its
+``response.done``) and the session goes on; a client that vanishes has its request aborted;
+refusals (no key, an unknown model, one session too many) are an error event and a close code, and
+so is an idle session; a message too large is an error and the session goes on."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import ClientConnection, connect
+
+from .server_process import start_server, stop_server, wait_for
+
+pytestmark = pytest.mark.e2e
+
+KEY = "realtime-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+#: The server's idle timeout (``--realtime-idle-timeout``).
+IDLE_S = 2
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("realtime")
+    args = ("tiny-omni-speech", "--api-key", KEY, "--realtime-sessions", "2", "--realtime-idle-timeout", str(IDLE_S))
+    srv = start_server(*args, log=tmp / "server.log")
+    yield srv
+    stop_server(srv)
+
+
+def url(server, query: str = "") -> str:
+    return server.url.replace("http://", "ws://") + "/v1/realtime" + query
+
+
+def recv(ws: ClientConnection) -> dict[str, Any]:
+    return json.loads(ws.recv(timeout=30))
+
+
+def until(ws: ClientConnection, kind: str) -> list[dict[str, Any]]:
+    events = [recv(ws)]
+    while events[-1]["type"] != kind:
+        events.append(recv(ws))
+    return events
+
+
+def open_session(server, **settings: Any) -> ClientConnection:
+    """A session (waiting, while the server holds its most, for those of the tests before to be
+    seen closed), with ``settings`` applied."""
+    deadline = time.monotonic() + 10
+    while True:
+        ws = connect(url(server), additional_headers=AUTH, open_timeout=10)
+        first = recv(ws)
+        if first["type"] == "session.created":
+            break
+        ws.close()
+        assert first["error"]["code"] == "too_many_sessions" and time.monotonic() < deadline, first
+        time.sleep(0.05)
+    if settings:
+        ws.send(json.dumps({"type": "session.update", "session": settings}))
+        assert recv(ws)["type"] == "session.updated"
+    return ws
+
+
+def opens(server) -> bool:
+    """Whether a session opens now (it is closed again at once)."""
+    with connect(url(server), additional_headers=AUTH, open_timeout=10) as ws:
+        return recv(ws)["type"] == "session.created"
+
+
+def say(ws: ClientConnection, text: str, **response: Any) -> None:
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+    ws.send(json.dumps({"type": "response.create", **({"response": response} if response else {})}))
+
+
+def aborted(http: httpx.Client, reason: str) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("omni_requests_aborted_total{") and f'reason="{reason}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=30, headers=AUTH) as c:
+        yield c
+
+
+def test_a_text_turn_gets_its_transcript_then_its_audio_then_done(server):
+    with open_session(server, output_sample_rate=16000) as ws:
+        say(ws, "tell me about the sea")
+        events = until(ws, "response.done")
+    types = [e["type"] for e in events]
+    assert types[:2] == ["conversation.item.created", "response.created"]
+    response_id = events[1]["response"]["id"]
+    transcript = [i for i, t in enumerate(types) if t == "response.audio_transcript.delta"]
+    audio = [i for i, t in enumerate(types) if t == "response.audio.delta"]
+    assert transcript and audio and max(transcript) < min(audio), types
+    assert all(e.get("response_id") == response_id for e in events[2:-1])
+    pcm = b"".join(base64.b64decode(events[i]["delta"]) for i in audio)
+    assert len(pcm) % 2 == 0 and len(pcm) > 2 * 1600  # more than 0.1 s at 16 kHz
+    done = events[-1]["response"]
+    assert done["id"] == response_id and done["status"] == "completed"
+    assert done["usage"]["output_token_details"]["audio_tokens"] == pytest.approx(len(pcm) / 2 / 16000 * 50, abs=1)
+    assert done["usage"]["input_tokens"] > 0
+
+
+def test_a_cancel_mid_answer_ends_it_and_the_session_goes_on(server, http):
+    before = aborted(http, "client_cancel")
+    with open_session(server, max_response_output_tokens=200) as ws:
+        say(ws, "tell me a long story about the sea and the sky")
+        first = until(ws, "response.audio_transcript.delta")
+        cancelled_id = first[-1]["response_id"]
+        ws.send(json.dumps({"type": "response.cancel"}))
+        events = until(ws, "response.done")
+        assert events[-1]["response"]["id"] == cancelled_id
+        assert events[-1]["response"]["status"] == "cancelled"
+        say(ws, "and now?", max_response_output_tokens=4)
+        after = until(ws, "response.done")
+    assert all(e.get("response_id") != cancelled_id for e in after)
+    assert not any(e["type"] == "response.done" and e["response"]["id"] == cancelled_id for e in after)
+    assert after[-1]["response"]["status"] == "completed"
+    assert aborted(http, "client_cancel") == before + 1
+
+
+def tone(ms: int, amplitude: float, rate: int = 16_000) -> str:
+    """Base64 pcm16 of a 300 Hz tone (silence at amplitude 0)."""
+    n = rate * ms // 1000
+    wave = amplitude * np.sin(2 * np.pi * 300 * np.arange(n) / rate)
+    return base64.b64encode(np.round(wave * 32767).astype("<i2").tobytes()).decode()
+
+
+def test_speech_detected_mid_answer_interrupts_it_and_ends_the_turn(server, http):
+    before = aborted(http, "barge_in")
+    vad = {"type": "server_vad", "threshold": 0.05, "silence_duration_ms": 200, "create_response": False}
+    with open_session(server, input_sample_rate=16000, turn_detection=vad, max_response_output_tokens=200) as ws:
+        say(ws, "tell me a long story about the sea and the sky")
+        first = until(ws, "response.audio_transcript.delta")
+        interrupted = first[-1]["response_id"]
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": tone(100, 0.0)}))
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": tone(300, 0.3)}))
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": tone(300, 0.0)}))
+        events = until(ws, "input_audio_buffer.committed")
+    types = [e["type"] for e in events]
+    started = types.index("input_audio_buffer.speech_started")
+    assert events[started]["audio_start_ms"] == 100
+    done = types.index("response.done")
+    assert started < done < types.index("input_audio_buffer.speech_stopped")
+    assert events[done]["response"]["id"] == interrupted
+    assert events[done]["response"]["status_details"]["reason"] == "barge_in"
+    assert all(e.get("response_id") != interrupted for e in events[done:])
+    assert aborted(http, "barge_in") == before + 1
+
+
+def test_a_client_that_vanishes_has_its_request_aborted(server, http):
+    before = aborted(http, "client_disconnect")
+    ws = open_session(server, max_response_output_tokens=200)
+    say(ws, "keep talking")
+    until(ws, "response.audio_transcript.delta")
+    ws.close()
+    assert wait_for(lambda: aborted(http, "client_disconnect") == before + 1, timeout=10)
+
+
+def test_refusals_are_an_error_event_and_a_close_code(server):
+    for headers, query, code, close in (
+        ({}, "", "invalid_api_key", 4401),
+        ({"Authorization": "Bearer wrong"}, "", "invalid_api_key", 4401),
+        (AUTH, "?model=nope", "model_not_found", 4404),
+    ):
+        with connect(url(server, query), additional_headers=headers, open_timeout=10) as ws:
+            assert recv(ws)["error"]["code"] == code
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=10)
+            assert ws.close_code == close
+
+
+def test_one_session_too_many_is_refused_until_one_closes(server):
+    first, second = open_session(server), open_session(server)
+    with connect(url(server), additional_headers=AUTH, open_timeout=10) as third:
+        error = recv(third)
+        assert error["type"] == "error" and error["error"]["code"] == "too_many_sessions"
+        with pytest.raises(ConnectionClosed):
+            third.recv(timeout=10)
+        assert third.close_code == 4503
+    first.close()
+    assert wait_for(lambda: opens(server), timeout=10, interval=0.1)  # the server sees the close a moment later
+    second.close()
+
+
+def test_a_message_too_large_is_refused_and_an_idle_session_is_closed(server):
+    with open_session(server) as ws:
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * (1024 * 1024 + 8)}))
+        assert recv(ws)["error"]["code"] == "message_too_large"
+        ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+        assert recv(ws)["type"] == "input_audio_buffer.cleared"
+        started = time.monotonic()
+        error = recv(ws)
+        assert error["error"]["code"] == "idle_timeout" and time.monotonic() - started >= IDLE_S - 0.5
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=10)
+        assert ws.close_code == 4408

@@ -1,0 +1,258 @@
+"""The realtime session's state machine (entrypoints/openai/realtime_session.py), without a socket or
+an engine: client messages in, server events and effects out; engine events fed by hand. Hostile
+messages (hypothesis) each give one ``error`` event and leave the session as it was."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from omni_runtime.entrypoints.capabilities import ModelCapabilities
+from omni_runtime.entrypoints.openai.protocol import ApiError
+from omni_runtime.entrypoints.openai.realtime_session import (
+    AbortResponse,
+    RealtimeLimits,
+    RealtimeSession,
+    SessionModel,
+    StartResponse,
+)
+
+from omni_runtime.events import Final, MediaDelta, StageDone, TextDelta
+from omni_runtime.exceptions import StageDeadError
+from omni_runtime.media import AudioItem
+from omni_runtime.outputs import OmniRequestOutput, StageResult
+
+pytestmark = pytest.mark.unit
+
+SPEAKS = SessionModel("tiny-omni-speech", "chat", text=True, audio=True)
+RATE = 24_000
+
+
+def session(model: SessionModel = SPEAKS, **limits: Any) -> RealtimeSession:
+    s = RealtimeSession(model, RealtimeLimits(**limits))
+    assert [e["type"] for e in drain(s)] == ["session.created"]
+    return s
+
+
+def drain(s: RealtimeSession) -> list[dict[str, Any]]:
+    out = list(s.outbox)
+    s.outbox.clear()
+    return out
+
+
+def send(s: RealtimeSession, **event: Any) -> list[Any]:
+    return s.receive(json.dumps(event))
+
+
+def ask(s: RealtimeSession, text: str = "hello") -> StartResponse:
+    send(s, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": text}]})  # fmt: skip
+    (start,) = send(s, type="response.create")
+    assert isinstance(start, StartResponse) and start.prompt == text
+    return start
+
+
+def pcm(ms: int, amplitude: float, rate: int = RATE) -> str:
+    n = rate * ms // 1000
+    wave = amplitude * np.sin(2 * np.pi * 300 * np.arange(n) / rate)
+    return base64.b64encode(np.round(wave * 32767).astype("<i2").tobytes()).decode()
+
+
+def clip(seconds: float, rate: int = 16_000) -> AudioItem:
+    return AudioItem(data=np.full((1, int(seconds * rate)), 0.25, dtype=np.float32), sample_rate=rate)
+
+
+def finish(s: RealtimeSession, start: StartResponse, text: str, audio: AudioItem | None) -> None:
+    results = {0: StageResult(0, text=text, metrics={"prompt_tokens": 3, "completion_tokens": 4})}
+    s.on_event(start.response_id, StageDone(0, {}, results[0]))
+    if audio is not None:
+        results[1] = StageResult(1, media=[audio], metrics={"input_tokens": 50})  # the answer it spoke
+        s.on_event(start.response_id, StageDone(1, {}, results[1]))
+    s.on_event(start.response_id, Final(OmniRequestOutput("r", 1, finished=True, outputs_by_stage=results)))
+
+
+def test_a_text_turn_gets_transcript_then_audio_then_done_with_usage() -> None:
+    s = session()
+    start = ask(s)
+    assert start.modalities == ("text", "audio") and start.voice is None
+    s.on_event(start.response_id, TextDelta(0, "hi "))
+    s.on_event(start.response_id, TextDelta(0, "there"))
+    finish(s, start, "hi there", clip(0.5))
+    events = drain(s)
+    types = [e["type"] for e in events]
+    assert types[:3] == ["conversation.item.created", "response.created", "response.audio_transcript.delta"]
+    assert types[-1] == "response.done" and types.count("response.done") == 1
+    assert types.index("response.audio.delta") > types.index("response.audio_transcript.delta")
+    transcript = "".join(e["delta"] for e in events if e["type"] == "response.audio_transcript.delta")
+    assert transcript == "hi there"
+    audio = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.audio.delta")
+    assert len(audio) == 2 * RATE // 2  # half a second at the session's 24 kHz, resampled from 16 kHz
+    done = events[-1]["response"]
+    assert done["status"] == "completed" and done["usage"]["input_tokens"] == 3
+    assert done["usage"]["output_token_details"] == {"text_tokens": 4, "audio_tokens": 25}
+    assert not s.responding
+
+
+def test_text_only_modalities_and_a_speech_only_model() -> None:
+    s = session()
+    send(s, type="session.update", session={"modalities": ["text"], "output_sample_rate": 16000})
+    start = ask(s)
+    assert start.modalities == ("text",)
+    s.on_event(start.response_id, TextDelta(0, "ok"))
+    finish(s, start, "ok", None)
+    assert "response.text.delta" in [e["type"] for e in drain(s)]
+
+    speech = session(SessionModel("espeak", "text2speech", text=False, audio=True))
+    send(speech, type="session.update", session={"modalities": ["text"]})
+    assert drain(speech)[-1]["error"]["code"] == "no_text"
+    start = ask(speech, "say this")
+    s2 = speech
+    s2.on_event(start.response_id, MediaDelta(0, (clip(0.1),)))
+    events = drain(s2)
+    assert [e["type"] for e in events][-2:] == ["response.audio_transcript.delta", "response.audio.delta"]
+    assert events[-2]["delta"] == "say this"  # a pipeline without text: the prompt is the transcript
+
+
+def test_cancel_ends_the_response_at_once_and_drops_what_follows() -> None:
+    s = session()
+    start = ask(s)
+    s.on_event(start.response_id, TextDelta(0, "partial"))
+    effects = send(s, type="response.cancel")
+    assert effects == [AbortResponse(start.request_id, "client_cancel")]
+    s.on_event(start.response_id, TextDelta(0, " late"))
+    s.on_event(start.response_id, MediaDelta(1, (clip(0.1),)))
+    finish(s, start, "partial late", clip(0.2))
+    s.on_error(start.response_id, StageDeadError("gone"))
+    events = drain(s)
+    assert events[-1]["type"] == "response.done"
+    assert events[-1]["response"]["status"] == "cancelled"
+    assert events[-1]["response"]["status_details"] == {"type": "cancelled", "reason": "client_cancel"}
+    send(s, type="response.cancel")
+    assert drain(s)[-1]["error"]["code"] == "response_cancel_not_active"
+    assert isinstance(ask(s), StartResponse)  # the session goes on
+
+
+def test_one_response_at_a_time_and_an_engine_error_fails_it() -> None:
+    s = session()
+    start = ask(s)
+    assert send(s, type="response.create") == []
+    assert drain(s)[-1]["error"]["code"] == "conversation_already_has_active_response"
+    s.on_error(start.response_id, StageDeadError("stage 1 died"))
+    events = drain(s)
+    assert [e["type"] for e in events] == ["error", "response.done"]
+    assert events[0]["error"]["type"] == "service_unavailable" and events[0]["error"]["code"] == "stage_dead"
+    assert events[1]["response"]["status"] == "failed"
+    assert not s.responding
+
+
+def test_vad_off_the_client_commits_and_audio_in_is_refused_clearly() -> None:
+    s = session()
+    send(s, type="input_audio_buffer.commit")
+    assert drain(s)[-1]["error"]["code"] == "input_audio_buffer_commit_empty"
+    send(s, type="input_audio_buffer.append", audio=pcm(200, 0.3))
+    assert drain(s) == []  # no turn detection: no speech events
+    send(s, type="input_audio_buffer.commit")
+    assert drain(s)[-1]["type"] == "input_audio_buffer.committed"
+    assert send(s, type="response.create") == []
+    assert drain(s)[-1]["error"]["code"] == "no_audio_input"
+    send(s, type="input_audio_buffer.append", audio=pcm(100, 0.3))
+    send(s, type="input_audio_buffer.clear")
+    assert drain(s)[-1]["type"] == "input_audio_buffer.cleared" and not s.buffer
+
+
+def test_vad_on_detects_the_turn_and_new_speech_interrupts_the_response() -> None:
+    s = session()
+    send(s, type="session.update", session={"turn_detection": {"type": "server_vad", "threshold": 0.05,
+         "silence_duration_ms": 200}})  # fmt: skip
+    assert drain(s)[-1]["session"]["turn_detection"]["silence_duration_ms"] == 200
+    start = ask(s)
+    drain(s)
+    effects = send(s, type="input_audio_buffer.append", audio=pcm(100, 0.0) + pcm(300, 0.3))
+    effects += send(s, type="input_audio_buffer.append", audio=pcm(300, 0.0))
+    types = [e["type"] for e in drain(s)]
+    assert types[:2] == ["input_audio_buffer.speech_started", "response.done"]  # barge-in
+    assert types[2:5] == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "error"]
+    assert effects == [AbortResponse(start.request_id, "barge_in")]
+    s.on_event(start.response_id, TextDelta(0, "late"))
+    assert drain(s) == []
+
+
+def test_the_buffer_limit_refuses_an_append_and_keeps_what_it_held() -> None:
+    s = session(max_buffer_bytes=1000)
+    send(s, type="input_audio_buffer.append", audio=base64.b64encode(bytes(800)).decode())
+    send(s, type="input_audio_buffer.append", audio=base64.b64encode(bytes(400)).decode())
+    assert drain(s)[-1]["error"]["code"] == "input_audio_buffer_full"
+    assert len(s.buffer) == 800
+
+
+def test_the_session_model_comes_from_the_capabilities() -> None:
+    caps = ModelCapabilities(tasks=("chat",), kinds=("audio", "text"), stages={}, image_input=False)
+    assert SessionModel.of("m", caps) == SessionModel("m", "chat", text=True, audio=True)
+    speech = ModelCapabilities(tasks=("text2speech", "chat"), kinds=("audio",), stages={}, image_input=False)
+    assert SessionModel.of("e", speech).task == "text2speech"
+    image = ModelCapabilities(tasks=("text2image", "chat"), kinds=("image",), stages={}, image_input=False)
+    with pytest.raises(ApiError) as refused:
+        SessionModel.of("sd", image)
+    assert refused.value.code == "no_speech" and refused.value.param == "model"
+
+
+# ---------------------------------------------------------------------- hostile messages
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+_TYPES = st.sampled_from(
+    ["session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "conversation.item.create",
+     "response.create", "response.cancel", "response.cancel ", "nope", ""]
+)  # fmt: skip
+HOSTILE = st.one_of(
+    st.binary(max_size=64),
+    st.text(max_size=64),
+    _JSON.map(json.dumps),
+    st.builds(lambda t, body: json.dumps({"type": t, **body}), _TYPES, st.dictionaries(st.text(max_size=12), _JSON)),
+    st.builds(lambda t: json.dumps({"type": "input_audio_buffer.append", "audio": t}), st.text(max_size=40)),
+    st.builds(
+        lambda s: json.dumps({"type": "session.update", "session": s}),
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "voice": _JSON,
+                "modalities": _JSON,
+                "input_sample_rate": _JSON,
+                "output_sample_rate": _JSON,
+                "turn_detection": _JSON,
+                "tools": _JSON,
+            },
+        ),
+    ),
+    st.just("[" * 5000 + "]" * 5000),
+    st.just(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 3_000_000})),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(HOSTILE, min_size=1, max_size=6))
+def test_hostile_messages_get_an_error_each_and_the_session_goes_on(messages: list[str | bytes]) -> None:
+    s = session(max_buffer_bytes=4096)
+    for message in messages:
+        effects = s.receive(message)
+        events = drain(s)
+        assert all(isinstance(e, dict) and isinstance(e.get("type"), str) for e in events)
+        json.dumps(events)  # every event can be sent
+        for event in events:
+            if event["type"] == "error":
+                error = event["error"]
+                assert error["code"] and error["message"] and error["type"] == "invalid_request_error"
+        assert len(s.buffer) <= 4096
+        assert all(isinstance(e, StartResponse | AbortResponse) for e in effects)
+    # Whatever came before, a valid turn still works.
+    if s.responding:
+        s.cancel("client_cancel")
+    assert isinstance(ask(s), StartResponse)
