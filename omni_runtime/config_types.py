@@ -179,7 +179,8 @@ class PromptCache(msgspec.Struct, **_Struct):
     least recently used out first, so a prompt seen again is not encoded again
     (docs/configuration.md, "Caches across requests")."""
 
-    #: Most bytes of embeddings kept per replica (on the stage's device); 0 turns the cache off.
+    #: Most bytes of embeddings (and their prompts' text) kept per replica (on the stage's device);
+    #: 0 turns the cache off.
     max_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_CACHE_BYTES)] = DEFAULT_PROMPT_CACHE_BYTES
 
 

@@ -63,15 +63,21 @@ class ProgramOutput(msgspec.Struct, **_Struct):
     kind: Literal["audio", "image", "video", "text"] | None = None
 
 
+#: The largest ``speed`` map value: a rate past it is a mistake, and ``scale x speed`` stays a
+#: number ``round`` takes (an infinite one made every request fail).
+MAX_RATE = 1e9
+Rate = Annotated[float, msgspec.Meta(gt=0, le=MAX_RATE)]
+
+
 class SpeedMap(msgspec.Struct, **_Struct):
     """How a speech request's ``speed`` (1.0 = the program's usual rate) reaches the program: as the
     placeholder ``placeholder``, ``round(scale x speed)``, within ``[min, max]`` (a speed outside is
     refused before it is queued)."""
 
     placeholder: str
-    scale: Annotated[float, msgspec.Meta(gt=0)]
-    min: Annotated[float, msgspec.Meta(gt=0)]
-    max: Annotated[float, msgspec.Meta(gt=0)]
+    scale: Rate
+    min: Rate
+    max: Rate
 
 
 class ProgramArgs(msgspec.Struct, **_Struct):
@@ -251,9 +257,11 @@ def _decode(runner_args: Mapping[str, Any], cls: type[_A]) -> _A:
     try:
         args = msgspec.convert(dict(runner_args), cls, strict=True)
     except msgspec.ValidationError as e:
-        message, _, where = str(e).partition(" - at `$")
+        message, _, where = str(e).partition(" - at `")
+        if where.startswith("key` in `"):  # a mapping's key of the wrong type: the mapping's path
+            where, message = where.removeprefix("key` in `"), f"{message} (a key)"
         unknown = re.search(r"unknown field `([^`]*)`", message)
-        path = where.rstrip("`").lstrip(".")
+        path = where.removeprefix("$").rstrip("`").lstrip(".")
         if unknown:
             message, path = "unknown key", f"{path}.{unknown.group(1)}".lstrip(".")
         raise ConfigError(message, path=path or None) from None
@@ -278,11 +286,19 @@ def _decode(runner_args: Mapping[str, Any], cls: type[_A]) -> _A:
             raise ConfigError("{prompt} is there only with `prompt: argv`", path=f"argv[{i}]")
         if "python" in found and args.python is None:
             raise ConfigError("{python} needs `python:` (an interpreter's absolute path)", path=f"argv[{i}]")
+        if "\x00" in template:  # no program can be given one: every request would fail to start
+            raise ConfigError("an argument cannot hold a NUL character", path=f"argv[{i}]")
+    for name, value in args.env.items():
+        if not name or "=" in name or "\x00" in name or "\x00" in value:
+            raise ConfigError(
+                "an environment variable's name is not empty and holds no `=` or NUL, its value no NUL",
+                path=f"env.{name}",
+            )
     if isinstance(args, WorkerArgs):
         _check_worker(args)
     for key in ("python", "cwd"):
         value = getattr(args, key)
-        if value is not None and not os.path.isabs(value):
+        if value is not None and (not os.path.isabs(value) or "\x00" in value):
             raise ConfigError(f"{value!r} is not an absolute path", path=key)
     if args.params == "speech":
         _check_speech(args)

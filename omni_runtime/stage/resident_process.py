@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import selectors
 import subprocess
+import time
 from collections.abc import Mapping
 
 from omni_runtime.stage.program_run import stop_group
@@ -35,6 +36,8 @@ class ResidentProcess:
         self.max_stderr_bytes = max_stderr_bytes
         #: Why the protocol broke (a line too long, its input closed), or None.
         self.failure: str | None = None
+        #: When its standard output reached its end (it can answer nothing more), or None.
+        self.output_closed_at: float | None = None
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,
@@ -78,6 +81,7 @@ class ResidentProcess:
         """The complete lines the program wrote within ``timeout`` seconds (none: it was quiet)."""
         lines: list[bytes] = []
         if not self._selector.get_map():
+            time.sleep(timeout)  # nothing left to wait on: the caller's loop must not spin
             return lines
         for key, events in self._selector.select(timeout):
             if events & selectors.EVENT_WRITE:
@@ -98,15 +102,19 @@ class ResidentProcess:
             return
         if not chunk:
             self._selector.unregister(fd)
+            if fd == self._out:
+                self.output_closed_at = time.monotonic()
             return
         if fd == self._err:
             self._stderr += chunk
             del self._stderr[: max(len(self._stderr) - self.max_stderr_bytes, 0)]
             return
         self._partial += chunk
-        *complete, rest = bytes(self._partial).split(b"\n")
-        lines.extend(complete)
-        self._partial = bytearray(rest)
+        complete: list[bytes] = []
+        if b"\n" in chunk:  # only when a line ends: split at every read, a long line cost its square
+            *complete, rest = bytes(self._partial).split(b"\n")
+            lines.extend(complete)
+            self._partial = bytearray(rest)
         if len(self._partial) > self.max_line_bytes or any(len(c) > self.max_line_bytes for c in complete):
             self.failure = f"wrote a line past {self.max_line_bytes} bytes to its standard output"
 

@@ -125,7 +125,9 @@ def output_bytes(value: Any) -> int:
         return int(value.nbytes)
     if _is_tensor(value):
         return int(value.numel() * value.element_size())
-    if isinstance(value, str | bytes | bytearray):
+    if isinstance(value, str):  # its UTF-8 bytes: a character is up to 4 of them
+        return len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, bytes | bytearray):
         return len(value)
     if isinstance(value, msgspec.Struct):
         return sum(output_bytes(getattr(value, f)) for f in value.__struct_fields__)

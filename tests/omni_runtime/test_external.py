@@ -5,6 +5,7 @@ the bundled espeak); the speed range of a speech stage checked before queueing."
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,29 @@ def test_fill_puts_any_value_in_as_it_is(value: str) -> None:
         (
             {"params": "speech", "outputs": [{"path": "o.wav"}], "seconds_per_char": 0.1, "argv": ["p", "{pitch}"]},
             "stage_args[0].runner_args.argv",
+        ),
+        # What no process can be started with: each failed every request, at its start.
+        ({"argv": ["prog", "a\x00b"]}, "stage_args[0].runner_args.argv[1]"),
+        ({"env": {"A=B": "x"}}, "stage_args[0].runner_args.env.A=B"),
+        ({"env": {"": "x"}}, "stage_args[0].runner_args.env."),
+        ({"env": {"A": "x\x00"}}, "stage_args[0].runner_args.env.A"),
+        ({"cwd": "/tmp/\x00"}, "stage_args[0].runner_args.cwd"),
+        # A key of the wrong type: the mapping's path (it was runner_args alone).
+        ({"env": {1: "x"}}, "stage_args[0].runner_args.env"),
+        # An infinite rate: round(scale x speed) raised on every request.
+        *(
+            (
+                {
+                    "params": "speech",
+                    "outputs": [{"path": "o.wav"}],
+                    "seconds_per_char": 0.1,
+                    "argv": ["p", "{rate}"],
+                    "speed": {"placeholder": "rate", "scale": 1.0, "min": 1.0, "max": 2.0, field: value},
+                },
+                f"stage_args[0].runner_args.speed.{field}",
+            )
+            for field in ("scale", "min", "max")
+            for value in (math.inf, 1e308)
         ),
     ],
 )

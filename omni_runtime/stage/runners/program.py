@@ -18,6 +18,7 @@ output (``stdout: text``); metrics ``batch_size``, ``execution_ms`` and ``audio_
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -47,6 +48,9 @@ from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, Runner
 #: Most pixels of an image output, and of all of a video output's frames together.
 MAX_IMAGE_PIXELS = 4096 * 4096
 MAX_VIDEO_BYTES = 1 << 30
+#: Most bytes of an audio output's samples as decoded (float32, every channel): a compressed file
+#: within ``max_output_bytes`` may decode to far more (silence in FLAC, about 4,000 times more).
+MAX_AUDIO_BYTES = 1 << 30
 #: How much of the standard error an error message quotes (its end).
 STDERR_IN_ERROR = 800
 
@@ -123,15 +127,21 @@ class ProgramRunner(StageRunner):
         runs = RunSet()
         try:
             # 1) a folder, a command and a process per request (a refused one fails alone)
-            for i, req in enumerate(batch):
-                if ctx.is_aborted(req.request_id):
-                    outputs[i] = RunnerOutput(error=RequestAbortedError("aborted"))
-                    continue
-                folders[i] = request_folder("omni-program")
-                try:
-                    runs.add(str(i), self._start(req, folders[i]))
-                except (InvalidRequestError, ProgramError) as e:
-                    outputs[i] = RunnerOutput(error=e)
+            try:
+                for i, req in enumerate(batch):
+                    if ctx.is_aborted(req.request_id):
+                        outputs[i] = RunnerOutput(error=RequestAbortedError("aborted"))
+                        continue
+                    folders[i] = request_folder("omni-program")
+                    try:
+                        runs.add(str(i), self._start(req, folders[i]))
+                    except (InvalidRequestError, ProgramError) as e:
+                        outputs[i] = RunnerOutput(error=e)
+            except BaseException:
+                # Anything else (a prompt file that cannot be written): the wave fails and is run
+                # again one by one, so the programs already started are stopped, not left running.
+                runs.wait(lambda key: True)
+                raise
             # 2) every run to its end (stopped as a group on a limit or an abort)
             finished = runs.wait(lambda key: ctx.is_aborted(batch[int(key)].request_id))
             # 3) each run's files read back
@@ -168,6 +178,11 @@ class ProgramRunner(StageRunner):
                 watch=[folder / self.args.output_path(o) for o in self.args.outputs],
             )
         except OSError as e:
+            if e.errno == errno.E2BIG:  # the request's values, not the stage: a 400, not a 500
+                raise InvalidRequestError(
+                    f"the arguments of {self.name} would be too long for the system (at most 128 KiB each, "
+                    "and ARG_MAX together): shorten the prompt or the params that go into its argv"
+                ) from None
             raise ProgramError(f"{self.name} could not start: {e}") from None
 
     def _check_length(self, prompt: str, params: Any) -> None:
@@ -290,6 +305,11 @@ class ProgramRunner(StageRunner):
         import soundfile
 
         info = soundfile.info(str(path))
+        decoded = info.frames * info.channels * 4
+        if decoded > MAX_AUDIO_BYTES:
+            raise ProgramError(
+                f"{self.name}'s {path.name} decodes to {decoded} bytes of samples, past {MAX_AUDIO_BYTES}"
+            )
         bound = self.bound
         if bound is not None and info.frames > bound.max_seconds * info.samplerate:
             raise ProgramError(

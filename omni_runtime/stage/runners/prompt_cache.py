@@ -117,7 +117,7 @@ class PromptEmbeddingCache:
             if s.prompt_key is None:
                 continue
             entry, nbytes = stored(s)
-            evicted = self.store.put(s.prompt_key, entry, nbytes)
+            evicted = self.store.put(s.prompt_key, entry, nbytes + key_bytes(s.prompt_key))
             s.prompt_cache_evictions = evicted or 0
 
     def follow(self, follower: StepState, leader: StepState) -> None:
@@ -173,6 +173,13 @@ def stored(state: StepState) -> tuple[EncodedPrompt, int]:
         shared={k: own(v) for k, v in state.shared.items()},
     )
     return entry, sum(seen.values())
+
+
+def key_bytes(key: Hashable) -> int:
+    """The bytes of a key's text, kept with its entry: a prompt may be 100,000 characters, far
+    more than a small model's embeddings, so it counts toward the bound too."""
+    parts = key if isinstance(key, tuple) else (key,)
+    return sum(len(part.encode("utf-8", "surrogatepass")) for part in parts if isinstance(part, str))
 
 
 def image_digest(image: Any) -> bytes | None:

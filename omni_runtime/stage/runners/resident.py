@@ -61,6 +61,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between two looks at the requests in flight (aborts, timeouts, files).
 TICK_S = 0.05
+#: Seconds a program whose standard output closed has to exit (its exit status is the better
+#: reason) before it is taken as broken: it can answer nothing more.
+OUTPUT_LINGER_S = 0.5
 _DECODER = msgspec.json.Decoder(WorkerMessage)
 _ENCODER = msgspec.json.Encoder()
 
@@ -145,11 +148,9 @@ class ResidentRunner(ProgramRunner):
                     return message
             if tick is not None:
                 tick()
-            if proc.failure is not None or proc.returncode is not None:
+            if _broken(proc) is not None:
                 break
-        why = proc.failure or (
-            f"exited with status {proc.returncode}" if proc.returncode is not None else "did not say ready in time"
-        )
+        why = _broken(proc) or "did not say ready in time"
         proc.stop(self.args.kill_grace_s)
         tail = proc.stderr_tail
         raise ProgramError(f"{self.name} {why} (startup_timeout_s {self.worker.startup_timeout_s:g})" + _said(tail))
@@ -206,8 +207,12 @@ class ResidentRunner(ProgramRunner):
                 folder = request_folder("omni-worker")
                 try:
                     line = self._request_line(req, folder)
-                except InvalidRequestError as e:
+                except Exception as e:
+                    # Failed alone (raising would leave the requests already sent to the program
+                    # running, to be sent again under the same ids by the one-by-one retry).
                     shutil.rmtree(folder, ignore_errors=True)
+                    if not isinstance(e, InvalidRequestError):
+                        e = ProgramError(f"{self.name}: this request cannot be sent: {type(e).__name__}: {e}")
                     outputs[i] = RunnerOutput(error=e)
                     continue
                 flight[req.request_id] = _InFlight(i, req, folder, time.monotonic())
@@ -281,8 +286,7 @@ class ResidentRunner(ProgramRunner):
             if fatal is not None:
                 break
         # 3) a program that died, broke the protocol or overran: every request in flight fails
-        if fatal is None and (proc.failure is not None or proc.returncode is not None):
-            how = proc.failure or _exit(proc.returncode)
+        if fatal is None and (how := _broken(proc)) is not None:
             fatal = ("", how, ProgramError)
         if fatal is None:
             return
@@ -334,6 +338,19 @@ def _decode(line: bytes) -> WorkerMessage | None:
         if line.strip():
             logger.debug("worker program wrote a line that is not the protocol: %r", line[:200])
         return None
+
+
+def _broken(proc: ResidentProcess) -> str | None:
+    """Why ``proc`` can serve no more (its protocol broken, it exited, its standard output
+    closed), or None."""
+    if proc.failure is not None:
+        return proc.failure
+    if proc.returncode is not None:
+        return _exit(proc.returncode)
+    closed = proc.output_closed_at
+    if closed is not None and time.monotonic() - closed > OUTPUT_LINGER_S:
+        return "closed its standard output"
+    return None
 
 
 def _exit(code: int | None) -> str:

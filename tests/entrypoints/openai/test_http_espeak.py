@@ -11,15 +11,19 @@ and a chat answer of the tiny LM comes back spoken by espeak-ng (``message.audio
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import openai
+import psutil
 import pytest
 import soundfile
 import yaml
@@ -111,6 +115,56 @@ def test_bad_input_is_a_400_naming_the_field(http: httpx.Client, fields: dict[st
 
 def test_it_serves_after_the_refusals(client: openai.OpenAI) -> None:
     assert len(speak(client, voice="nova", text="still here")) > RATE // 4
+
+
+#: Text a speech program may choke on: NUL and escape sequences, bidi overrides, zero-width and
+#: combining marks, emoji, scripts without a voice, a byte order mark.
+HOSTILE_TEXTS = [
+    "a\x00b", "\x1b[31mred\x1b[0m", "\u202eevil.exe", "a\u0301" * 50, "\U0001f600" * 40, "\u200d" * 30,
+    "\ufeffhello", "\u6f22\u5b57\u304b\u306a", "\u0627\u0644\u0633\u0644\u0627\u0645", "-v de --stdin", "%s%n{0}",
+]  # fmt: skip
+
+
+def test_many_concurrent_hostile_and_abandoned_requests_leave_no_program_behind(server, http: httpx.Client) -> None:
+    """Forty requests from eight threads at once, with hostile text, every voice and the edge
+    speeds; every fourth client gives up mid-request (its program is stopped). Each request that
+    is waited for is a WAV of some length or a 400; none is a 500; no espeak-ng is left running;
+    and the server speaks afterwards."""
+    voices = ["alloy", "fable", "de", "cmn", "ja", "en-us"]
+
+    def one(i: int) -> int | None:
+        body = {"model": "espeak", "input": HOSTILE_TEXTS[i % len(HOSTILE_TEXTS)], "voice": voices[i % len(voices)],
+                "speed": [0.46, 1.0, 2.57][i % 3], "response_format": "wav"}  # fmt: skip
+        abandon = i % 4 == 3
+        try:
+            with httpx.Client(base_url=server.url, timeout=0.02 if abandon else 60) as c:
+                resp = c.post("/v1/audio/speech", json=body)
+        except httpx.TimeoutException:
+            assert abandon
+            return None
+        if resp.status_code == 200:
+            samples, rate = soundfile.read(io.BytesIO(resp.content), dtype="int16")
+            assert rate == RATE and len(samples) > 0
+        return resp.status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(one, range(40)))
+    assert all(code in (None, 200, 400) for code in codes), codes
+    assert codes.count(200) >= 20, codes
+
+    def programs() -> list[int]:
+        found = []
+        for p in server.children():
+            with contextlib.suppress(psutil.Error):
+                if p.name() == "espeak-ng" and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p.pid)
+        return found
+
+    deadline = time.monotonic() + 10
+    while programs():
+        assert time.monotonic() < deadline, programs()
+        time.sleep(0.05)
+    assert http.post("/v1/audio/speech", json={"model": "espeak", "input": TEXT, "voice": "alloy"}).status_code == 200
 
 
 def test_the_cli_speaks_a_wav_file(tmp_path: Path) -> None:

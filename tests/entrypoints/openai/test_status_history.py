@@ -7,9 +7,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from urllib.parse import quote
 
 import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from omni_runtime.entrypoints.multi_omni import ModelSpec
 from omni_runtime.entrypoints.openai.metrics import ServerMetrics
+from omni_runtime.entrypoints.openai.server import create_app
 from omni_runtime.entrypoints.openai.status_history import (
     Reading,
     StageReading,
@@ -180,3 +186,59 @@ def test_one_model_served_has_unlabelled_series() -> None:
     assert reading[0] == "sd" and reading[1].stages[0].waves == 1.0
     sample = history.report("sd").samples[-1]
     assert sample.requests_per_s == 0.5 and sample.stages[0].waves_per_s == 0.5
+
+
+# --------------------------------------------------------------------------- the route, hostile
+
+
+@pytest.fixture(scope="module")
+def apps() -> dict[str, TestClient]:
+    """A one-model and a two-model app (no lifespan: no engine), each with a few samples taken."""
+    clients = {}
+    for kind, specs in (
+        ("one", [ModelSpec(source="echo")]),
+        ("two", [ModelSpec(source="echo"), ModelSpec(source="echo", name="e2")]),
+    ):
+        app = create_app(specs)
+        for i, model in enumerate(app.state.omni.multi.models.values()):
+            model.engine = FakeModel(model.name, stages=[_stage_status([i])])
+            model.state = "loaded"
+        for now in (1000.0, 1002.0, 1004.0):
+            app.state.history.sample(now=now)
+        clients[kind] = TestClient(app)
+    return clients
+
+
+#: What a client may put in a query value: numbers of every spelling, words, any text.
+QUERY_VALUES = st.one_of(
+    st.sampled_from(["nan", "-nan", "inf", "-inf", "1e308", "1e400", "-0", "0x10", "1_000", "true", "", "1e-400"]),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.integers(min_value=-(10**40), max_value=10**40).map(str),
+    st.text(max_size=40),
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["one", "two"]), since=st.none() | QUERY_VALUES, model=st.none() | QUERY_VALUES)
+def test_hostile_query_values_are_answered_and_the_route_serves_after(
+    apps: dict[str, TestClient], kind: str, since: str | None, model: str | None
+) -> None:
+    """``since`` and ``model`` as any text (huge, negative, NaN, unicode, lone surrogates escaped):
+    a 200 with samples, a 400 naming the field or a 404 naming the model, never a 500; and the
+    route still answers the plain request."""
+    http = apps[kind]
+    query = "&".join(
+        f"{name}={quote(value, errors='surrogatepass')}"
+        for name, value in (("since", since), ("model", model))
+        if value is not None
+    )
+    resp = http.get(f"/v1/status/history?{query}")
+    assert resp.status_code in (200, 400, 404), resp.text
+    body = resp.json()
+    if resp.status_code == 200:
+        reports = body.get("models", [body])
+        assert all(isinstance(r["samples"], list) for r in reports)
+    else:
+        assert body["error"]["param"] in ("model", "query.since"), body
+    plain = http.get("/v1/status/history" + ("?model=echo" if kind == "two" else "")).json()
+    assert len(plain["samples"]) == 3

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from omni_runtime import AsyncOmni
 from omni_runtime.config import StageConfig
-from omni_runtime.exceptions import RequestAbortedError
+from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError
 from omni_runtime.messages import StageOutput, StageOutputs, StageRequest
 from omni_runtime.models.tiny_lora import build_tiny_sd_lora
 from omni_runtime.outputs import OmniRequestOutput
@@ -85,6 +85,10 @@ async def stats(engine: AsyncOmni) -> dict:
 
 def pixels(out: OmniRequestOutput) -> np.ndarray:
     return out.media[0].data
+
+
+def max_diff(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
 
 
 async def test_a_prompt_seen_again_is_a_hit_and_makes_the_uncached_image(engine, reference) -> None:
@@ -159,6 +163,85 @@ async def test_a_lora_added_clears_both_caches(engine, tmp_path: Path) -> None:
     # Reading the adapters changes nothing.
     await engine.collective_rpc("list_loras")
     assert (await stats(engine))["result_cache"]["entries"] == 1
+
+
+async def outcome(engine: AsyncOmni, prompt: str, rid: str, params: dict) -> OmniRequestOutput | BaseException:
+    """The final output of a request, or what it raised."""
+    try:
+        return await final(engine, prompt, rid, **params)
+    except Exception as e:
+        return e
+
+
+async def test_hits_and_misses_racing_aborts_of_the_same_request_store_one_result(engine) -> None:
+    """Sixteen copies of one seeded request at once (the first ones misses that all run, the
+    later ones maybe hits), every other one aborted as soon as it is sent: each copy ends either
+    aborted or with the same image, the cache keeps one entry for them and forgets every request
+    it waited on, and the next copy is a hit with that image."""
+    before = (await stats(engine))["result_cache"]
+    params = {"seed": 41, "num_inference_steps": 3}
+    tasks = []
+    for i in range(16):
+        tasks.append(asyncio.ensure_future(outcome(engine, "a copper bell", f"bell-{i}", params)))
+        await asyncio.sleep(0)  # the request is sent
+        if i % 2:
+            engine.abort(f"bell-{i}")
+    results = await asyncio.gather(*tasks)
+    images = [pixels(r) for r in results if isinstance(r, OmniRequestOutput)]
+    assert all(isinstance(r, OmniRequestOutput | RequestAbortedError) for r in results), results
+    assert len(images) >= 8
+    for image in images[1:]:  # copies that ran side by side: batched, off by one at most
+        assert max_diff(image, images[0]) <= 1
+
+    async def forgotten() -> bool:
+        return (await stats(engine))["result_cache"]["pending"] == 0
+
+    await eventually(forgotten, what="every raced request forgotten")
+    after = (await stats(engine))["result_cache"]
+    assert after["entries"] == before["entries"] + 1
+    hit = await final(engine, "a copper bell", "bell-again", **params)
+    assert hit.metrics["result_cache_hit"] == 1
+    assert any(np.array_equal(pixels(hit), image) for image in images)  # the one stored, byte for byte
+
+
+async def test_loras_churned_under_load_leave_no_stale_embedding_or_result(engine, reference, tmp_path: Path) -> None:
+    """An adapter name re-pointed, removed and added back again and again while requests with and
+    without it run (the adapter patches the text encoder, so its prompts' embeddings differ): once
+    the churn ends on one adapter, a request with it makes that adapter's image, whatever either
+    cache took meanwhile, and one without it makes the plain image."""
+    one = build_tiny_sd_lora(tmp_path / "one", seed=1)
+    two = build_tiny_sd_lora(tmp_path / "two", seed=2)
+
+    async def rpc(method: str, **kwargs: object) -> None:
+        [res] = await engine.collective_rpc(method, kwargs=kwargs)
+        assert res.error is None, res.error
+
+    with_lora = {"seed": 7, "lora": {"name": "churn"}}
+    await rpc("add_lora", name="churn", path=str(two))
+    expected = pixels(await final(engine, "a glass vase", "vase-ref", **with_lora))
+
+    async def churn() -> None:
+        for i in range(8):
+            if i == 5:
+                await rpc("remove_lora", name="churn")
+            await rpc("add_lora", name="churn", path=str(one if i % 2 == 0 else two))
+            await asyncio.sleep(0.05)
+
+    async def load(i: int) -> OmniRequestOutput | BaseException:
+        await asyncio.sleep(0.02 * i)
+        return await outcome(engine, "a glass vase", f"vase-{i}", with_lora if i % 3 else {"seed": 7})
+
+    results = await asyncio.gather(churn(), *(load(i) for i in range(16)))
+    # The churn ended on `two`; requests that ran after it may have filled either cache.
+    for r in results[1:]:
+        assert r is None or isinstance(r, OmniRequestOutput | InvalidRequestError), r  # unknown while removed
+    for i in range(2):  # (off by one at most: a stored image may have been made in a batch)
+        again = await final(engine, "a glass vase", f"vase-again-{i}", **with_lora)
+        assert max_diff(pixels(again), expected) <= 1
+    plain = await final(engine, "a glass vase", "vase-plain", seed=7)
+    assert max_diff(pixels(plain), uncached_image(reference, "a glass vase", 7)) <= 1
+    assert max_diff(pixels(plain), expected) > 8, "the adapter changes the image"
+    await rpc("remove_lora", name="churn")
 
 
 async def test_metrics_count_the_outputs_lookups(engine) -> None:

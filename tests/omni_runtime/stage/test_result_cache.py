@@ -122,6 +122,18 @@ def test_tensors_and_text_are_stored_too() -> None:
     assert hit.tensors["latents"] is not out.tensors["latents"]
 
 
+def test_text_weighs_its_utf8_bytes_not_its_characters() -> None:
+    """Four-byte characters: a text of 1,000 of them holds 4,000 bytes, past a 3,000-byte bound
+    (counted as 1,000, it was stored, and such texts filled four times the bound)."""
+    cache = ExactResultCache(3000)
+    text = resolve_params(TextSamplingParams, {}, {"seed": 1})
+    out = RunnerOutput(text="\U0001f600" * 1000, metrics={"seed": 1})
+    assert output_bytes(out) == 4000
+    cache.lookup("a", "hi", text, {})
+    cache.finished("a", out)
+    assert cache.stats()["refused"] == 1 and cache.stats()["entries"] == 0
+
+
 def test_errors_aborts_and_requests_admitted_before_an_invalidation_are_not_stored() -> None:
     cache = ExactResultCache(2**20)
     cache.lookup("failed", "p", params(), {})

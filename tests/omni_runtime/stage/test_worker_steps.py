@@ -227,6 +227,74 @@ async def test_the_deadline_policy_lets_an_urgent_request_through_and_sheds_what
         await worker.close()
 
 
+async def test_a_burst_of_extreme_targets_aborts_and_repeats_each_gets_one_answer(cache: Path) -> None:
+    """The deadline policy with shedding and the result cache together, under a seeded burst: slo_ms
+    at its bounds (the least positive float, an hour), none, repeats of one seeded request (hits),
+    and aborts of some of them, of each kind. Every request that is not aborted gets exactly one
+    final answer (served, or shed with a finite hint), an aborted one at most one, nothing is left
+    queued or pending, and the worker serves afterwards."""
+    config = stage(
+        "diffusion", "builtin:tiny-sd", max_num_seqs=2, step_execution=True, batch_policy="deadline",
+        slo_shed=True, result_cache={"max_bytes": 2**20},
+    )  # fmt: skip
+    worker, outbox = await started(config)
+    try:
+
+        def params(steps: int, seed: int, slo_ms: float | None) -> DiffusionSamplingParams:
+            given = {**SD, "num_inference_steps": steps, "seed": seed, "slo_ms": slo_ms}
+            return resolve_params(DiffusionSamplingParams, {}, given)
+
+        # The cost of a step of this key is known from here on (evidence for shedding).
+        worker.handle(StageRequest(request_id="warm", prompt="a kite", params=params(2, 0, None)))
+        await outbox.wait_for(is_final("warm"))
+        rng = np.random.default_rng(7)
+        targets = [5e-324, 1e-9, 1.0, 3_600_000.0, None]
+        ids, aborted = [], set()
+        for i in range(24):
+            rid = f"b{i}"
+            if i % 4 == 0:  # the warm-up again: a result-cache hit
+                worker.handle(StageRequest(request_id=rid, prompt="a kite", params=params(2, 0, None)))
+            else:
+                slo = targets[int(rng.integers(len(targets)))]
+                steps = int(rng.integers(1, 4))
+                worker.handle(StageRequest(request_id=rid, prompt=f"p{i % 3}", params=params(steps, i, slo)))
+            ids.append(rid)
+            if rng.random() < 0.3:
+                worker.handle(StageAbort(request_ids=[rid]))
+                aborted.add(rid)
+            if i % 5 == 0:
+                await asyncio.sleep(0)  # let steps run between arrivals
+
+        async def settled() -> bool:
+            s = worker.stats()
+            return s["queue_len"] == 0 and s["running"] == 0 and s["result_cache"]["pending"] == 0
+
+        deadline = time.monotonic() + 60
+        while not await settled():
+            assert time.monotonic() < deadline, worker.stats()
+            await asyncio.sleep(0.01)
+        finals: dict[str, list[StageOutput]] = {}
+        for m in outbox.finals():
+            finals.setdefault(m.request_id, []).append(m)
+        for rid in ids:
+            answers = finals.get(rid, [])
+            assert len(answers) == (len(answers) if rid in aborted else 1) <= 1, (rid, answers)
+            for m in answers:
+                if m.error is not None:
+                    assert m.error.type == "QueueFullError", m.error
+                    assert m.error.retry_after_s is not None and 0 < m.error.retry_after_s < 3600
+        kinds = {
+            "shed" if m.error else "hit" if m.payload.metrics.extra.get("result_cache_hit") else "ran"
+            for m in outbox.finals()
+        }
+        assert kinds == {"shed", "hit", "ran"}  # the seeded burst reaches every path
+        worker.handle(StageRequest(request_id="after", prompt="a boat", params=params(2, 99, 3_600_000.0)))
+        after = await outbox.wait_for(is_final("after"))
+        assert after.error is None
+    finally:
+        await worker.close()
+
+
 def test_the_deadline_policy_needs_step_execution() -> None:
     from omni_runtime.config import parse_config
     from omni_runtime.exceptions import ConfigError

@@ -10,6 +10,7 @@ file in ``$PIDS_DIR``, so that a test can look for what is left. Modes:
 - ``exit``: writes part of OUTPUT and a line to its standard error, then exits with status 3.
 - ``huge``: writes OUTPUT without end.
 - ``corrupt``: writes bytes that are no WAV file to OUTPUT.
+- ``bomb``: writes a FLAC of silence to OUTPUT: 350 KB that decode to 1.3 GB of samples.
 - ``link``: makes OUTPUT a symbolic link to a file outside its folder.
 - ``stubborn``: ignores SIGTERM (and so does the child it starts), then sleeps forever.
 """
@@ -68,6 +69,14 @@ def main() -> None:
     elif mode == "corrupt":
         with open(output, "wb") as f:
             f.write(b"RIFF\x10\x00\x00\x00WAVEjunkjunkjunk" * 8)
+    elif mode == "bomb":
+        import numpy as np
+        import soundfile
+
+        silence = np.zeros((1 << 20, 8), np.int16)
+        with soundfile.SoundFile(output, "w", samplerate=192_000, channels=8, format="FLAC") as f:
+            for _ in range(40):
+                f.write(silence)
     elif mode == "link":
         os.symlink("/etc/hostname", output)
     elif mode == "stubborn":

@@ -1,11 +1,13 @@
 """A resident worker for the ``worker`` stage's tests: ``hostile_worker.py [START]``.
 
 It records its pid as a file in ``$PIDS_DIR``. ``START`` is ``ready`` (the default), ``silent``
-(never says ready) or ``exit`` (exits before ready). Then each request acts by its
-``params["mode"]``: ``ok`` (writes the prompt upper-cased to its first output, with two progress
-lines), ``error`` (answers an error), ``die`` (exits with status 5 mid-request), ``hang`` (never
-answers, nor reads another line: a cancel goes unanswered), ``flood`` (writes a line without end)
-or ``huge`` (writes its output file without end).
+(never says ready), ``exit`` (exits before ready) or ``mute`` (closes its standard output and error
+before ready, and lives on). Then each request acts by its ``params["mode"]``: ``ok`` (writes the
+prompt upper-cased to its first output, with two progress lines), ``error`` (answers an error),
+``die`` (exits with status 5 mid-request), ``hang`` (never answers, nor reads another line: a
+cancel goes unanswered), ``flood`` (writes a line without end), ``huge`` (writes its output file
+without end) or ``mute`` (closes its standard output and error, and lives on: it can answer
+nothing more).
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ def say(message: dict) -> None:
     sys.stdout.flush()
 
 
+def mute() -> None:
+    sys.stdout.flush()
+    os.close(1)
+    os.close(2)
+    time.sleep(3600)
+
+
 def main() -> None:
     folder = os.environ.get("PIDS_DIR")
     if folder:
@@ -31,6 +40,8 @@ def main() -> None:
     if start == "exit":
         print("cannot load the weights", file=sys.stderr)
         sys.exit(7)
+    if start == "mute":
+        mute()
     print("a chatty library's banner on stdout")  # not the protocol: ignored
     say({"type": "ready"})
     for line in sys.stdin:
@@ -52,6 +63,8 @@ def main() -> None:
             os._exit(5)
         elif mode == "hang":
             time.sleep(3600)
+        elif mode == "mute":
+            mute()
         elif mode == "flood":
             while True:
                 sys.stdout.write("x" * 65536)

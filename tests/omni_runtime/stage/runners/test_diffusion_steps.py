@@ -222,6 +222,28 @@ def test_a_prompt_seen_again_comes_from_the_prompt_cache_and_makes_the_uncached_
         runner.prompt_cache = None
 
 
+@pytest.mark.parametrize("name", ["tiny-sd"], indirect=True)  # what a key weighs: one family shows it
+def test_a_long_prompt_counts_toward_the_prompt_cache_bound(runner: RecordingRunner) -> None:
+    """The key holds the prompt's text (up to 100,000 characters, kept with the entry): a bound
+    with room for one such entry beside its embeddings holds one, not two (counted by their
+    embeddings alone, a few KB, thousands of 100 KB prompts fitted under 64 MiB)."""
+    d = Driver(runner)
+    try:
+        runner.prompt_cache = PromptEmbeddingCache(64 * 2**20)
+        d.admit(req(runner, "short", "x", seed=0))
+        d.finish()
+        embeds = runner.stats()["prompt_cache"]["bytes"] - 1
+        runner.prompt_cache = PromptEmbeddingCache(2 * embeds + 150_000)
+        for i in range(2):
+            d.admit(req(runner, f"long-{i}", f"{i} " + "x" * 99_998, seed=i))
+            d.finish()
+        stats = runner.stats()["prompt_cache"]
+        assert stats["bytes"] == embeds + 100_000, stats
+        assert (stats["entries"], stats["evictions"]) == (1, 1), stats
+    finally:
+        runner.prompt_cache = None
+
+
 # ---------------------------------------------------------------------------- family-independent
 
 

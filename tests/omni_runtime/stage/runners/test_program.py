@@ -190,6 +190,17 @@ def test_a_corrupt_or_linked_output_is_a_typed_error(pids: Path) -> None:
     assert_nothing_left(pids)
 
 
+def test_an_audio_output_that_decodes_past_its_bound_is_refused_unread(pids: Path) -> None:
+    """A decompression bomb: 350 KB of FLAC, within max_output_bytes, that would decode to 1.3 GB
+    of samples (the stage's memory), is refused from its header."""
+    runner = runner_for(pids, outputs=[{"name": "output", "path": "out.flac", "kind": "audio"}])
+    peak = psutil.Process().memory_info().rss
+    (out,) = run(runner, request(runner, "bomb"))
+    assert type(out.error) is ProgramError and "bytes of samples, past" in str(out.error), out.error
+    assert psutil.Process().memory_info().rss - peak < 256 << 20
+    assert_nothing_left(pids)
+
+
 def test_a_program_that_ignores_sigterm_is_killed_after_the_grace(pids: Path) -> None:
     runner = runner_for(pids, timeout_s=0.3, kill_grace_s=0.5)
     started = time.monotonic()
@@ -209,6 +220,34 @@ def test_a_missing_param_or_a_nul_is_refused_before_anything_runs(pids: Path) ->
     (missing,) = run(runner, RunnerRequest(request_id="m", prompt="p", params=resolved))
     assert isinstance(missing.error, InvalidRequestError) and missing.error.param == "mode"
     assert not list(pids.iterdir())
+
+
+def test_a_value_past_the_systems_argument_limit_is_the_requests_error(pids: Path) -> None:
+    """A value the kernel refuses as an argument (over 128 KiB; a 100,000-character prompt of
+    4-byte characters in ``prompt: argv``) is the request's bad input, not the stage's failure."""
+    runner = runner_for(pids)
+    (big,) = run(runner, request(runner, "ok", arg="x" * 200_000))
+    assert type(big.error) is InvalidRequestError and "too long" in str(big.error), big.error
+    assert not list(pids.iterdir())
+    serves_next(runner)
+
+
+def test_a_wave_that_fails_to_start_stops_the_programs_it_started(pids: Path) -> None:
+    """A request the runner cannot start for a reason it does not map (here a prompt no file can
+    hold: a caller that skipped the engine's checks) fails the wave, which the worker runs again
+    one by one; the program already started for the other request is stopped, not left running
+    beside its retry."""
+    runner = runner_for(pids)
+    with pytest.raises(UnicodeEncodeError):
+        run(runner, request(runner, "sleep", request_id="a"), request(runner, "ok", prompt="\ud800", request_id="b"))
+    running = [
+        c.pid
+        for c in psutil.Process().children(recursive=True)
+        if c.status() != psutil.STATUS_ZOMBIE and HELPER in " ".join(c.cmdline())
+    ]
+    assert not running, running
+    assert not list(Path(tempfile.gettempdir()).glob(f"omni-program-{os.getpid()}-*"))
+    serves_next(runner)
 
 
 def test_a_missing_program_fails_the_load(pids: Path) -> None:

@@ -12,7 +12,9 @@ example serves, and an abort mid-request is answered by its cancel without a res
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -141,6 +143,49 @@ def test_a_broken_program_fails_its_request_is_stopped_and_comes_back(
         runner._stop("the test is done")
 
 
+def test_a_program_that_closes_its_output_fails_at_once_without_spinning(pids: Path) -> None:
+    """It can answer nothing more: its requests fail well before their timeout, and the wait for
+    its exit does not spin the forward thread."""
+    runner = loaded(pids, timeout_s=5)
+    try:
+        (first,) = recorded(pids)
+        started, cpu = time.monotonic(), time.process_time()
+        (out,) = run(runner, req("mute"))
+        took, spent = time.monotonic() - started, time.process_time() - cpu
+        assert type(out.error) is ProgramError and "closed its standard output" in str(out.error), out.error
+        assert took < 3 and spent < took / 2, (took, spent)
+        assert gone(first) and runner.proc is None
+        (back,) = run(runner, req(prompt="again"))
+        assert back.text == "AGAIN"
+    finally:
+        runner._stop("the test is done")
+
+
+def test_a_request_that_cannot_be_sent_fails_alone_beside_one_already_sent(runner: ResidentRunner, pids: Path) -> None:
+    """A prompt no protocol line can carry (a caller that skipped the engine's checks), after a
+    request already sent: that one is answered, this one fails alone, nothing is sent twice and
+    its folder is removed."""
+    good, bad = run(runner, req(rid="a", prompt="fine"), req(rid="b", prompt="\ud800"))
+    assert good.error is None and good.text == "FINE"
+    assert type(bad.error) is ProgramError and "cannot be sent" in str(bad.error), bad.error
+    assert runner.restarts == 0 and len(recorded(pids)) == 1
+    assert not list(Path(tempfile.gettempdir()).glob(f"omni-worker-{os.getpid()}-*"))
+
+
+def test_a_line_without_end_costs_its_length_not_its_square(pids: Path) -> None:
+    """A 64 MiB line bound: a program that writes one line without end reaches it in well under
+    a second (the partial line was copied and split again at every 64 KiB read: the timeout came
+    first)."""
+    runner = loaded(pids, max_stdout_bytes=1 << 26, timeout_s=10)
+    try:
+        started = time.monotonic()
+        (out,) = run(runner, req("flood"))
+        assert type(out.error) is ProgramError and f"a line past {1 << 26} bytes" in str(out.error), out.error
+        assert time.monotonic() - started < 3
+    finally:
+        runner._stop("the test is done")
+
+
 def test_an_unanswered_cancel_restarts_the_program(runner: ResidentRunner, pids: Path) -> None:
     calls = {"n": 0}
 
@@ -179,7 +224,10 @@ def test_restarts_back_off_doubling_per_death_in_a_row(pids: Path) -> None:
         runner._stop("the test is done")
 
 
-@pytest.mark.parametrize(("start", "says"), [("silent", "did not say ready"), ("exit", "exited with status 7")])
+@pytest.mark.parametrize(
+    ("start", "says"),
+    [("silent", "did not say ready"), ("exit", "exited with status 7"), ("mute", "closed its standard output")],
+)
 def test_a_program_that_does_not_get_ready_fails_the_load(pids: Path, start: str, says: str) -> None:
     runner = ResidentRunner(
         parse_config(
