@@ -53,6 +53,9 @@ from .launcher_client import LaunchedProcess, LauncherClient
 if TYPE_CHECKING:
     import zmq
 
+#: How long a replica that exited before READY is given for its last words to arrive.
+_LAST_WORDS_S = 1.0
+
 logger = logging.getLogger(__name__)
 
 _IPC_PREFIX = "omni_runtime-ipc-"
@@ -355,14 +358,28 @@ class ProcessStageClient(StageClient):
     def _exited(self, proc: subprocess.Popen | LaunchedProcess, code: int) -> None:
         was_alive, self.alive = self.alive, False
         reason = f"stage {self.stage_id} replica {self.replica_id} (pid {proc.pid}) exited with code {code}"
-        if self._ready_fut is not None and not self._ready_fut.done() and self._reader is not None:
-            self._reader.drain()  # its last words (why it failed to load) may be queued already
         if self._ready_fut is not None and not self._ready_fut.done():
-            self._ready_fut.set_exception(StageStartupError(f"{reason} before READY"))
+            self._await_last_words(reason, asyncio.get_running_loop().time() + _LAST_WORDS_S)
             return
         if was_alive and not self._closing:
             logger.error("%s", reason)
             self._on_dead(self, reason)
+
+    def _await_last_words(self, reason: str, until: float) -> None:
+        """A replica that exits before READY has usually said why (its load failed) just before:
+        read what has come, and give a message still on its way through the sockets' I/O threads
+        until ``until`` (a fresh clone's loaded run saw the exit before the words once), then
+        fail with the bare exit."""
+        if self._reader is not None:
+            self._reader.drain()
+        fut = self._ready_fut
+        if fut is None or fut.done():
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < until:
+            loop.call_later(0.02, self._await_last_words, reason, until)
+            return
+        fut.set_exception(StageStartupError(f"{reason} before READY"))
 
     def _lost_output(self, exc: shm.ShmLostError) -> StageOutput | StageOutputs | None:
         """An output whose shared memory vanished fails its request (every request of its wave,
