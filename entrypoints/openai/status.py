@@ -262,7 +262,9 @@ async def status_history(
     request: Request,
     state: State,
     model: str | None = None,
-    since: float | None = Query(None, description="only the samples taken after this time (epoch seconds)"),
+    since: float | None = Query(
+        None, description="only the samples taken after this time (epoch seconds)", allow_inf_nan=False
+    ),
 ) -> JSONResponse:
     """One model's samples (``?model=NAME``, or the only one), oldest first; with several models
     served and none named, every model's (``{"models": [...]}``)."""

@@ -240,5 +240,7 @@ def test_hostile_query_values_are_answered_and_the_route_serves_after(
         assert all(isinstance(r["samples"], list) for r in reports)
     else:
         assert body["error"]["param"] in ("model", "query.since"), body
+    if since is not None and since.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+        assert resp.status_code == 400 and body["error"]["param"] == "query.since"  # was a 200, empty
     plain = http.get("/v1/status/history" + ("?model=echo" if kind == "two" else "")).json()
     assert len(plain["samples"]) == 3
