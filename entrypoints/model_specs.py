@@ -96,6 +96,8 @@ def load_models_file(path: str | Path) -> list[ModelSpec]:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"cannot read the models file: {e}", source=str(path)) from None
+    except RecursionError:
+        raise ConfigError("cannot read the models file: nested too deeply", source=str(path)) from None
     if not isinstance(data, dict) or not data:
         raise ConfigError("expected a mapping of model name to config", source=str(path))
     specs: list[ModelSpec] = []

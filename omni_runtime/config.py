@@ -171,7 +171,15 @@ def bundled_config_names() -> list[str]:
 
 def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
     """Validate a decoded YAML document into a DeployConfig. Each stage is checked on its own
-    first, so a file with several broken stages reports all of them in one ConfigError."""
+    first, so a file with several broken stages reports all of them in one ConfigError. A document
+    nested past what the checks can walk is a ConfigError too, not a RecursionError."""
+    try:
+        return _parse_config(data, source)
+    except RecursionError:
+        raise ConfigError("nested too deeply to check", source=source) from None
+
+
+def _parse_config(data: Any, source: str) -> DeployConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"expected a mapping with a `stage_args:` list, got {type(data).__name__}", source=source)
     stages = data.get("stage_args")
@@ -333,6 +341,8 @@ def load_config(model: str | Path) -> DeployConfig:
             data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"not valid YAML: {e}", source=source) from None
+        except RecursionError:
+            raise ConfigError("nested too deeply to read (YAML)", source=source) from None
         config = parse_config(data, source)
         return config if config.model else msgspec.structs.replace(config, model=path.stem)
     bundled = bundled_config_dir() / f"{model}.yaml"

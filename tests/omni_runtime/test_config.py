@@ -205,3 +205,22 @@ def test_runtime_backend_and_its_older_spelling(runtime, backend):
 def test_a_contradicting_older_spelling_names_the_new_key():
     message = error_of({"stage_args": [stage(runtime={"process": False, "backend": "process"})]})
     assert "stage_args[0].runtime" in message and "keep `backend` only" in message
+
+
+@pytest.mark.parametrize("depth", [1_200, 20_000])
+def test_a_config_nested_past_the_recursion_limit_is_a_config_error(tmp_path, depth):
+    """YAML (and the checks after it) walk a document recursively: a deep one raised RecursionError
+    out of load_config instead of saying what is wrong with the file."""
+    from entrypoints.model_specs import load_models_file
+
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("stage_args:\n  - runner_args: " + "[" * depth + "]" * depth + "\n")
+    with pytest.raises(ConfigError, match=r"deep\.yaml.*(nested too deeply|not valid YAML)"):
+        load_config(deep)
+    with pytest.raises(ConfigError, match="models file"):
+        load_models_file(deep)
+    nested: list = []
+    for _ in range(depth):
+        nested = [nested]
+    with pytest.raises(ConfigError, match=r"nested too deeply|stage_args"):
+        parse_config({"stage_args": [{"stage_id": 0, "stage_type": "echo", "runner_args": {"x": nested}}]})
