@@ -137,6 +137,7 @@ def set_fields(params: Mapping[str, Any] | msgspec.Struct) -> Mapping[str, Any]:
         return {k: v for k in params.__struct_fields__ if (v := getattr(params, k)) is not None}
     return params
 
+
 def check_constraints(params: Mapping[str, Any] | msgspec.Struct, constraints: StageConstraints) -> None:
     """Checks that need the loaded model: what a stage reported in its READY message (each field
     is described on :class:`~omni_runtime.messages.StageConstraints`), of a params object or a
@@ -291,9 +292,7 @@ def check_speed(params: Mapping[str, Any], constraints: StageConstraints) -> Non
         )
 
 
-def check_speech_length(
-    prompt: str, params: Mapping[str, Any] | msgspec.Struct, constraints: StageConstraints
-) -> None:
+def check_speech_length(prompt: str, params: Mapping[str, Any] | msgspec.Struct, constraints: StageConstraints) -> None:
     """Refuse a text that a speech stage could speak for longer than its ``max_seconds`` at the
     request's ``speed`` (before it is queued: a clip's memory grows with its length). Counts
     characters, an upper bound of the tokens the stage's tokenizer makes of them (its case folding
@@ -320,9 +319,7 @@ def check_speech_length(
     )
 
 
-def bounded_defaults(
-    params_cls: type[Any], defaults: dict[str, Any], constraints: StageConstraints
-) -> dict[str, Any]:
+def bounded_defaults(params_cls: type[Any], defaults: dict[str, Any], constraints: StageConstraints) -> dict[str, Any]:
     """A stage's default params (``default_sampling_params``, resolved) within what its constraints
     allow, so that a request that leaves a length to the stage is never refused for it: a text
     stage's ``max_tokens`` (the stage's default, else :data:`DEFAULT_MAX_TOKENS`) at most its

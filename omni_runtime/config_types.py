@@ -117,7 +117,6 @@ class RuntimeConfig(msgspec.Struct, **_Struct):
         return self.backend
 
 
-
 class TorchCompile(msgspec.Struct, **_Struct):
     """``engine_args.torch_compile``: ``torch.compile`` the denoiser (UNet or transformer) at load."""
 

@@ -132,8 +132,10 @@ async def main(out: Path | None) -> int:
         out.write_text(text)
     for r in reports:
         error = f"; {r['error']}" if "error" in r else ""
-        print(f"{r['request']} ({r['status']}): {r['functions']} functions in {len(r['files'])} files, "
-              f"{r['thread_switches_in_first_call_order']} thread switches{error}")
+        print(
+            f"{r['request']} ({r['status']}): {r['functions']} functions in {len(r['files'])} files, "
+            f"{r['thread_switches_in_first_call_order']} thread switches{error}"
+        )
     return 0
 
 

@@ -30,9 +30,7 @@ from omni_runtime.params import (
 pytestmark = pytest.mark.unit
 
 #: What tiny-lm's text stage reports: a byte-level BPE whose longest token is 4 bytes.
-TINY_LM = TextBound(
-    context=16_384, bytes_per_token=4, normalization="NFC", special_tokens=("<|endoftext|>", "<|pad|>")
-)
+TINY_LM = TextBound(context=16_384, bytes_per_token=4, normalization="NFC", special_tokens=("<|endoftext|>", "<|pad|>"))
 
 
 def refusal(prompt: str, params: dict, bound: TextBound) -> InvalidRequestError | None:
