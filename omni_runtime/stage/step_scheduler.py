@@ -225,8 +225,11 @@ class StepScheduler(BatchSize):
                 drop.append(rid)
         self._aborted = []
         # 2) The leader (priority, then arrival) picks the key; the best of that key form the batch.
-        leader = self._leader()
-        batch = [] if leader is None else self._best_of(leader.key, self._limit(leader.key))
+        # Under the deadline policy every request is ranked once per plan (the rank moves with the
+        # clock and the cost model), for the leader and its key's batch alike.
+        ranks = self._deadline_ranks(now) if self._policy == "deadline" else None
+        leader = self._leader(ranks)
+        batch = [] if leader is None else self._best_of(leader.key, self._limit(leader.key), ranks)
         if not batch and not drop:
             return None
         last = set(self._last_run)
@@ -353,16 +356,18 @@ class StepScheduler(BatchSize):
     def _rank(self, entry: _Entry) -> tuple[float, int]:
         return aged_rank(entry.priority, entry.arrival, self._aging_s), entry.seq
 
-    def _deadline_rank(self, entry: _Entry, now: float) -> tuple[float, ...]:
-        assert entry.deadline is not None
-        return deadline.rank(entry.deadline, now, self._aging_s, self._cost_model)
+    def _deadline_ranks(self, now: float) -> dict[str, tuple[float, ...]]:
+        return {
+            rid: deadline.rank(e.deadline, now, self._aging_s, self._cost_model)
+            for rid, e in self._entries.items()
+            if e.deadline is not None
+        }
 
-    def _leader(self) -> _Entry | None:
+    def _leader(self, ranks: dict[str, tuple[float, ...]] | None) -> _Entry | None:
         if not self._by_priority:
             return None
-        if self._policy == "deadline":
-            now = self._clock()
-            return min(self._entries.values(), key=lambda e: self._deadline_rank(e, now))
+        if ranks is not None:
+            return min(self._entries.values(), key=lambda e: ranks[e.request_id])
         if len(self._by_priority) > 1:  # aging may lift an older, lower priority over a newer one
             return min(self._entries.values(), key=self._rank)
         return next(iter(self._by_priority[max(self._by_priority)].values()))
@@ -372,12 +377,11 @@ class StepScheduler(BatchSize):
         best = None if self._cost_model is None else self._cost_model.best_batch(key, self._max_num_seqs)
         return self._max_num_seqs if best is None else best
 
-    def _best_of(self, key: Hashable, limit: int) -> list[_Entry]:
+    def _best_of(self, key: Hashable, limit: int, ranks: dict[str, tuple[float, ...]] | None) -> list[_Entry]:
         by_priority = self._by_key[key]
-        if self._policy == "deadline":
-            now = self._clock()
+        if ranks is not None:
             members = (e for same in by_priority.values() for e in same.values())
-            entries: Iterable[_Entry] = sorted(members, key=lambda e: self._deadline_rank(e, now))
+            entries: Iterable[_Entry] = sorted(members, key=lambda e: ranks[e.request_id])
         elif len(by_priority) > 1:
             entries = sorted((e for same in by_priority.values() for e in same.values()), key=self._rank)
         else:

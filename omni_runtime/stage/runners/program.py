@@ -156,13 +156,19 @@ class ProgramRunner(StageRunner):
 
     # ------------------------------------------------------------------ one request
 
-    def _start(self, req: RunnerRequest, folder: Path) -> ProgramRun:
+    def _text_prompt(self, req: RunnerRequest) -> str:
+        """The request's text (its prompt, or an upstream stage's ``text``), its length checked."""
         prompt = req.prompt if isinstance(req.prompt, str) else req.inputs.get("text")
         if not isinstance(prompt, str):
             raise InvalidRequestError(
-                f"a subprocess stage takes a text prompt, got {type(req.prompt).__name__}", param="prompt"
+                f"a {self.stage.stage_type} stage takes a text prompt, got {type(req.prompt).__name__}",
+                param="prompt",
             )
         self._check_length(prompt, req.params)
+        return prompt
+
+    def _start(self, req: RunnerRequest, folder: Path) -> ProgramRun:
+        prompt = self._text_prompt(req)
         prompt_file = folder / "prompt.txt"
         prompt_file.write_text(prompt, encoding="utf-8", errors="surrogateescape")
         values = self._values(req, prompt, folder, prompt_file)

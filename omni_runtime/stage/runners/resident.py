@@ -226,12 +226,7 @@ class ResidentRunner(ProgramRunner):
         return [o if o is not None else RunnerOutput(error=ProgramError("no result")) for o in outputs]
 
     def _request_line(self, req: RunnerRequest, folder: Path) -> bytes:
-        prompt = req.prompt if isinstance(req.prompt, str) else req.inputs.get("text")
-        if not isinstance(prompt, str):
-            raise InvalidRequestError(
-                f"a worker stage takes a text prompt, got {type(req.prompt).__name__}", param="prompt"
-            )
-        self._check_length(prompt, req.params)
+        prompt = self._text_prompt(req)
         params = params_to_dict(req.params)
         if isinstance(req.params, SpeechSamplingParams):
             params.update(self._speech_values(req.params))
