@@ -168,8 +168,10 @@ async def test_hostile_streaming_input_never_stalls_the_engine(echo):
     pinger.cancel()
     assert out is not None and out.text == "".join(pieces) + " end"
     # Cut linearly, the whole of it takes the orchestrator ~20 ms; rescanning, the prompt alone
-    # held the GIL for about a minute.
-    assert max(gaps) < 0.25, f"worst ping gap {max(gaps):.3f} s"
+    # held the GIL for about a minute. The bound is loose because this is the wall clock on a
+    # shared machine (a 0.64 s gap was seen from scheduling alone); the tight bound, on CPU
+    # time, is test_chunking's.
+    assert max(gaps) < 3, f"worst ping gap {max(gaps):.3f} s"
 
 
 async def test_an_update_past_the_limit_is_refused_naming_its_field(echo):

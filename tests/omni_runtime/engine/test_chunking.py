@@ -3,9 +3,7 @@ outputs; every hostile chunk policy in a YAML a ConfigError naming its path, nev
 
 from __future__ import annotations
 
-import asyncio
 import re
-import threading
 import time
 
 import numpy as np
@@ -181,41 +179,23 @@ def test_the_text_cutter_scans_each_character_a_bounded_number_of_times(name, de
 
 
 def test_hostile_text_never_holds_the_thread_that_cuts_it_for_long():
-    """What the orchestrator's thread does per request is cut text: while it is fed the worst
-    text there is, another thread's event loop keeps answering (no scan holds the GIL for long)."""
-    gaps: list[float] = []
-    stop = threading.Event()
-
-    async def ping() -> None:
-        last = time.perf_counter()
-        while not stop.is_set():
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    pinger = threading.Thread(target=asyncio.run, args=(ping(),))
-    pinger.start()
+    """What the orchestrator's thread does per request is cut text: fed the worst text there is,
+    no single feed spends long on the CPU, so none holds the GIL for long. The measure is this
+    thread's CPU time, not the wall clock, so a loaded machine that deschedules it cannot fail
+    the test and a slow cutter cannot pass it."""
     worst_feed = 0.0
-    try:
-        while not gaps:  # the loop runs
-            time.sleep(0.001)
-        cases = [[text] for text in HOSTILE_TEXTS.values()]  # one delta at the limit
-        cases += [[text[i : i + 50] for i in range(0, len(text), 50)] for text in HOSTILE_TEXTS.values()]
-        for deltas in cases:
-            chunker = Chunker(STREAMING_INPUT_CHUNKING)
-            for delta in deltas:
-                start = time.perf_counter()
-                chunker.feed(delta)
-                worst_feed = max(worst_feed, time.perf_counter() - start)
-            chunker.finish()
-    finally:
-        stop.set()
-        pinger.join()
-    # Linear cutting takes ~10 ms for 100,000 characters; the rescanning cutter held the GIL
-    # for 1.2 s on 16,000 and for minutes on 100,000.
-    assert max(gaps) < 0.25, f"worst ping gap {max(gaps):.3f} s"
-    assert worst_feed < 0.5, f"worst feed {worst_feed:.3f} s"
+    cases = [[text] for text in HOSTILE_TEXTS.values()]  # one delta at the limit
+    cases += [[text[i : i + 50] for i in range(0, len(text), 50)] for text in HOSTILE_TEXTS.values()]
+    for deltas in cases:
+        chunker = Chunker(STREAMING_INPUT_CHUNKING)
+        for delta in deltas:
+            start = time.thread_time()
+            chunker.feed(delta)
+            worst_feed = max(worst_feed, time.thread_time() - start)
+        chunker.finish()
+    # Linear cutting spends ~10 ms of CPU on 100,000 characters; the rescanning cutter spent
+    # 1.2 s on 16,000 and minutes on 100,000.
+    assert worst_feed < 0.2, f"worst feed {worst_feed:.3f} s of CPU"
 
 
 @settings(max_examples=100, deadline=None, database=None)
