@@ -26,6 +26,7 @@ from omni_runtime.config_types import Backend as Backend
 from omni_runtime.config_types import BatchProfile as BatchProfile
 from omni_runtime.config_types import EngineArgs, InputChunking, RuntimeConfig
 from omni_runtime.config_types import MaxNumSeqs as MaxNumSeqs
+from omni_runtime.config_types import ParallelConfig as ParallelConfig
 from omni_runtime.config_types import PromptCache as PromptCache
 from omni_runtime.config_types import RequestBatchMaxWaitMs as RequestBatchMaxWaitMs
 from omni_runtime.config_types import ResultCache as ResultCache
@@ -218,6 +219,8 @@ def _parse_config(data: Any, source: str) -> DeployConfig:
                 path=f"stage_args[{i}].engine_args.batch_policy",
                 source=source,
             )
+        if s.runtime.parallel is not None:
+            check_parallel(s, f"stage_args[{i}].runtime", source)
         if s.engine_args.load_format == "dummy" and s.stage_type != "diffusion":
             raise ConfigError(
                 f"load_format: dummy builds the components of a diffusers model directory (stage_type diffusion); "
@@ -226,6 +229,76 @@ def _parse_config(data: Any, source: str) -> DeployConfig:
                 source=source,
             )
     return config
+
+
+def rank_devices(runtime: RuntimeConfig, replica_id: int) -> list[str]:
+    """The device of each rank of replica ``replica_id``'s group: ``devices`` lists one per rank
+    of every replica in order (``cuda:0,cuda:1,cuda:2,cuda:3``: replica 0 on the first two), or
+    names one that every rank shares (``cpu``)."""
+    world = runtime.parallel.world_size if runtime.parallel is not None else 1
+    devices = [d.strip() for d in runtime.devices.split(",")]
+    if len(devices) == 1:
+        return devices * world
+    return devices[replica_id * world : (replica_id + 1) * world]
+
+
+def check_parallel(s: StageConfig, at: str, source: str) -> None:
+    """``runtime.parallel`` of one stage: what a group of ranks can run, or a ConfigError naming
+    the key. Checked at load, with no model: what needs the model (a transformer with a
+    context-parallel plan) is the replica's load failure."""
+    parallel = s.runtime.parallel
+    assert parallel is not None
+
+    def fail(message: str, key: str = "parallel") -> ConfigError:
+        return ConfigError(message, path=f"{at}.{key}", source=source)
+
+    if s.stage_type != "diffusion":
+        raise fail(f"runtime.parallel splits a diffusion model's denoiser; a {s.stage_type} stage runs on one device")
+    if s.runtime.backend_name != "process":
+        raise fail(
+            "a parallel group's ranks are processes started by its replica: "
+            f"use backend: process, not {s.runtime.backend_name}"
+        )
+    sequence = parallel.ulysses_degree * parallel.ring_degree
+    if sequence > 1 and parallel.cfg_parallel_size > 1:
+        raise fail("ulysses/ring and cfg_parallel_size in one group are not supported: choose one")
+    if parallel.world_size > 16:
+        raise fail(f"a group of {parallel.world_size} ranks (the product of the degrees) is past the limit of 16")
+    devices = [d.strip() for d in s.runtime.devices.split(",")]
+    kinds = {d.split(":")[0] for d in devices}
+    if "" in kinds or not kinds <= {"cpu", "cuda"}:
+        raise fail(f"devices of a parallel group are cpu or cuda[:N], got {s.runtime.devices!r}", "devices")
+    if len(kinds) > 1:
+        raise fail(f"the ranks of a group run on one kind of device, got {s.runtime.devices!r}", "devices")
+    wanted = s.runtime.num_replicas * parallel.world_size
+    if len(devices) not in (1, wanted):
+        raise fail(
+            f"{len(devices)} devices for {s.runtime.num_replicas} replica(s) of {parallel.world_size} ranks: "
+            f"list {wanted} (one per rank) or one that all share",
+            "devices",
+        )
+    if kinds == {"cuda"} and len(devices) == 1 and parallel.world_size > 1:
+        raise fail(f"on cuda each rank needs a GPU of its own: list {wanted} devices, one per rank", "devices")
+    if len(devices) > 1 and kinds == {"cuda"} and len(set(devices)) < len(devices):
+        raise fail(f"a cuda device is listed twice in {s.runtime.devices!r}: one rank per GPU", "devices")
+    if parallel.ring_degree > 1 and kinds == {"cpu"}:
+        raise fail(
+            "ring attention needs an attention backend that returns the log-sum-exp, which the CPU's "
+            "does not: use ulysses_degree on cpu",
+            "parallel.ring_degree",
+        )
+    args = s.engine_args
+    for key, value, why in (
+        ("torch_compile", args.torch_compile, "a compiled denoiser would trace the group's collectives"),
+        ("cache", args.cache, "each rank would decide on its share of the rows alone"),
+        ("offload", args.offload, "the ranks' weights are each on their own device already"),
+    ):
+        if value not in (None, False):
+            raise ConfigError(
+                f"engine_args.{key} with runtime.parallel is not supported: {why}",
+                path=f"{at.removesuffix('.runtime')}.engine_args.{key}",
+                source=source,
+            )
 
 
 def validate_graph(config: DeployConfig, source: str = "<config>") -> None:

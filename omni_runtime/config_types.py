@@ -60,6 +60,29 @@ def check_control_kwargs(method: str, kwargs: dict[str, Any], prefix: str = "") 
 Backend = str
 
 
+class ParallelConfig(msgspec.Struct, **_Struct):
+    """``runtime.parallel``: one replica of a diffusion stage as a group of rank processes, one
+    device each, that share every denoiser call (docs/configuration.md, "Several devices per
+    stage"). The group's size is the product of the degrees."""
+
+    #: Ulysses sequence parallelism: each rank attends over its share of the heads, after an
+    #: all-to-all of the tokens (diffusers' context parallelism; transformers with a plan only).
+    ulysses_degree: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    #: Ring attention: keys and values passed around the ranks (needs an attention backend that
+    #: returns the log-sum-exp, so a GPU one; never on ``cpu``).
+    ring_degree: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    #: CFG-parallel: the rows of each denoiser call (a guided step's unconditional and conditional
+    #: halves) split between the ranks, gathered once per call.
+    cfg_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=2)] = 1
+    #: Longest wait of a rank in one collective (a peer stopped or hung): then the group is
+    #: failed and restarted. Also bounds the followers' start-up rendezvous.
+    collective_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
+
+    @property
+    def world_size(self) -> int:
+        return self.ulysses_degree * self.ring_degree * self.cfg_parallel_size
+
+
 class RuntimeConfig(msgspec.Struct, **_Struct):
     """Where and how a stage runs: the keys every backend reads, and :attr:`options`, the chosen
     backend's own (``ProcessOptions``, ``RayOptions``...), which a YAML writes flat beside them."""
@@ -87,6 +110,9 @@ class RuntimeConfig(msgspec.Struct, **_Struct):
     #: ``ctx.is_aborted`` or ``ctx.emit``) for this many seconds is wedged, e.g. stuck in native
     #: code; its replica is killed and restarted like a silent one. 0 = off.
     stall_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 120.0
+    #: Several devices per replica (a diffusion stage on the ``process`` backend): see
+    #: :class:`ParallelConfig`. None: one process, one device.
+    parallel: ParallelConfig | None = None
     #: The backend's own settings, an instance of its ``StageBackend.options`` struct (filled in
     #: at load from the flat ``runtime:`` keys that struct declares; its defaults when None).
     options: Any = None

@@ -40,7 +40,8 @@ from typing import Any
 import msgspec
 
 from omni_runtime.logs import configure_logging
-from omni_runtime.stage.process import die_with_parent, run_stage_process
+from omni_runtime.stage.lifetime import die_with_parent
+from omni_runtime.stage.process import run_stage_process
 
 logger = logging.getLogger("omni_runtime.stage.launcher")
 

@@ -10,7 +10,6 @@ This module is the ZMQ and shared-memory transport; start-up, lost inputs and th
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ from typing import Any
 import msgspec
 
 from omni_runtime.logs import configure_logging
+from omni_runtime.stage.lifetime import die_with_parent
 
 logger = logging.getLogger("omni_runtime.stage")
 
@@ -37,15 +37,6 @@ class StageProcessArgs(msgspec.Struct, kw_only=True, frozen=True):
     shm_prefix: str | None = None
     #: The engine's segment prefix: handles in inbound messages must name segments under it.
     shm_engine: str | None = None
-
-
-def die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
 
 
 def run_stage_process(args_bytes: bytes) -> None:

@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -53,8 +53,9 @@ from omni_runtime.stage.cost_model import CostModel
 from omni_runtime.stage.executors import Executor, RequestExecutor, StepExecutor
 from omni_runtime.stage.memory import fix_mmap_threshold
 from omni_runtime.stage.profile import profile_batches
+from omni_runtime.stage.rank_group import GroupLeader
 from omni_runtime.stage.result_cache import ExactResultCache
-from omni_runtime.stage.runners.base import RunnerOutput, RunnerRequest, runner_class
+from omni_runtime.stage.runners.base import RunnerOutput, RunnerRequest, StageRunner, runner_class
 from omni_runtime.stage.scheduler import RequestScheduler
 from omni_runtime.stage.step_scheduler import ProgressThrottle, StepScheduler
 from omni_runtime.tasks import BackgroundTasks
@@ -83,8 +84,12 @@ class StageWorker:
         #: Called if the scheduling loop dies (a bug, e.g. a runner returning too few outputs):
         #: a replica that still answers pings but never runs a wave again must be replaced.
         self._on_fatal = on_fatal
-        self.runner = runner_class(stage.stage_type)(stage)
+        self.runner: StageRunner | GroupLeader = runner_class(stage.stage_type)(stage)
         self.runner.replica_id = replica_id
+        parallel = stage.runtime.parallel
+        if parallel is not None and parallel.world_size > 1:
+            # Rank 0 of a group of processes that run every model call in lock step.
+            self.runner = GroupLeader(self.runner, stage, replica_id)
         args = stage.engine_args
         #: What a batch costs here, learned from every wave or step (reported in get_stats); the
         #: schedulers act on it only with ``batch_policy: learned`` or ``deadline`` (which a runner
@@ -180,8 +185,9 @@ class StageWorker:
                 )
             else:
                 spec = args.batch_profile
+                runner = cast(StageRunner, self.runner)  # a GroupLeader answers as its runner does
                 self.batch_profile = await loop.run_in_executor(
-                    self.forward_thread, lambda: profile_batches(self.runner, self.cost_model, spec)
+                    self.forward_thread, lambda: profile_batches(runner, self.cost_model, spec)
                 )
             logger.info("stage %d: batch profile %s", self.stage_id, self.batch_profile)
         self._loop_task = asyncio.create_task(self.executor.run(), name=f"stage{self.stage_id}-loop")
@@ -217,6 +223,8 @@ class StageWorker:
                 await self._loop_task
             except (asyncio.CancelledError, Exception):
                 pass  # a loop that died was reported by _on_loop_done
+        if isinstance(self.runner, GroupLeader):
+            self.runner.close()  # before the thread its ranks are tied to ends
         self.forward_thread.shutdown(wait=False, cancel_futures=True)
 
     def _on_loop_done(self, task: asyncio.Task) -> None:

@@ -44,6 +44,7 @@ from omni_runtime.messages import (
     StageStartupFailed,
 )
 from omni_runtime.serialization import Encoder, outbound_decoder
+from omni_runtime.stage.lifetime import child_env
 from omni_runtime.stage.process import StageProcessArgs
 from omni_runtime.transport import SocketReader
 
@@ -90,14 +91,6 @@ def _forks(stage: StageConfig) -> bool:
     return method == "fork"
 
 
-def _child_env() -> dict[str, str]:
-    """A replica's environment: this one, with this process's import path, so custom runner
-    modules resolve in the replica as they do here."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
-    return env
-
-
 class ProcessBackend(StageBackend):
     name = "process"
     options = ProcessOptions
@@ -110,7 +103,11 @@ class ProcessBackend(StageBackend):
         self.shm_prefix: str | None = None
         self.shm_pool: shm.ShmPool | None = None
         stages = [s for s in config.stage_args if s.runtime.backend == self.name]
-        self._process_replicas = sum(s.runtime.num_replicas for s in stages)
+        # Every process that computes: each rank of a parallel group counts.
+        self._process_replicas = sum(
+            s.runtime.num_replicas * (s.runtime.parallel.world_size if s.runtime.parallel is not None else 1)
+            for s in stages
+        )
         self._uses_shm = any(_transport(s) == "ipc" for s in stages)
         self._forked = [s for s in stages if _forks(s)]
         #: The stage launcher the forked replicas come from (None: every replica is spawned).
@@ -140,7 +137,7 @@ class ProcessBackend(StageBackend):
             # 4) the launcher imports while the rest of the engine starts; released after every
             #    replica (resources go last made first), so it never outlives one of them.
             stages = [msgspec.to_builtins(s) for s in self._forked]
-            launcher = LauncherClient(stages, _child_env(), runtime_log_level())
+            launcher = LauncherClient(stages, child_env(), runtime_log_level())
             launcher.start(asyncio.get_running_loop())
             self._launcher_resource = self.resources.add(f"stage launcher (pid {launcher.pid})", launcher.close)
             self.launcher = launcher
@@ -285,7 +282,7 @@ class ProcessStageClient(StageClient):
             proc = subprocess.Popen(
                 [sys.executable, "-m", "omni_runtime.stage.process"],
                 stdin=subprocess.PIPE,
-                env=_child_env(),
+                env=child_env(),
                 close_fds=True,
             )
             pidfd = os.pidfd_open(proc.pid)
