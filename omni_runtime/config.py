@@ -259,9 +259,6 @@ def check_parallel(s: StageConfig, at: str, source: str) -> None:
             "a parallel group's ranks are processes started by its replica: "
             f"use backend: process, not {s.runtime.backend_name}"
         )
-    sequence = parallel.ulysses_degree * parallel.ring_degree
-    if sequence > 1 and parallel.cfg_parallel_size > 1:
-        raise fail("ulysses/ring and cfg_parallel_size in one group are not supported: choose one")
     if parallel.world_size > 16:
         raise fail(f"a group of {parallel.world_size} ranks (the product of the degrees) is past the limit of 16")
     devices = [d.strip() for d in s.runtime.devices.split(",")]

@@ -74,8 +74,8 @@ class ParallelConfig(msgspec.Struct, **_Struct):
     #: CFG-parallel: the rows of each denoiser call (a guided step's unconditional and conditional
     #: halves) split between the ranks, gathered once per call.
     cfg_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=2)] = 1
-    #: Longest wait of a rank in one collective (a peer stopped or hung): then the group is
-    #: failed and restarted. Also bounds the followers' start-up rendezvous.
+    #: Longest wait of a rank in one collective once the group has formed (a peer stopped or
+    #: hung): then the group is failed and restarted. It forms within ``startup_timeout_s``.
     collective_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
 
     @property

@@ -4,8 +4,8 @@ Every rank of a group loads the same pipeline and runs the same calls in lock st
 (:mod:`omni_runtime.stage.rank_group`); this module makes those calls share the work:
 
 * **Ulysses / ring** (sequence parallelism): diffusers' own ``enable_parallelism`` on the
-  denoiser, for the families whose transformer declares a context-parallel plan (Flux, Wan, LTX,
-  SD3...). Each rank attends over its share of the tokens' heads; diffusers gathers the output,
+  denoiser, for the families whose transformer declares a context-parallel plan (Flux, Wan,
+  LTX). Each rank attends over its share of the tokens' heads; diffusers gathers the output,
   so every rank holds the whole result after each call.
 * **CFG-parallel** (written here: diffusers has none): the denoiser call's batch rows are split
   between the ranks, each runs its share, and one ``all_gather`` per call gives every rank the
@@ -14,6 +14,8 @@ Every rank of a group loads the same pipeline and runs the same calls in lock st
   It works for every family whose pipeline (or step loop) concatenates the two branches, UNets
   (SD, SDXL) as well as transformers (SD3, PixArt, Sana). A call whose rows do not divide
   evenly (no guidance on an odd batch) runs whole on every rank.
+* **Both**: the group is a ``(cfg, ring, ulysses)`` device mesh; the rows are split between its
+  CFG halves, then each half's tokens among the ranks of that half.
 
 The helpers that split and join rows are pure (tested without a process group).
 """
@@ -129,24 +131,49 @@ def denoiser_of(pipe: Any) -> tuple[str, Any]:
     raise ValueError(f"{type(pipe).__name__} has no transformer or unet to run in parallel")
 
 
-def apply_parallelism(pipe: Any, parallel: ParallelConfig, rank: int, device: str) -> str:
+#: This process's device mesh, made once (making one is a collective every rank joins in step).
+_MESHES: dict[tuple[int, int, int], Any] = {}
+
+
+def group_mesh(parallel: ParallelConfig, device: str) -> Any:
+    """The group's ranks as a ``(cfg, ring, ulysses)`` device mesh: rank ``r`` is in CFG half
+    ``r // (ring x ulysses)``, and the ranks of one half share its sequence."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (parallel.cfg_parallel_size, parallel.ring_degree, parallel.ulysses_degree)
+    if shape not in _MESHES:
+        kind = "cuda" if device.startswith("cuda") else "cpu"
+        _MESHES[shape] = init_device_mesh(kind, shape, mesh_dim_names=("cfg", "ring", "ulysses"))
+    return _MESHES[shape]
+
+
+def apply_parallelism(pipe: Any, parallel: ParallelConfig, device: str) -> str:
     """Make this rank's loaded ``pipe`` share its denoiser calls with the other ranks (the process
     group is initialised). Returns what was applied, for the log. ValueError where the model
-    cannot: a transformer with no context-parallel plan asked for Ulysses or ring."""
+    cannot: a denoiser with no context-parallel plan asked for Ulysses or ring."""
     name, denoiser = denoiser_of(pipe)
-    if parallel.ulysses_degree * parallel.ring_degree > 1:
-        if getattr(denoiser, "_cp_plan", None) is None:
-            raise ValueError(
-                f"{type(denoiser).__name__} declares no context-parallel plan: ulysses_degree and "
-                f"ring_degree need a transformer that does (Flux, Wan, LTX, SD3...); use cfg_parallel_size"
-            )
-        from diffusers import ContextParallelConfig
+    sequence = parallel.ulysses_degree * parallel.ring_degree
+    if sequence > 1 and getattr(denoiser, "_cp_plan", None) is None:
+        raise ValueError(
+            f"{type(denoiser).__name__} declares no context-parallel plan: ulysses_degree and ring_degree "
+            "need a transformer that does (Flux, Wan, LTX); use cfg_parallel_size"
+        )
+    if parallel.world_size == 1:
+        return "nothing (world size 1)"
+    applied = []
+    with _one_device_on_cpu(device):
+        mesh = group_mesh(parallel, device)
+        if sequence > 1:
+            from diffusers import ContextParallelConfig
 
-        config = ContextParallelConfig(ulysses_degree=parallel.ulysses_degree, ring_degree=parallel.ring_degree)
-        with _one_device_on_cpu(device):
+            config = ContextParallelConfig(
+                ulysses_degree=parallel.ulysses_degree, ring_degree=parallel.ring_degree, mesh=mesh
+            )
             denoiser.enable_parallelism(config=config)
-        return f"{name}: ulysses {parallel.ulysses_degree} x ring {parallel.ring_degree}"
+            applied.append(f"ulysses {parallel.ulysses_degree} x ring {parallel.ring_degree}")
     if parallel.cfg_parallel_size > 1:
-        split_rows_forward(denoiser, rank, parallel.cfg_parallel_size)
-        return f"{name}: cfg-parallel {parallel.cfg_parallel_size}"
-    return "nothing (world size 1)"
+        # Outermost: the rows are split first, then each half's tokens among its ranks.
+        halves = mesh["cfg"]
+        split_rows_forward(denoiser, halves.get_local_rank(), parallel.cfg_parallel_size, halves.get_group())
+        applied.append(f"cfg-parallel {parallel.cfg_parallel_size}")
+    return f"{name}: " + " + ".join(applied)

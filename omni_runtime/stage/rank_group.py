@@ -111,6 +111,16 @@ def _init_group(store: Any, rank: int, world_size: int, device: str, timeout_s: 
     )
 
 
+def _bound_collectives(timeout_s: float) -> None:
+    """Every process group of this rank (the group's, and those its device mesh and diffusers
+    made) waits at most ``timeout_s`` in a collective from now on. The groups form with the
+    start-up bound: connecting four ranks on a loaded machine can take longer than a step."""
+    import torch.distributed.distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+
+
 def broadcast_flag(value: bool) -> bool:
     """Rank 0's ``value`` on every rank (what a follower passes is ignored)."""
     import torch
@@ -197,11 +207,11 @@ def _broken(reason: str, closing: bool = False) -> None:
     os._exit(GROUP_BROKEN)
 
 
-def apply(runner: Any, parallel: ParallelConfig, rank: int, device: str) -> str:
+def apply(runner: Any, parallel: ParallelConfig, device: str) -> str:
     # lazy: imports torch and diffusers, which only a loaded diffusion runner needs.
     from omni_runtime.stage.parallel import apply_parallelism
 
-    return apply_parallelism(runner.pipe, parallel, rank, device)
+    return apply_parallelism(runner.pipe, parallel, device)
 
 
 class GroupLeader:
@@ -248,7 +258,8 @@ class GroupLeader:
         world = self.parallel.world_size
         self.runner.device = self.devices[0]
         timeout = self.parallel.collective_timeout_s
-        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        startup = self.stage.runtime.startup_timeout_s
+        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=startup), wait_for_workers=False)
         ctx: Any = zmq.Context.instance()
         status = ctx.socket(zmq.PULL)
         status.setsockopt(zmq.LINGER, 0)
@@ -284,14 +295,17 @@ class GroupLeader:
             proc.stdin.write(msgspec.msgpack.encode(args))
             proc.stdin.close()
             self.followers.append(proc)
+        deadline = time.monotonic() + startup
         try:
             self.runner.load()
-            self._await_followers(status, time.monotonic() + self.stage.runtime.startup_timeout_s)
+            self._await_followers(status, deadline)
         finally:
             status.close(linger=0)
-        _init_group(store, 0, world, self.devices[0], timeout)
-        self.applied = apply(self.runner, self.parallel, 0, self.devices[0])
+        setup = max(timeout, deadline - time.monotonic())
+        _init_group(store, 0, world, self.devices[0], setup)
+        self.applied = apply(self.runner, self.parallel, self.devices[0])
         dist.barrier()
+        _bound_collectives(timeout)
         logger.info(
             "stage %d replica %d: a group of %d ranks (pids %s); %s",
             self.stage.stage_id,
@@ -355,7 +369,7 @@ class GroupLeader:
         try:
             result = method(*args_list, **kwargs)
             if name == "wake_up":  # a fresh pipeline: the parallelism again
-                apply(self.runner, self.parallel, 0, self.devices[0])
+                apply(self.runner, self.parallel, self.devices[0])
         except BaseException as e:
             error = e
         if isinstance(error, dist.DistError):
@@ -423,12 +437,13 @@ def follow(args: FollowerArgs) -> int:
     status.send(encode(FollowerStatus(rank=args.rank)))
     import torch.distributed as dist
 
-    store = dist.TCPStore(
-        "127.0.0.1", args.store_port, args.world_size, False, timeout=timedelta(seconds=parallel.collective_timeout_s)
-    )
-    _init_group(store, args.rank, args.world_size, args.device, parallel.collective_timeout_s)
-    apply(runner, parallel, args.rank, args.device)
+    # The group forms within the start-up bound; its collectives then wait collective_timeout_s.
+    setup = max(parallel.collective_timeout_s, stage.runtime.startup_timeout_s)
+    store = dist.TCPStore("127.0.0.1", args.store_port, args.world_size, False, timeout=timedelta(seconds=setup))
+    _init_group(store, args.rank, args.world_size, args.device, setup)
+    apply(runner, parallel, args.device)
     dist.barrier()
+    _bound_collectives(parallel.collective_timeout_s)
     decoder = Decoder(GroupCall[runner.params_cls])  # type: ignore[name-defined]  # the runner's class
     while True:
         call = decoder.decode(commands.recv_multipart(copy=False))
@@ -452,7 +467,7 @@ def _run(runner: Any, call: GroupCall, parallel: ParallelConfig, args: FollowerA
     elif call.method in MIRRORED or call.method.startswith("rpc_"):
         getattr(runner, call.method)(*call.args, **call.kwargs)
         if call.method == "wake_up":
-            apply(runner, parallel, args.rank, args.device)
+            apply(runner, parallel, args.device)
     else:
         raise ValueError(f"not a group call: {call.method!r}")
 

@@ -41,7 +41,6 @@ def refused(entry: dict[str, Any]) -> ConfigError:
     [
         (stage({"cfg_parallel_size": 2}, stage_type="echo"), "runtime.parallel", "diffusion"),
         (stage({"cfg_parallel_size": 2}, runtime={"backend": "inproc"}), "runtime.parallel", "backend: process"),
-        (stage({"cfg_parallel_size": 2, "ulysses_degree": 2}), "runtime.parallel", "choose one"),
         (stage({"ring_degree": 2}), "runtime.parallel.ring_degree", "log-sum-exp"),
         (stage({"ulysses_degree": 16, "ring_degree": 2}, "cuda"), "runtime.parallel", "limit of 16"),
         (stage({"cfg_parallel_size": 2}, "cuda:0,cuda:1,cuda:2"), "runtime.devices", "list 2"),
@@ -115,7 +114,7 @@ def test_any_parallel_section_loads_consistent_or_is_a_config_error(ulysses, rin
     runtime = config.stage_args[0].runtime
     assert runtime.parallel is not None
     world = runtime.parallel.world_size
-    assert 1 <= world <= 16 and not (runtime.parallel.cfg_parallel_size > 1 and world > 2)
+    assert 1 <= world <= 16
     for replica in range(replicas):
         ranks = rank_devices(runtime, replica)
         assert len(ranks) == world and all(d.split(":")[0] in ("cpu", "cuda") for d in ranks)

@@ -1,12 +1,13 @@
-"""A replica that spans two processes (``runtime.parallel``): real 2-rank groups over gloo.
+"""A replica that spans several processes (``runtime.parallel``): real rank groups over gloo.
 
 Each group's images equal those of one process running the same requests alone (the model loaded
 here, within float32 noise: ±1 uint8 level): CFG-parallel on tiny-sd (a UNet; request-level
 waves) and tiny-sd3 (a transformer; step execution, a request joining a running batch), Ulysses
-on tiny-flux (request-level) and tiny-wan (a video; step execution). A request with no seed gets
-one seed on every rank. A rank killed mid-wave, or stopped mid-step, fails what the group was
-running with StageDeadError within the collective bound; the whole group is restarted (new
-processes, the old ones gone) and serves again.
+on tiny-flux (request-level), and both at once on tiny-wan (a video; four ranks, step
+execution). A request with no seed gets one seed on every rank; LoRA control calls, sleep and
+wake-up reach every rank; an abort leaves the group in step. A rank killed mid-wave, or stopped
+mid-step, fails what the group was running with StageDeadError within the collective bound; the
+whole group is restarted (new processes, the old ones gone) and serves again.
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ def test_sleep_and_wake_up_reach_every_rank(sd: Omni, sd_alone: DiffusionRunner)
 
 def test_ulysses_on_a_unet_is_refused_for_its_missing_plan(sd_alone: DiffusionRunner) -> None:
     with pytest.raises(ValueError, match="no context-parallel plan"):
-        apply_parallelism(sd_alone.pipe, ParallelConfig(ulysses_degree=2), 0, "cpu")
+        apply_parallelism(sd_alone.pipe, ParallelConfig(ulysses_degree=2), "cpu")
 
 
 def test_an_abort_mid_wave_leaves_the_group_in_step(sd: Omni, pool) -> None:
@@ -281,10 +282,16 @@ def test_ulysses_on_flux_makes_the_images_of_one_process(flux: Omni) -> None:
     assert_close(pixels(outs[1]), alone(flux_alone, "tiny-flux", "a dog", seed=2))
 
 
-def test_ulysses_steps_a_video_model_as_one_process_does(model_cache: Path) -> None:
-    with Omni(group_config("tiny-wan", {"ulysses_degree": 2}, step=True, output="video")) as wan:
-        (out,) = wan.generate("a boat", {"seed": 7}, use_tqdm=False)
-        pids = group(wan)["rank_pids"]
-        assert len(pids) == 2
-    assert gone(pids)  # no rank outlives its engine
-    assert_close(pixels(out), alone(reference("tiny-wan"), "tiny-wan", "a boat", seed=7))
+def test_cfg_halves_each_split_by_ulysses_step_a_video_as_one_process_does(model_cache: Path) -> None:
+    """Four ranks: the guided step's two halves, each half's tokens over two ranks (Wan's step
+    loop batches both halves in one denoiser call)."""
+    parallel = {"cfg_parallel_size": 2, "ulysses_degree": 2}
+    with Omni(group_config("tiny-wan", parallel, step=True, output="video")) as wan:
+        outs = wan.generate(["a boat", "a kite"], [{"seed": 7}, {"seed": 8, "guidance_scale": 3.0}], use_tqdm=False)
+        info = group(wan)
+        assert len(set(info["rank_pids"])) == 4
+        assert info["applied"] == "transformer: ulysses 2 x ring 1 + cfg-parallel 2"
+    assert gone(info["rank_pids"])  # no rank outlives its engine
+    wan_alone = reference("tiny-wan")
+    assert_close(pixels(outs[0]), alone(wan_alone, "tiny-wan", "a boat", seed=7))
+    assert_close(pixels(outs[1]), alone(wan_alone, "tiny-wan", "a kite", seed=8, guidance_scale=3.0))
