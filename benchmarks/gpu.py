@@ -18,6 +18,8 @@ Parts, in order of value (a budget cut drops the last):
   e  regional ``torch.compile`` of the FLUX transformer (``torch_compile: {regional: true}``):
      compile seconds and steady speed-up
   c  step against request batching (``step_execution``) under one seeded Poisson load, SDXL 512 px
+  p  one replica over two GPUs (``runtime.parallel``): FLUX with Ulysses 2, SDXL with CFG-parallel
+     2, time per step against one GPU (two GPUs needed; with one, the part says so)
   h  no stage process left once every engine is closed
 
 Times are taken between ``torch.cuda.synchronize()`` calls after a warm-up. A time per denoising
@@ -207,7 +209,7 @@ class Kit:
 
     # ------------------------------------------------------------------ engines and pipelines
 
-    def deploy(self, family: str, **engine_args: Any) -> Any:
+    def deploy(self, family: str, runtime: dict[str, Any] | None = None, **engine_args: Any) -> Any:
         from omni_runtime.config import parse_config
 
         stage = {
@@ -219,6 +221,7 @@ class Kit:
                 "backend": self.args.backend,
                 "devices": self.device,
                 "torch_threads": 0 if self.cuda else 1,
+                **(runtime or {}),
             },
             "engine_args": {"load_format": "dummy", "dtype": self.dtype, "max_num_seqs": 8, **engine_args},
             "final_output": True,
@@ -726,6 +729,51 @@ def part_o(kit: Kit) -> dict[str, Any]:
     }
 
 
+def part_p(kit: Kit) -> dict[str, Any]:
+    """One replica over two GPUs (``runtime.parallel``): FLUX with Ulysses 2 and SDXL with
+    CFG-parallel 2, time per step against the same model on one GPU, and how far the group's
+    latents are from the one GPU's (bf16). Needs two GPUs: with fewer, it records why not."""
+    from omni_runtime import Omni
+
+    count = kit.torch.cuda.device_count() if kit.cuda else 0
+    if count < 2:
+        where = "the CPU dry run" if not kit.cuda else f"{count} GPU"
+        return {
+            "rows": [{"skipped": f"{where}: a group needs two GPUs"}],
+            "notes": ["on the CPU, tests/omni_runtime/stage/test_rank_group.py runs the groups over gloo"],
+        }
+    rows = []
+    for family, parallel in (("flux", {"ulysses_degree": 2}), ("sdxl", {"cfg_parallel_size": 2})):
+        size = kit.shape.size[family]
+        params = {"height": size, "width": size, "output_type": "latent", "seed": 0}
+
+        def run(omni: Any, steps: int, params: dict[str, Any] = params) -> Any:
+            return kit.generate(omni, {**params, "num_inference_steps": steps})
+
+        one = kit.engine(family)
+        step_one, _ = kit.per_step(lambda steps, one=one: run(one, steps))
+        reference = np.asarray(run(one, kit.shape.steps[0])[0].tensors["latents"], dtype=np.float32)
+        kit.release(set(), set())  # the one-GPU engine's memory, before the group loads
+        group = Omni(kit.deploy(family, runtime={"devices": "cuda:0,cuda:1", "parallel": parallel}))
+        try:
+            step_two, _ = kit.per_step(lambda steps, group=group: run(group, steps))
+            latents = np.asarray(run(group, kit.shape.steps[0])[0].tensors["latents"], dtype=np.float32)
+        finally:
+            group.close()
+        rows.append(
+            {
+                "family": family,
+                "size": size,
+                "parallel": ", ".join(f"{k} {v}" for k, v in parallel.items()),
+                "ms_per_step_1_gpu": step_one * 1e3,
+                "ms_per_step_2_gpus": step_two * 1e3,
+                "speedup": step_one / step_two if step_two else None,
+                "max_abs_latent_diff": float(np.abs(latents - reference).max()),
+            }
+        )
+    return {"rows": rows, "notes": ["batch 1, output_type latent; per step as in part o; bf16 on both"]}
+
+
 @dataclass(frozen=True)
 class Part:
     key: str
@@ -749,6 +797,7 @@ PARTS = (
     Part("c", "Step vs request batching under Poisson load (SDXL)", part_c, 40, 70, frozenset({"sdxl"})),
     Part("o", "Where an SDXL request's time goes: direct, worker thread, runner, Omni", part_o, 30, 90,
          frozenset({"sdxl"}), frozenset({"sdxl"})),
+    Part("p", "One replica over two GPUs: Ulysses (FLUX) and CFG-parallel (SDXL)", part_p, 60, 150),
 )  # fmt: skip
 
 
