@@ -100,6 +100,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.video
 	$(PY) -m benchmarks.audio
 	$(PY) -m benchmarks.streaming --handoff
+	$(PY) -m benchmarks.realtime
 	$(PY) -m benchmarks.transfer
 	$(PY) -m benchmarks.http
 	$(PY) -m benchmarks.multimodel

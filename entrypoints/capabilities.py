@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import msgspec
 
 from omni_runtime.messages import StageConstraints
-from omni_runtime.params import SpeechSamplingParams
+from omni_runtime.params import SpeechSamplingParams, TranscriptionSamplingParams
 from omni_runtime.resolve import ResolvedConfig
 
 from .tasks.registry import JOB_TASKS, TASKS, TaskName
@@ -48,6 +48,9 @@ class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True):
     image_input: bool
     #: Whether its speech stage speaks its upstream's answer chunk by chunk (``input_chunking``).
     chunked_speech: bool = False
+    #: Whether a request may carry audio: a first stage recognises speech (``transcribe``, its
+    #: ``audio`` param), so a realtime session's audio turns are answered.
+    audio_input: bool = False
     #: Known once loaded (None or empty before): the most pixels of an input image, a video
     #: model's frame step and most frames, an audio model's longest clip (seconds).
     max_input_pixels: int | None = None
@@ -93,6 +96,10 @@ class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True):
             stages=stages,
             image_input=image_input,
             chunked_speech=speech is not None and speech.config.input_chunking is not None,
+            audio_input=any(
+                not s.config.engine_input_source and issubclass(s.params_cls, TranscriptionSamplingParams)
+                for s in resolved.stages
+            ),
         )
 
     def loaded(self, constraints: Mapping[int, StageConstraints], max_input_pixels: int) -> ModelCapabilities:

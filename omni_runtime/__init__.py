@@ -29,6 +29,7 @@ _LAZY = {
     "DiffusionSamplingParams": "omni_runtime.params",
     "EchoSamplingParams": "omni_runtime.params",
     "TextSamplingParams": "omni_runtime.params",
+    "TranscriptionSamplingParams": "omni_runtime.params",
 }
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "OmniRequestOutput",
     "StageResult",
     "TextSamplingParams",
+    "TranscriptionSamplingParams",
     "load_config",
 ]
 
@@ -66,4 +68,9 @@ if TYPE_CHECKING:
     from omni_runtime.entrypoints.multi_omni import MultiOmni
     from omni_runtime.entrypoints.omni import Omni
     from omni_runtime.outputs import OmniRequestOutput, StageResult
-    from omni_runtime.params import DiffusionSamplingParams, EchoSamplingParams, TextSamplingParams
+    from omni_runtime.params import (
+        DiffusionSamplingParams,
+        EchoSamplingParams,
+        TextSamplingParams,
+        TranscriptionSamplingParams,
+    )

@@ -143,6 +143,11 @@ REQUEST_BOUNDS: dict[str, Bounds] = {
     "voice": Bounds(min_length=1, max_length=64),
     #: OpenAI's range; the speech stage divides every duration by it.
     "speed": Bounds(ge=0.25, le=4.0),
+    # Speech recognition (the ``transcribe`` stage's audio input; omni_runtime/audio_input.py).
+    #: The rate of a request's input samples (the stage resamples them to its model's rate).
+    "sample_rate": Bounds(ge=8000, le=48000),
+    #: Most tokens of transcript one request makes.
+    "max_transcript_tokens": Bounds(ge=1, le=448),
     # Omni talker (codec codes).
     "max_codes": Bounds(ge=1, le=4096),
     # Echo.

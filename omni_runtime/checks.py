@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 
 from omni_runtime.acceleration import cache_type, parse_cache
+from omni_runtime.audio_input import check_input_audio_length
 from omni_runtime.bounds import MAX_SIDE, MIN_SIDE
 from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.messages import StageConstraints, TextBound
@@ -160,6 +161,7 @@ def check_constraints(params: Mapping[str, Any] | msgspec.Struct, constraints: S
     check_image_capability(params, constraints)
     check_frames(params, constraints)
     check_audio(params, constraints)
+    check_input_audio_length(params, constraints)
     check_voice(params, constraints)
     check_speed(params, constraints)
     check_cache(params, constraints)

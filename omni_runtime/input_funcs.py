@@ -38,3 +38,29 @@ def speak_text(prompt: Any, upstream: dict[int, dict[str, Any]]) -> dict[str, An
     texts = [" ".join((out.get("text") or "").split()) for _, out in sorted(upstream.items())]
     answer = " ".join(t for t in texts if t)
     return {"prompt": answer if any(c.isalnum() for c in answer) else str(prompt).strip()}
+
+
+def prompt_then_transcript(prompt: Any, upstream: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The caller's prompt, then what the speech-recognition stage(s) heard, as a text stage's prompt.
+
+    For an audio -> text pipeline: a request with audio has its transcript as the user's turn,
+    after what the caller's prompt says (instructions, earlier context); one without audio has an
+    empty transcript, so its prompt is the caller's alone and the pipeline answers text as a text
+    model does. Parts are joined by a blank line.
+    """
+    parts = [str(prompt).strip()]
+    parts += [" ".join((out.get("text") or "").split()) for _, out in sorted(upstream.items())]
+    return {"prompt": "\n\n".join(p for p in parts if p)}
+
+
+def speak_or_pause(prompt: Any, upstream: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """What the text stage(s) wrote, on one line, as the text a speech stage speaks; a text with
+    nothing a speech model can say (punctuation or symbols alone) is a short pause (a comma).
+
+    For a pipeline whose answer is spoken chunk by chunk while the caller's prompt is not what the
+    user said (instructions, or empty for a spoken turn): a chunk of symbols must neither fail the
+    answer's audio nor speak the prompt in the middle of it.
+    """
+    texts = [" ".join((out.get("text") or "").split()) for _, out in sorted(upstream.items())]
+    answer = " ".join(t for t in texts if t)
+    return {"prompt": answer if any(c.isalnum() for c in answer) else ","}

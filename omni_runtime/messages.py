@@ -250,6 +250,11 @@ class StageConstraints(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     max_audio_s: float | None = None
     #: Why, in the model's terms, for the error.
     audio_reason: str | None = None
+    #: The longest input audio (seconds) a speech-recognition stage takes in one request (its
+    #: model's window); None: the stage takes no audio, and ``audio`` is refused.
+    max_input_audio_s: float | None = None
+    #: Why, in the model's terms, for the error.
+    input_audio_reason: str | None = None
     #: The voices a speech stage takes (its speakers' names and the aliases mapped onto them);
     #: empty: any (the stage checks).
     voices: tuple[str, ...] = ()

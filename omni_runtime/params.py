@@ -23,6 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 import msgspec
 
 from omni_runtime.acceleration import StepCache, parse_cache
+from omni_runtime.audio_input import check_audio_input
 from omni_runtime.bounds import LORA_NAME_PATTERN as LORA_NAME_PATTERN
 from omni_runtime.bounds import MAX_LORA_SCALE as MAX_LORA_SCALE
 from omni_runtime.bounds import MAX_PROMPT_CHARS as MAX_PROMPT_CHARS
@@ -207,6 +208,26 @@ class SpeechSamplingParams(SamplingParams):
     seed: Seed | None = None
 
 
+class TranscriptionSamplingParams(SamplingParams):
+    """Parameters of a speech-recognition request (the ``transcribe`` stage): the audio it hears.
+
+    Without ``audio`` the stage hears nothing and its transcript is empty: a pipeline that starts
+    with it answers text prompts as before (see :func:`omni_runtime.input_funcs.prompt_then_transcript`).
+    """
+
+    stage_type: ClassVar[str] = "transcribe"
+    fallbacks: ClassVar[Mapping[str, Any]] = {"max_transcript_tokens": 32}
+
+    #: Mono samples as a numpy array (float in [-1, 1], or int16), at ``sample_rate``: normalised
+    #: to float32 and bounded in the caller's thread (:mod:`omni_runtime.audio_input`), then sent
+    #: to the stage as a raw buffer.
+    audio: Any = None
+    #: Their rate in Hz (8000 to 48000); unset: 16000. The stage resamples to its model's rate.
+    sample_rate: Annotated[int, meta("sample_rate")] | None = None
+    #: Most tokens of transcript (the stage also stops at its model's end of text).
+    max_transcript_tokens: Annotated[int, meta("max_transcript_tokens")] | None = None
+
+
 class TalkerSamplingParams(SamplingParams):
     """Parameters of an omni talker (``omni_talker``): codec codes from the thinker's states."""
 
@@ -269,6 +290,7 @@ StageParams = (
     DiffusionSamplingParams
     | TextSamplingParams
     | SpeechSamplingParams
+    | TranscriptionSamplingParams
     | TalkerSamplingParams
     | Code2WavSamplingParams
     | EchoSamplingParams
@@ -347,6 +369,8 @@ def resolve_params(params_cls: type[_P], defaults: Mapping[str, Any], params: An
     merged = {**fallbacks, **defaults, **given}
     images = check_image_params(merged, given) if issubclass(params_cls, DiffusionSamplingParams) else {}
     merged.update(images)
+    if issubclass(params_cls, TranscriptionSamplingParams):
+        merged.update(check_audio_input(merged, given))
     declared = params_cls.__struct_fields__
     if merged.get("cache") is not None and "cache" in declared:
         merged["cache"] = _cache_param(merged["cache"])

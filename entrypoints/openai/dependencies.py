@@ -104,6 +104,17 @@ def model_for(task: TaskName | None) -> Callable[[Request, ServerState], Awaitab
     return resolve
 
 
+#: The subprotocol a browser's realtime session offers beside its key (``state.KEY_SUBPROTOCOL``).
+REALTIME_SUBPROTOCOL = "realtime"
+
+
+def websocket_subprotocol(websocket: WebSocket) -> str | None:
+    """The subprotocol to accept the socket with: ``realtime`` when the client offered it (a
+    browser fails a connection whose server picks none of the subprotocols it offered), else
+    none."""
+    return REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in websocket.scope.get("subprotocols", ()) else None
+
+
 async def realtime_model(websocket: WebSocket, state: State) -> AsyncIterator[ModelHandle]:
     """The model of a realtime session: the one its query names as ``model`` (the only model when
     one is served), resolved and checked as :func:`model_for` does (404, 400, 503), and one that

@@ -280,6 +280,7 @@ def _card(state: ServerState, model: ServedModel) -> proto.ModelCard:
         tasks=caps.generate_tasks(),
         serves=list(caps.tasks),
         voices=list(caps.voices),
+        audio_input=caps.audio_input,
         state=model.status(),
     )
 

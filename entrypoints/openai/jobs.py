@@ -31,7 +31,7 @@ from omni_runtime.exceptions import InvalidRequestError, UnavailableError
 from ..jobs.store import Event, JobStoreUnavailableError
 from ..tasks.render import result_files
 from .body import BodyRoute
-from .dependencies import AUTH, JSON_BODY, AnyModel, Jobs, State, get_jobs
+from .dependencies import AUTH, JSON_BODY, AnyModel, Jobs, State, get_jobs, websocket_subprotocol
 from .protocol import ApiError, ClientDisconnected, GenerateRequest, error_body
 from .responses import SafeJSONResponse
 
@@ -220,7 +220,7 @@ async def refuse_websocket(websocket: WebSocket, exc: BaseException) -> None:
     """Refuse a WebSocket before it starts: the error as one JSON message, then close code
     4000 + the HTTP status (4401 without the key, 4404 for an unknown job)."""
     status, body = error_body(exc)
-    await websocket.accept()
+    await websocket.accept(subprotocol=websocket_subprotocol(websocket))
     await websocket.send_json(body | {"type": "error"})
     await websocket.close(code=4000 + status)
 

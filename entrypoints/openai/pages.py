@@ -40,6 +40,7 @@ HEADERS = {
 #: The files served under /web/, and their media types: nothing else in the folder is reachable.
 ASSETS = {
     "app.js": "text/javascript; charset=utf-8",
+    "realtime.js": "text/javascript; charset=utf-8",
     "dashboard.js": "text/javascript; charset=utf-8",
     "common.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",

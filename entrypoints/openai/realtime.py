@@ -11,7 +11,9 @@ Bounds: ``--realtime-sessions`` sessions at once (one more: an ``error`` event a
 4503 before anything starts), messages of at most ``max_message_bytes`` (a larger one: an
 ``error`` event, dropped), the idle timeout (no client message while no response runs: an
 ``error`` event ``idle_timeout`` and close code 4408), the input buffer's bytes (the session's).
-The API key is checked before the socket is accepted, as on every route (close code 4401).
+The API key is checked before the socket is accepted, as on every route (close code 4401): an
+``Authorization`` header, or from a browser the subprotocol ``openai-insecure-api-key.<key>``
+beside ``realtime``, which the socket is accepted with.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from omni_runtime.exceptions import InvalidRequestError, OmniError
 
 from ..tasks import TASKS
 from .body import BodyRoute
-from .dependencies import AUTH, RealtimeModel, State
+from .dependencies import AUTH, RealtimeModel, State, websocket_subprotocol
 from .jobs import refuse_websocket
 from .protocol import ApiError
 from .realtime_session import AbortResponse, Effect, RealtimeSession, SessionModel, StartResponse
@@ -54,7 +56,7 @@ async def realtime(websocket: WebSocket, state: State, model: RealtimeModel) -> 
         return
     state.realtime_sessions += 1
     try:
-        await websocket.accept()
+        await websocket.accept(subprotocol=websocket_subprotocol(websocket))
         session = RealtimeSession(SessionModel.of(model.name, model.capabilities), limits)
         await _Connection(websocket, state, model, session).run()
     finally:

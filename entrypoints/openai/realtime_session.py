@@ -28,7 +28,7 @@ import math
 import uuid
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -45,6 +45,8 @@ from .vad import EnergyVad, SpeechStarted, SpeechStopped
 
 #: A session's audio, both ways, when the client sets no rate (OpenAI's pcm16 rate).
 DEFAULT_SAMPLE_RATE = 24_000
+#: User items a session keeps (only the latest is answered; the others are ids).
+MAX_ITEMS = 64
 
 
 @dataclass(frozen=True)
@@ -82,11 +84,11 @@ class SessionModel:
     @classmethod
     def of(cls, name: str, capabilities: ModelCapabilities) -> SessionModel:
         """A model with a text final stage runs its responses as chat (with the audio of a speech
-        stage after it, if any); one that only speaks, as text2speech; any other is a 400
-        ``no_speech`` naming ``model``."""
+        stage after it, if any; audio turns when its first stage recognises speech); one that only
+        speaks, as text2speech; any other is a 400 ``no_speech`` naming ``model``."""
         audio = "audio" in capabilities.kinds
         if "text" in capabilities.kinds and capabilities.serves("chat"):
-            return cls(name, "chat", text=True, audio=audio)
+            return cls(name, "chat", text=True, audio=audio, audio_input=capabilities.audio_input)
         if capabilities.serves("text2speech"):
             return cls(name, "text2speech", text=False, audio=True)
         raise ApiError(
@@ -97,15 +99,31 @@ class SessionModel:
 
 @dataclass(frozen=True)
 class StartResponse:
-    """Run ``prompt`` as request ``request_id`` for response ``response_id``."""
+    """Run ``prompt`` (and ``audio``, for an audio turn) as request ``request_id`` for response
+    ``response_id``."""
 
     response_id: str
     request_id: str
+    #: The session's instructions, then the user's text (of an audio turn: the instructions alone;
+    #: the speech-recognition stage puts the transcript after them).
     prompt: str
     voice: str | None
     modalities: tuple[str, ...]
     #: The text stage's ``max_tokens`` (None: the model's default).
     max_tokens: int | None = None
+    #: An audio turn's samples: 16-bit little-endian mono PCM at ``sample_rate``.
+    audio: bytes | None = None
+    sample_rate: int | None = None
+
+
+@dataclass(frozen=True)
+class _Item:
+    """A user item of the conversation: text, or committed audio (pcm16 at ``sample_rate``)."""
+
+    id: str
+    text: str | None = None
+    audio: bytes | None = None
+    sample_rate: int = DEFAULT_SAMPLE_RATE
 
 
 @dataclass(frozen=True)
@@ -166,8 +184,8 @@ class RealtimeSession:
         self.outbox: deque[dict[str, Any]] = deque()
         self.buffer = bytearray()
         self.vad: EnergyVad | None = None
-        #: The conversation's user items (``item_id``, text or None for audio), oldest first.
-        self.items: list[tuple[str, str | None]] = []
+        #: The conversation's user items, oldest first.
+        self.items: list[_Item] = []
         self.response: _Response | None = None
         self.open()
 
@@ -233,7 +251,7 @@ class RealtimeSession:
             case proto.ItemCreate(item=item):
                 text = "\n".join(part.text for part in item.content)
                 item_id = item.id or f"item_{uuid.uuid4().hex[:20]}"
-                self.items.append((item_id, text))
+                self._add_item(_Item(item_id, text=text))
                 created = {"id": item_id, "type": "message", "role": "user", "content": item.model_dump()["content"]}
                 self._emit("conversation.item.created", previous_item_id=event.previous_item_id, item=created)
             case proto.ResponseCreate(response=settings):
@@ -308,8 +326,8 @@ class RealtimeSession:
         if not self.buffer:
             raise ApiError(400, "the input audio buffer is empty", code="input_audio_buffer_commit_empty")
         item_id = f"item_{uuid.uuid4().hex[:20]}"
-        previous = self.items[-1][0] if self.items else None
-        self.items.append((item_id, None))
+        previous = self.items[-1].id if self.items else None
+        self._add_item(_Item(item_id, audio=bytes(self.buffer), sample_rate=self.settings["input_sample_rate"]))
         self.buffer.clear()
         if self.vad is not None:
             self.vad.reset()
@@ -322,6 +340,13 @@ class RealtimeSession:
                 self.error(e, event_id)
         return []
 
+    def _add_item(self, item: _Item) -> None:
+        """Append a user item. A response answers the latest only, so the older ones keep their ids
+        (a committed item's ``previous_item_id``) but not their audio, and at most
+        :data:`MAX_ITEMS` are kept: a long session holds one turn's audio, not all of it."""
+        kept = [replace(old, audio=None) if old.audio is not None else old for old in self.items[-(MAX_ITEMS - 1) :]]
+        self.items = [*kept, item]
+
     def _create(self, settings: proto.ResponseSettings | None, event_id: str | None) -> list[Effect]:
         if self.response is not None:
             raise ApiError(
@@ -330,12 +355,17 @@ class RealtimeSession:
             )  # fmt: skip
         if not self.items:
             raise ApiError(400, "the conversation has no user item to answer", code="no_input")
-        prompt = self.items[-1][1]
-        if prompt is None:
+        item = self.items[-1]
+        if item.audio is not None and not self.model.audio_input:
             raise ApiError(
                 400, f"{self.model.name} takes no audio input: its first stage reads text only; "
-                "send the turn as a conversation.item.create of text", code="no_audio_input",
+                "send the turn as a conversation.item.create of text, or use a model whose first stage "
+                "recognises speech (tiny-omni-voice)", code="no_audio_input",
             )  # fmt: skip
+        instructions = self.settings["instructions"]
+        if settings is not None and settings.instructions is not None:
+            instructions = settings.instructions
+        prompt = self._prompt(instructions, item.text or "")
         modalities = list(settings.modalities) if settings and settings.modalities else self.settings["modalities"]
         self._check_modalities(modalities, "response.modalities")
         voice = settings.voice if settings and settings.voice else self.settings["voice"]
@@ -352,7 +382,20 @@ class RealtimeSession:
         )
         self.response = response
         self._emit("response.created", response=self._response_body(response, "in_progress"))
-        return [StartResponse(response.id, response.request_id, prompt, voice, response.modalities, max_tokens)]
+        rate = item.sample_rate if item.audio is not None else None
+        return [
+            StartResponse(
+                response.id, response.request_id, prompt, voice, response.modalities, max_tokens, item.audio, rate
+            )
+        ]
+
+    def _prompt(self, instructions: str, text: str) -> str:
+        """The request's prompt: a chat model reads the instructions first (as a system message,
+        on lines of their own before the user's turn); a speech-only model speaks the text, so it
+        gets the text alone."""
+        if self.model.task != "chat":
+            return text
+        return "\n\n".join(part for part in (instructions.strip(), text) if part)
 
     def cancel(self, reason: str) -> list[Effect]:
         """End the running response now (``response.done``, cancelled): a client's

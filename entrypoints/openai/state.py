@@ -41,6 +41,10 @@ from .model_metrics import ModelCollector
 from .protocol import DISCONNECTED, ApiError, ClientDisconnected
 from .realtime_session import RealtimeLimits
 
+#: A WebSocket subprotocol that carries the API key after it (``openai-insecure-api-key.<key>``):
+#: a browser cannot set a WebSocket's headers, and the key must never be in a URL.
+KEY_SUBPROTOCOL = "openai-insecure-api-key."
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -346,14 +350,20 @@ class ServerState:
         return await self.serve(self.model(name if self.several else None), None)
 
     def authorized(self, scope: Scope) -> bool:
-        """Whether the request carries the API key (always, when none is set)."""
+        """Whether the request carries the API key (always, when none is set): an
+        ``Authorization: Bearer`` header, or, for a WebSocket (a browser's cannot set that header),
+        a subprotocol it offers of :data:`KEY_SUBPROTOCOL` then the key (OpenAI Realtime's way)."""
         if self.api_key is None:
             return True
+        offered: list[bytes] = []
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
                 return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
-        return False
+            if name == b"sec-websocket-protocol" and scope["type"] == "websocket":
+                offered += [p.strip() for p in value.split(b",")]
+        prefix = KEY_SUBPROTOCOL.encode()
+        return any(p.startswith(prefix) and hmac.compare_digest(p[len(prefix) :], self.api_key) for p in offered)
 
     def check_auth(self, scope: Scope) -> None:
         if self.authorized(scope):

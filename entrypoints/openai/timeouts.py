@@ -5,7 +5,9 @@ request slowly: a connection that trickles header bytes (or never sends any), or
 and stalls, would hold a socket and a task forever. Here a request's headers must arrive within
 ``header_timeout_s`` of the connection (or of the previous response), and its body within
 ``body_timeout_s`` of its headers; otherwise the connection is closed (a 408 when nothing has been
-answered yet). Once a request is complete, how long the answer takes is the app's business.
+answered yet). Once a request is complete, how long the answer takes is the app's business. A
+request that upgrades to a WebSocket hands the socket to the WebSocket protocol: no deadline
+here applies to it afterwards (a realtime session has its own idle timeout).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class TimedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._read_timer: asyncio.TimerHandle | None = None
         self._reading: str | None = None  # "headers" | "body" while a deadline runs
+        self._upgraded = False
         super().connection_made(transport)
         self._arm("headers")
 
@@ -42,12 +45,22 @@ class TimedH11Protocol(H11Protocol):
         super().data_received(data)
         self._follow()
 
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        # The upgrade request's headers are all there is: h11 still waits for a body that never
+        # comes, and this protocol sees none of the socket's frames any more, so a deadline armed
+        # now would close a live session.
+        self._upgraded = True
+        self._disarm()
+        super().handle_websocket_upgrade(event)
+
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._disarm()  # idle until the next request: uvicorn's keep-alive timeout applies
 
     def _follow(self) -> None:
         """Run the deadline that fits what the client still owes us."""
+        if self._upgraded:
+            return
         theirs = self.conn.their_state
         if theirs is h11.SEND_BODY:
             if self._reading != "body":

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..openai.fields import FieldMap
 
 
@@ -107,9 +109,19 @@ CHAT = FieldMap(
     },
 )
 #: ``WS /v1/realtime``: a response's settings (over the session's) to every stage that takes them.
+#: An audio turn's pcm16 goes to the speech-recognition stage as samples, at the session's input rate.
 REALTIME = FieldMap(
-    {"voice": "voice", "max_response_output_tokens": "max_tokens"},
-    read={"max_response_output_tokens": lambda start: start.max_tokens},
+    {
+        "voice": "voice",
+        "max_response_output_tokens": "max_tokens",
+        "audio": "audio",
+        "input_sample_rate": "sample_rate",
+    },
+    read={
+        "max_response_output_tokens": lambda start: start.max_tokens,
+        "audio": lambda start: np.frombuffer(start.audio, "<i2") if start.audio else None,
+        "input_sample_rate": lambda start: start.sample_rate,
+    },
 )
 #: ``omni-runtime generate``, the diffusion tasks: its options (argparse's names) as image params;
 #: the input image and the LoRA adapter are read by the command.

@@ -25,6 +25,7 @@ from omni_runtime.models.families import builders as family_builders
 OTHER_BUILDERS: dict[str, str] = {
     "tiny-lm": "omni_runtime.models.tiny_lm:build_tiny_lm",
     "tiny-tts": "omni_runtime.models.tiny_tts:build_tiny_tts",
+    "tiny-whisper": "omni_runtime.models.tiny_whisper:build_tiny_whisper",
     "tiny-qwen-omni": "omni_runtime.models.tiny_qwen_omni:build_tiny_qwen_omni",
 }
 

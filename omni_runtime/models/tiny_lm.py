@@ -63,6 +63,11 @@ def _tokenizer_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return vocab, merges
 
 
+def byte_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A fresh copy of the byte-level BPE's vocab and merges (tiny-whisper's tokenizer is built on it)."""
+    return _tokenizer_vocab()
+
+
 def build_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     """Write the byte-level BPE tokenizer to ``path`` and return it."""
     from transformers import Qwen2Tokenizer

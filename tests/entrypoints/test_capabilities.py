@@ -24,6 +24,7 @@ IMAGE_TASKS = ("text2image", "image_edit", "image_variation", "chat")
         ("tiny-tts", ("text2speech", "chat"), ("audio",)),
         ("tiny-omni-speech", ("text2speech", "chat"), ("audio", "text")),
         ("tiny-qwen-omni", ("text2speech", "chat"), ("audio", "text")),
+        ("tiny-omni-voice", ("text2speech", "chat"), ("audio", "text")),
         ("echo", ("chat",), ("text",)),
     ],
 )

@@ -66,6 +66,7 @@ def _params_fields() -> list[tuple[str, str, dict[str, Any]]]:
         params.TextSamplingParams,
         params.EchoSamplingParams,
         params.SpeechSamplingParams,
+        params.TranscriptionSamplingParams,
         params.TalkerSamplingParams,
         params.Code2WavSamplingParams,
         params.GenericSamplingParams,

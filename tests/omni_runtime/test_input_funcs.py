@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_runtime.input_funcs import speak_text
+from omni_runtime.input_funcs import prompt_then_transcript, speak_or_pause, speak_text
 
 pytestmark = pytest.mark.unit
 
@@ -22,3 +22,16 @@ def test_speak_text_joins_text_stages_in_order():
 @pytest.mark.parametrize("answer", ["", "   ", "?! ...", None])
 def test_an_answer_with_nothing_to_say_speaks_the_prompt(answer):
     assert speak_text(" say something ", {0: {"text": answer}}) == {"prompt": "say something"}
+
+
+def test_the_transcript_follows_the_callers_prompt_and_no_audio_leaves_the_prompt_alone():
+    heard = {0: {"text": " what is\nthe time "}}
+    assert prompt_then_transcript("Be brief.", heard) == {"prompt": "Be brief.\n\nwhat is the time"}
+    assert prompt_then_transcript("", heard) == {"prompt": "what is the time"}  # a spoken turn, no instructions
+    assert prompt_then_transcript("hello", {0: {"text": ""}}) == {"prompt": "hello"}  # a text turn
+
+
+@pytest.mark.parametrize("answer", ["", "  ", "{@}", "?!"])
+def test_a_chunk_with_nothing_to_say_is_a_pause_never_the_prompt(answer):
+    assert speak_or_pause("Be brief.", {1: {"text": answer}}) == {"prompt": ","}
+    assert speak_or_pause("", {1: {"text": " the\nsea "}}) == {"prompt": "the sea"}

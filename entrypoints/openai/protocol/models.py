@@ -26,6 +26,9 @@ class ModelCard(BaseModel):
     serves: list[str] = []
     #: The voices its speech stage takes, once loaded (empty: any, or no speech).
     voices: list[str] = []
+    #: Whether a request may carry audio (a first stage that recognises speech): a realtime
+    #: session's spoken turns are answered.
+    audio_input: bool = False
     #: Where the model is: loading, loaded, failed (its requests fail with a 503 naming it), dead.
     state: str = "loaded"
 

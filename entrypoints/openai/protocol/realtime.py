@@ -50,8 +50,8 @@ class SessionSettings(_Request):
     """``session`` of ``session.update``: only the fields given change."""
 
     modalities: list[Modality] | None = Field(None, min_length=1, max_length=2)
-    #: Kept and echoed; the pipeline's prompt is the conversation's latest user text, as chat's is
-    #: the last user message.
+    #: The system message: a chat model's prompt is these, a blank line, then the latest user
+    #: turn (a speech-only model speaks the turn alone).
     instructions: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     voice: str | None = Field(None, **bounds("voice"))
     max_response_output_tokens: MaxOutputTokens | None = None
@@ -112,6 +112,7 @@ class ResponseSettings(_Request):
     """``response`` of ``response.create``: this response's own settings over the session's."""
 
     modalities: list[Modality] | None = Field(None, min_length=1, max_length=2)
+    #: This response's system message, in place of the session's.
     instructions: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     voice: str | None = Field(None, **bounds("voice"))
     max_response_output_tokens: MaxOutputTokens | None = None

@@ -51,6 +51,8 @@
     }
     if (models.has(was)) select.value = was;
     showTasks();
+    // The realtime tab (realtime.js) offers the models that answer a session.
+    document.dispatchEvent(new CustomEvent("omni:models", { detail: body.data || [] }));
   }
 
   function showTasks() {

@@ -80,5 +80,5 @@ const Omni = (() => {
     fn();
   }
 
-  return { api, errorText, byId, el, start, NeedKey, headers };
+  return { api, errorText, byId, el, start, NeedKey, headers, key };
 })();

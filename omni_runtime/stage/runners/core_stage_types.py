@@ -23,6 +23,7 @@ from omni_runtime.params import (
     SpeechSamplingParams,
     TalkerSamplingParams,
     TextSamplingParams,
+    TranscriptionSamplingParams,
 )
 
 
@@ -55,6 +56,10 @@ BUILTIN_RUNNERS: dict[str, StageType] = {
     ),
     "text": StageType("omni_runtime.stage.runners.text:TextRunner", TextSamplingParams, needs_model=True, streams=True),
     "speech": StageType("omni_runtime.stage.runners.speech:SpeechRunner", SpeechSamplingParams, needs_model=True),
+    # Speech recognition (audio in, its transcript out): a transformers Whisper checkpoint.
+    "transcribe": StageType(
+        "omni_runtime.stage.runners.transcribe:TranscribeRunner", TranscriptionSamplingParams, needs_model=True
+    ),
     "echo": StageType("omni_runtime.stage.runners.echo:EchoRunner", EchoSamplingParams, needs_model=False),
     # An external program run per request (omni_runtime/external.py: its runner_args).
     "subprocess": StageType(

@@ -1,7 +1,7 @@
 """The builtin stage types: the one registry of ``stage_type`` names.
 
-Core types (``diffusion``, ``text``, ``speech``, ``echo``, ``subprocess``, ``worker``, and
-``omni_thinker``, ``omni_talker``, ``omni_code2wav``) are listed in
+Core types (``diffusion``, ``text``, ``speech``, ``transcribe``, ``echo``, ``subprocess``,
+``worker``, and ``omni_thinker``, ``omni_talker``, ``omni_code2wav``) are listed in
 :mod:`~omni_runtime.stage.runners.core_stage_types` (with :class:`StageType`, below this module
 and the families); a model family brings its own in
 its spec (:attr:`omni_runtime.models.families.FamilySpec.stage_types`: the SD family's split

@@ -21,7 +21,6 @@ import torch
 from omni_runtime.checks import check_prompt_tokens
 from omni_runtime.exceptions import (
     InvalidRequestError,
-    RequestAbortedError,
     StageAsleepError,
 )
 from omni_runtime.messages import StageConstraints, TextBound
@@ -29,7 +28,7 @@ from omni_runtime.models.builtin import resolve_model
 from omni_runtime.params import TextSamplingParams, in_force
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StepResult
 from omni_runtime.stage.runners.text_steps import TextSteps
-from omni_runtime.stage.runners.torch_common import TransformersRunner, wave_rows
+from omni_runtime.stage.runners.torch_common import TransformersRunner, live_rows, wave_rows
 
 #: Prompt tokens kept in front of the generated ones when detokenizing, so that tokenizers whose
 #: decoding depends on the left context (e.g. a leading-space marker) decode the first token right.
@@ -269,10 +268,7 @@ class TextRunner(TransformersRunner):
         active = list(rows)  # rows still in the batch, in batch order
         while active:
             # 1) drop aborted rows before paying for their forward
-            for row in active:
-                if ctx.is_aborted(row.request_id):
-                    row.done, row.error = True, RequestAbortedError(f"request {row.request_id} aborted")
-            keep = [b for b, row in enumerate(active) if not row.done]
+            keep = live_rows(active, ctx)
             if not keep:
                 break
             # 2) shrink the batch to the live rows (cache included) so finished rows cost nothing

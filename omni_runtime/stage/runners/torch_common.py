@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import torch
 
 from omni_runtime.config import StageConfig
-from omni_runtime.exceptions import InvalidRequestError
-from omni_runtime.stage.runners.base import RunnerOutput, RunnerRequest, StageRunner
+from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError
+from omni_runtime.stage.runners.base import ExecuteContext, RunnerOutput, RunnerRequest, StageRunner
 
 
 class WaveAborted(Exception):
@@ -50,6 +50,16 @@ def import_model_libraries(diffusers: bool) -> None:
 
 
 R = TypeVar("R")
+
+
+def live_rows(active: list[Any], ctx: ExecuteContext) -> list[int]:
+    """The batch positions of the decoding rows still running: a row whose request was aborted
+    is marked done with its error first (a row has ``request_id``, ``done`` and ``error``), so a
+    token loop drops it before paying for its next forward."""
+    for row in active:
+        if ctx.is_aborted(row.request_id):
+            row.done, row.error = True, RequestAbortedError(f"request {row.request_id} aborted")
+    return [b for b, row in enumerate(active) if not row.done]
 
 
 def wave_rows(batch: list[RunnerRequest], new_row: Callable[[int, RunnerRequest], R]) -> tuple[list[Any], list[R]]:

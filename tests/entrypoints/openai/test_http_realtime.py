@@ -1,13 +1,18 @@
-"""Realtime sessions (``WS /v1/realtime``) on a real ``omni-runtime serve`` of tiny-omni-speech (the
-tiny LM, then a tiny VITS speech stage) with an API key and at most two sessions: a text turn gets
-its transcript, then its audio (pcm16 at the session's rate), then ``response.done``; a cancel
-mid-answer, or speech that the server's VAD detects, ends the response (nothing of it after its
-``response.done``) and the session goes on; a client that vanishes has its request aborted;
-refusals (no key, an unknown model, one session too many) are an error event and a close code, and
-so is an idle session; a message too large is an error and the session goes on."""
+"""Realtime sessions (``WS /v1/realtime``) on a real ``omni-runtime serve`` of tiny-omni-voice (a tiny
+Whisper, the tiny LM, then a tiny VITS speech stage) with an API key and at most 20 sessions: a
+text turn gets its transcript, then its audio (pcm16 at the session's rate), then
+``response.done``; so does a spoken turn, committed by the client or by the server's VAD, and the
+session's instructions reach the LM's prompt; a cancel mid-answer, or speech that the server's VAD
+detects, ends the response (nothing of it after its ``response.done``) and the session goes on;
+a client that vanishes has its request aborted; 20 sessions at once each get their answer, and a
+21st is refused until one closes; audio longer than the model's window, bad instructions and a
+wrong rate are error events and the session goes on; refusals (no key, an unknown model) are an
+error event and a close code, and so is an idle session; a message too large is an error and the
+session goes on."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -27,12 +32,19 @@ KEY = "realtime-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 #: The server's idle timeout (``--realtime-idle-timeout``).
 IDLE_S = 2
+#: The most sessions it holds at once (``--realtime-sessions``).
+SESSIONS = 20
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("realtime")
-    args = ("tiny-omni-speech", "--api-key", KEY, "--realtime-sessions", "2", "--realtime-idle-timeout", str(IDLE_S))
+    # A body deadline shorter than the idle timeout: a session outlives it (the HTTP read deadlines
+    # end at the upgrade), which the idle test checks.
+    args = (
+        "tiny-omni-voice", "--api-key", KEY, "--realtime-sessions", str(SESSIONS),
+        "--realtime-idle-timeout", str(IDLE_S), "--body-timeout", "1",
+    )  # fmt: skip
     srv = start_server(*args, log=tmp / "server.log")
     yield srv
     stop_server(srv)
@@ -105,7 +117,8 @@ def test_a_text_turn_gets_its_transcript_then_its_audio_then_done(server):
     response_id = events[1]["response"]["id"]
     transcript = [i for i, t in enumerate(types) if t == "response.audio_transcript.delta"]
     audio = [i for i, t in enumerate(types) if t == "response.audio.delta"]
-    assert transcript and audio and max(transcript) < min(audio), types
+    # The answer is spoken chunk by chunk as it streams: its first words come before any audio.
+    assert transcript and audio and min(transcript) < min(audio), types
     assert all(e.get("response_id") == response_id for e in events[2:-1])
     pcm = b"".join(base64.b64decode(events[i]["delta"]) for i in audio)
     assert len(pcm) % 2 == 0 and len(pcm) > 2 * 1600  # more than 0.1 s at 16 kHz
@@ -172,32 +185,135 @@ def test_a_client_that_vanishes_has_its_request_aborted(server, http):
 
 
 def test_refusals_are_an_error_event_and_a_close_code(server):
-    for headers, query, code, close in (
-        ({}, "", "invalid_api_key", 4401),
-        ({"Authorization": "Bearer wrong"}, "", "invalid_api_key", 4401),
-        (AUTH, "?model=nope", "model_not_found", 4404),
+    wrong_key = ["realtime", "openai-insecure-api-key.wrong"]
+    for headers, subprotocols, query, code, close in (
+        ({}, None, "", "invalid_api_key", 4401),
+        ({"Authorization": "Bearer wrong"}, None, "", "invalid_api_key", 4401),
+        ({}, wrong_key, "", "invalid_api_key", 4401),
+        (AUTH, None, "?model=nope", "model_not_found", 4404),
     ):
-        with connect(url(server, query), additional_headers=headers, open_timeout=10) as ws:
+        with connect(url(server, query), additional_headers=headers, subprotocols=subprotocols, open_timeout=10) as ws:
             assert recv(ws)["error"]["code"] == code
             with pytest.raises(ConnectionClosed):
                 ws.recv(timeout=10)
             assert ws.close_code == close
 
 
-def test_one_session_too_many_is_refused_until_one_closes(server):
-    first, second = open_session(server), open_session(server)
-    with connect(url(server), additional_headers=AUTH, open_timeout=10) as third:
-        error = recv(third)
-        assert error["type"] == "error" and error["error"]["code"] == "too_many_sessions"
-        with pytest.raises(ConnectionClosed):
-            third.recv(timeout=10)
-        assert third.close_code == 4503
-    first.close()
-    assert wait_for(lambda: opens(server), timeout=10, interval=0.1)  # the server sees the close a moment later
-    second.close()
+def test_a_browser_sends_the_key_as_a_subprotocol(server):
+    """A browser cannot set a WebSocket's headers: the key comes as a subprotocol beside
+    ``realtime``, which the session is accepted with."""
+    offered = ["realtime", f"openai-insecure-api-key.{KEY}"]
+    with connect(url(server), subprotocols=offered, open_timeout=10) as ws:
+        assert recv(ws)["type"] == "session.created" and ws.subprotocol == "realtime"
+
+
+def test_twenty_sessions_at_once_each_get_their_answer_and_one_more_is_refused(server):
+    sessions = [open_session(server, output_sample_rate=16000) for _ in range(SESSIONS)]
+    try:
+        for i, ws in enumerate(sessions):  # every turn is asked before any answer is read
+            say(ws, f"question {i}", max_response_output_tokens=4)
+        with connect(url(server), additional_headers=AUTH, open_timeout=10) as extra:
+            error = recv(extra)
+            assert error["type"] == "error" and error["error"]["code"] == "too_many_sessions"
+            with pytest.raises(ConnectionClosed):
+                extra.recv(timeout=10)
+            assert extra.close_code == 4503
+        answers = [until(ws, "response.done") for ws in sessions]
+    finally:
+        for ws in sessions:
+            ws.close()
+    for events in answers:
+        response_id = events[1]["response"]["id"]
+        assert events[-1]["response"]["id"] == response_id and events[-1]["response"]["status"] == "completed"
+        assert all(e.get("response_id") in (None, response_id) for e in events)
+        assert any(e["type"] == "response.audio.delta" for e in events)
+    assert len({events[1]["response"]["id"] for events in answers}) == SESSIONS
+    # The server sees the closes a moment later; then it serves a new session.
+    assert wait_for(lambda: opens(server), timeout=10, interval=0.1)
+    with open_session(server) as ws:
+        say(ws, "still there?", max_response_output_tokens=2)
+        assert until(ws, "response.done")[-1]["response"]["status"] == "completed"
+
+
+def spoken_turn(events: list[dict[str, Any]]) -> None:
+    """A spoken turn's answer: committed, then its transcript's first words, then audio, then done
+    (completed)."""
+    types = [e["type"] for e in events]
+    committed, created = types.index("input_audio_buffer.committed"), types.index("response.created")
+    transcript = [i for i, t in enumerate(types) if t == "response.audio_transcript.delta"]
+    audio = [i for i, t in enumerate(types) if t == "response.audio.delta"]
+    assert transcript and audio and committed < created < min(transcript) < min(audio), types
+    assert events[-1]["response"]["status"] == "completed", events[-1]
+    assert events[-1]["response"]["usage"]["input_tokens"] > 0
+
+
+def test_a_spoken_turn_committed_by_the_client_gets_text_then_audio(server):
+    with open_session(server, input_sample_rate=16000, output_sample_rate=16000) as ws:
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": tone(400, 0.3)}))
+        ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        ws.send(json.dumps({"type": "response.create", "response": {"max_response_output_tokens": 4}}))
+        spoken_turn(until(ws, "response.done"))
+
+
+def test_a_spoken_turn_that_the_vad_ends_gets_text_then_audio(server):
+    vad = {"type": "server_vad", "threshold": 0.05, "silence_duration_ms": 200}
+    with open_session(server, input_sample_rate=24000, turn_detection=vad, max_response_output_tokens=4) as ws:
+        for ms, amplitude in ((100, 0.0), (400, 0.3), (300, 0.0)):
+            ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": tone(ms, amplitude, 24000)}))
+        events = until(ws, "response.done")
+    types = [e["type"] for e in events]
+    assert types.index("input_audio_buffer.speech_started") < types.index("input_audio_buffer.speech_stopped")
+    assert types.index("input_audio_buffer.speech_stopped") < types.index("input_audio_buffer.committed")
+    spoken_turn(events)
+
+
+def test_the_sessions_instructions_reach_the_models_prompt(server):
+    from tokenizers import Tokenizer
+
+    from omni_runtime.models.builtin import ensure_builtin
+
+    lm = Tokenizer.from_file(str(ensure_builtin("tiny-lm") / "tokenizer.json"))
+    instructions = "You are a terse assistant."
+    with open_session(server, max_response_output_tokens=2) as ws:
+        say(ws, "hello there")
+        plain = until(ws, "response.done")[-1]["response"]["usage"]["input_tokens"]
+        ws.send(json.dumps({"type": "session.update", "session": {"instructions": instructions}}))
+        assert recv(ws)["session"]["instructions"] == instructions
+        say(ws, "hello there")
+        told = until(ws, "response.done")[-1]["response"]["usage"]["input_tokens"]
+    assert plain == len(lm.encode("hello there").ids)
+    assert told == len(lm.encode(f"{instructions}\n\nhello there").ids) > plain
+
+
+def test_hostile_audio_and_instructions_are_error_events_and_the_session_goes_on(server):
+    with open_session(server, input_sample_rate=16000, max_response_output_tokens=2) as ws:
+        # 1) longer than the model's window (10 s): refused before it is queued, the response fails
+        for _ in range(3):
+            ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": tone(3700, 0.2)}))
+        ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        ws.send(json.dumps({"type": "response.create"}))
+        events = until(ws, "response.done")
+        error = next(e for e in events if e["type"] == "error")["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == "audio", error
+        assert "10 s" in error["message"] and events[-1]["response"]["status"] == "failed"
+        # 2) a rate outside 8 to 48 kHz, bad base64, a lone surrogate in the instructions
+        for event, param in (
+            ({"type": "session.update", "session": {"input_sample_rate": 96000}}, "session.input_sample_rate"),
+            ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "audio"),
+            ({"type": "session.update", "session": {"instructions": "\ud800"}}, "session.instructions"),
+        ):
+            ws.send(json.dumps(event))
+            error = recv(ws)
+            assert error["type"] == "error" and error["error"]["param"] == param, error
+        # 3) the session still answers a spoken turn
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": tone(200, 0.3)}))
+        ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        ws.send(json.dumps({"type": "response.create"}))
+        spoken_turn(until(ws, "response.done"))
 
 
 def test_a_message_too_large_is_refused_and_an_idle_session_is_closed(server):
+    """Closed by its own idle timeout, not by the server's HTTP body deadline (1 s, shorter)."""
     with open_session(server) as ws:
         ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * (1024 * 1024 + 8)}))
         assert recv(ws)["error"]["code"] == "message_too_large"
@@ -209,3 +325,13 @@ def test_a_message_too_large_is_refused_and_an_idle_session_is_closed(server):
         with pytest.raises(ConnectionClosed):
             ws.recv(timeout=10)
         assert ws.close_code == 4408
+
+
+def test_the_realtime_benchmark_times_first_audio_at_one_and_several_sessions(server):
+    """benchmarks/realtime.py's measurement, small, on this server (its own starts one)."""
+    from benchmarks.realtime import measure
+
+    figures = asyncio.run(measure(url(server), AUTH, turns=2, concurrency=2, rounds=1, seconds=0.3, max_tokens=2))
+    assert [(row["sessions"], row["turns"]) for row in figures["rows"]] == [(1, 2), (2, 2)]
+    assert all(0 < row["first_audio_p50_ms"] < 30_000 for row in figures["rows"])
+    assert figures["ratios"]["first_audio_p50_ratio"] > 0

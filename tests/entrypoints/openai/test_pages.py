@@ -1,12 +1,13 @@
 """The playground (``/``) and the dashboard (``/dashboard``) in a real headless Chromium (Debian's
 ``chromium`` and ``chromium-driver``: ``make chromium``), against one real ``omni-runtime serve``
-of four models (tiny-sd, tiny-tts, tiny-wan and the echo model) with an API key: the page asks for
-the key and lists every model with what it can do; a prompt becomes a job whose progress bar
-moves and whose image appears; speech, a video and a chat answer each go to their own route and
-appear; a long job is cancelled; the dashboard lists every model with its state, draws the
-selected one's charts from the server's rolling window and shows the wave that ran; a prompt with
-markup is shown as text; every page carries its Content-Security-Policy; and no script error
-reaches the console.
+of five models (tiny-sd, tiny-tts, tiny-wan, the echo model and tiny-omni-voice) with an API key:
+the page asks for the key and lists every model with what it can do; a prompt becomes a job whose
+progress bar moves and whose image appears; speech, a video and a chat answer each go to their own
+route and appear; a long job is cancelled; the realtime tab sends a fake microphone (a WAV file) to
+a realtime session, whose turn detection hears the turn, and shows the answer's text and audio;
+the dashboard lists every model with its state, draws the selected one's charts from the server's
+rolling window and shows the wave that ran; a prompt with markup is shown as text; every page
+carries its Content-Security-Policy; and no script error reaches the console.
 
 One server and one browser for the module. With ``OMNI_DOCS_SCREENSHOTS=1`` the screenshots are
 also written to docs/img/ (the README's pictures)."""
@@ -19,7 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import soundfile
 from PIL import Image
 from selenium import webdriver
 from selenium.common.exceptions import NoAlertPresentException
@@ -42,18 +45,23 @@ HOSTILE = '<script>window.__injected = 1</script><img src=x onerror="window.__in
 
 
 #: The served models and what the playground says each makes (its first task's kind).
-MODELS = {"tiny-sd": "image", "tiny-tts": "speech", "tiny-wan": "video", "echo": "chat"}
+MODELS = {"tiny-sd": "image", "tiny-tts": "speech", "tiny-wan": "video", "echo": "chat", "tiny-omni-voice": "speech"}
+#: The model served lazily: the realtime tab's, loaded by its test.
+LAZY = "tiny-omni-voice"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("pages")
-    srv = start_server(*MODELS, "--api-key", KEY, log=tmp / "server.log")
+    # The realtime model loads on its session's first turn (@lazy), not while the others load.
+    served = [f"{name}=tiny-omni-voice@lazy" if name == LAZY else name for name in MODELS]
+    srv = start_server(*served, "--api-key", KEY, log=tmp / "server.log")
     try:
-        # /health answers once one model serves; the pages are tested with all of them loaded.
+        # /health answers once one model serves; the pages are tested with the others loaded.
         def loaded() -> bool:
             models = httpx.get(f"{srv.url}/v1/models", headers=AUTH).json()["data"]
-            return {m["id"]: m["state"] for m in models} == dict.fromkeys(MODELS, "loaded")
+            states = {m["id"]: m["state"] for m in models}
+            return states == {name: "unloaded" if name == LAZY else "loaded" for name in MODELS}
 
         assert wait_for(loaded, timeout=120), srv.log()[-3000:]
         yield srv
@@ -62,13 +70,29 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[WebDriver]:
+def microphone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the browser's fake microphone plays, once: silence, a spoken-level tone, silence."""
+    rate = 16_000
+    t = np.arange(int(0.4 * rate)) / rate
+    tone = 0.3 * np.sin(2 * np.pi * 220 * t)
+    samples = np.concatenate([np.zeros(int(0.2 * rate)), tone, np.zeros(int(1.0 * rate))])
+    path = tmp_path_factory.mktemp("microphone") / "turn.wav"
+    soundfile.write(path, samples.astype(np.float32), rate, subtype="PCM_16")
+    return path
+
+
+@pytest.fixture(scope="module")
+def browser(microphone: Path) -> Iterator[WebDriver]:
     # Both paths are given, so Selenium Manager never looks for (or downloads) a browser or driver.
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, for script errors
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1280,900"):
         options.add_argument(arg)
+    # A fake microphone that plays the file once, granted without a prompt.
+    for arg in ("--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream"):
+        options.add_argument(arg)
+    options.add_argument(f"--use-file-for-fake-audio-capture={microphone}%noloop")
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     try:
         yield driver
@@ -251,6 +275,29 @@ def test_each_kind_goes_to_its_route_and_its_result_appears(server: ServerProces
     paths = _posted(browser)
     assert {"v1/audio/speech", "v1/videos", "v1/chat/completions"} <= set(paths), paths
     assert "v1/generate" not in paths  # no job for these kinds here
+
+
+def test_the_realtime_tab_hears_the_microphone_and_answers_with_text_and_audio(
+    server: ServerProcess, browser: WebDriver
+) -> None:
+    browser.get(server.url + "/")  # the key is still in this tab's sessionStorage
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#rt-model option"), "no realtime model")
+    # Only a model whose first stage hears audio is offered.
+    assert [o.text for o in browser.find_elements(By.CSS_SELECTOR, "#rt-model option")] == ["tiny-omni-voice"]
+    browser.find_element(By.ID, "rt-start").click()
+    answered = "#rt-turns li[data-status]"
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, answered) or _text(d, "#rt-error"), "no answer")
+    assert _text(browser, "#rt-error") == ""
+    turn = browser.find_element(By.CSS_SELECTOR, answered)
+    assert turn.get_attribute("data-status") == "completed" and turn.get_attribute("data-item")
+    assert turn.find_element(By.CSS_SELECTOR, ".answer").text  # the transcript of the answer
+    assert turn.find_element(By.CSS_SELECTOR, "audio").get_attribute("src").startswith("blob:")
+    browser.find_element(By.ID, "rt-stop").click()
+    _wait(browser, lambda d: not d.find_element(By.ID, "rt-start").get_property("disabled"), "not stopped")
+    # The key went as a subprotocol: never in a URL the page opened, nor in the server's log.
+    urls = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert not any(KEY in u for u in urls) and KEY not in server.log()
+    assert httpx.get(server.url + "/health").status_code == 200
 
 
 def test_the_dashboard_lists_every_model_and_charts_the_selected_one(

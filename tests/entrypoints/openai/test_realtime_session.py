@@ -10,11 +10,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from omni_runtime.entrypoints.capabilities import ModelCapabilities
 from omni_runtime.entrypoints.openai.protocol import ApiError
 from omni_runtime.entrypoints.openai.realtime_session import (
+    MAX_ITEMS,
     AbortResponse,
     RealtimeLimits,
     RealtimeSession,
@@ -199,6 +200,8 @@ def test_the_session_model_comes_from_the_capabilities() -> None:
     with pytest.raises(ApiError) as refused:
         SessionModel.of("sd", image)
     assert refused.value.code == "no_speech" and refused.value.param == "model"
+    hears = ModelCapabilities(tasks=("chat",), kinds=("audio", "text"), stages={}, image_input=False, audio_input=True)
+    assert SessionModel.of("v", hears).audio_input
 
 
 # ---------------------------------------------------------------------- hostile messages
@@ -256,3 +259,69 @@ def test_hostile_messages_get_an_error_each_and_the_session_goes_on(messages: li
     if s.responding:
         s.cancel("client_cancel")
     assert isinstance(ask(s), StartResponse)
+
+
+HEARS = SessionModel("tiny-omni-voice", "chat", text=True, audio=True, audio_input=True)
+
+
+def test_a_committed_audio_turn_starts_a_response_with_its_samples_and_the_instructions() -> None:
+    s = session(HEARS)
+    send(s, type="session.update", session={"input_sample_rate": 16_000, "instructions": "Be brief."})
+    first, second = pcm(200, 0.3, 16_000), pcm(100, 0.1, 16_000)
+    send(s, type="input_audio_buffer.append", audio=first)
+    send(s, type="input_audio_buffer.append", audio=second)
+    send(s, type="input_audio_buffer.commit")
+    drain(s)
+    (start,) = send(s, type="response.create")
+    assert isinstance(start, StartResponse)
+    assert start.audio == base64.b64decode(first) + base64.b64decode(second) and start.sample_rate == 16_000
+    assert start.prompt == "Be brief."  # the transcript follows it in the pipeline
+    s.cancel("client_cancel")
+    ask_text = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+    send(s, type="conversation.item.create", item=ask_text)
+    (start,) = send(s, type="response.create", response={"instructions": "Answer in French."})
+    assert start.prompt == "Answer in French.\n\nhi" and start.audio is None and start.sample_rate is None
+
+
+def test_a_speech_only_model_speaks_the_text_alone_and_refuses_audio_turns() -> None:
+    s = session(SessionModel("tiny-tts", "text2speech", text=False, audio=True))
+    send(s, type="session.update", session={"instructions": "Be brief."})
+    ask(s, "say this")  # the prompt is the text alone: instructions are not spoken
+    s.cancel("client_cancel")
+    send(s, type="input_audio_buffer.append", audio=pcm(100, 0.3))
+    send(s, type="input_audio_buffer.commit")
+    drain(s)
+    assert send(s, type="response.create") == []
+    assert drain(s)[-1]["error"]["code"] == "no_audio_input"
+
+
+def test_a_session_keeps_the_latest_turns_audio_only_and_a_bounded_history() -> None:
+    s = session(HEARS)
+    for _ in range(3):
+        send(s, type="input_audio_buffer.append", audio=pcm(20, 0.3))
+        send(s, type="input_audio_buffer.commit")
+    assert [item.audio is not None for item in s.items] == [False, False, True]
+    for i in range(MAX_ITEMS + 5):
+        send(s, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": str(i)}]})  # fmt: skip
+    assert len(s.items) == MAX_ITEMS and s.items[-1].text == str(MAX_ITEMS + 4)
+
+
+@given(instructions=st.text(st.characters(exclude_categories=()), max_size=40))
+@example("\ud800 lone")
+@example("  Be brief. ")
+@settings(max_examples=40, deadline=None)
+def test_any_instructions_reach_the_prompt_or_are_refused_with_an_error_event(instructions: str) -> None:
+    s = session()
+    # json.dumps writes a lone surrogate as its \ud800 escape, as a hostile client may.
+    s.receive(json.dumps({"type": "session.update", "session": {"instructions": instructions}}))
+    event = drain(s)[-1]
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in instructions):  # no message could carry it
+        assert event["type"] == "error" and event["error"]["param"] == "session.instructions", event
+        assert s.settings["instructions"] == ""
+        return
+    assert event["session"]["instructions"] == instructions
+    send(s, type="conversation.item.create", item={"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "hello"}]})  # fmt: skip
+    (start,) = send(s, type="response.create")
+    assert start.prompt == "\n\n".join(p for p in (instructions.strip(), "hello") if p)
