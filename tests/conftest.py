@@ -155,6 +155,7 @@ HEAVIEST_FILES = (
     "tests/entrypoints/openai/test_jobs_hostile.py",
     "tests/entrypoints/openai/test_pages.py",
     "tests/entrypoints/openai/test_http_espeak.py",
+    "tests/omni_runtime/stage/test_rank_group.py",
     "tests/entrypoints/test_multistage.py",
 )
 

@@ -5,7 +5,7 @@ here, within float32 noise: ±1 uint8 level): CFG-parallel on tiny-sd (a UNet; r
 waves) and tiny-sd3 (a transformer; step execution, a request joining a running batch), Ulysses
 on tiny-flux (request-level), and both at once on tiny-wan (a video; four ranks, step
 execution). A request with no seed gets one seed on every rank; LoRA control calls, sleep and
-wake-up reach every rank; an abort leaves the group in step. A rank killed mid-wave, or stopped
+wake-up reach every rank; an abort leaves the group in step. A rank killed mid-wave or mid-step, or stopped
 mid-step, fails what the group was running with StageDeadError within the collective bound; the
 whole group is restarted (new processes, the old ones gone) and serves again.
 """
@@ -203,19 +203,26 @@ def test_an_abort_mid_wave_leaves_the_group_in_step(sd: Omni, pool) -> None:
     aborted_and_serving(sd, pool, "abort-wave")
 
 
-def test_a_rank_killed_mid_wave_fails_it_and_the_group_restarts(sd: Omni, sd_alone: DiffusionRunner, pool) -> None:
-    before = group(sd)["rank_pids"]
-    running = submit(pool, sd, "a long one", seed=3, num_inference_steps=400)
-    time.sleep(1.0)  # the wave is running
+def killed_mid_run(omni: Omni, pool: ThreadPoolExecutor) -> None:
+    """A rank SIGKILLed while the group runs a request: the request fails with StageDeadError at
+    once, the whole group is replaced by a new one (new processes, the old ones gone)."""
+    (stage,) = omni.engine.health().stages
+    before = group(omni)["rank_pids"]
+    running = submit(pool, omni, "a long one", seed=3, num_inference_steps=400)
+    time.sleep(1.0)  # it is running
     killed = time.monotonic()
     os.kill(before[1], signal.SIGKILL)
     out = running.result(timeout=30)
     assert isinstance(out.error, StageDeadError), out.error
     assert time.monotonic() - killed < 5
-    serving_again(sd, restarts=1)
+    serving_again(omni, restarts=stage.restarts + 1)
     assert gone(before)
-    after = group(sd)["rank_pids"]
+    after = group(omni)["rank_pids"]
     assert not set(after) & set(before)
+
+
+def test_a_rank_killed_mid_wave_fails_it_and_the_group_restarts(sd: Omni, sd_alone: DiffusionRunner, pool) -> None:
+    killed_mid_run(sd, pool)
     (again,) = sd.generate("a cat", {"seed": 1}, use_tqdm=False)
     assert_close(pixels(again), alone(sd_alone, "tiny-sd", "a cat", seed=1))
 
@@ -232,13 +239,13 @@ def sd3(model_cache: Path) -> Iterator[Omni]:
 def test_cfg_parallel_steps_with_a_request_joining_mid_run(sd3: Omni, pool) -> None:
     sd3_alone = reference("tiny-sd3")
     assert group(sd3)["applied"] == "transformer: cfg-parallel 2"
-    long = submit(pool, sd3, "a long one", seed=4, num_inference_steps=60)
+    long = submit(pool, sd3, "a long one", seed=4, num_inference_steps=200)
     time.sleep(0.5)
     short = submit(pool, sd3, "a short one", seed=5)
     first, second = long.result(timeout=60), short.result(timeout=60)
     # The short one joined the running batch at a step boundary and left it first.
     assert second.metrics["finished_at"] < first.metrics["finished_at"]
-    assert_close(pixels(first), alone(sd3_alone, "tiny-sd3", "a long one", seed=4, num_inference_steps=60))
+    assert_close(pixels(first), alone(sd3_alone, "tiny-sd3", "a long one", seed=4, num_inference_steps=200))
     assert_close(pixels(second), alone(sd3_alone, "tiny-sd3", "a short one", seed=5))
 
 
@@ -246,7 +253,12 @@ def test_an_abort_at_a_step_boundary_leaves_the_group_in_step(sd3: Omni, pool) -
     aborted_and_serving(sd3, pool, "abort-step")
 
 
+def test_a_rank_killed_mid_step_fails_the_batch_and_the_group_restarts(sd3: Omni, pool) -> None:
+    killed_mid_run(sd3, pool)
+
+
 def test_a_rank_stopped_mid_step_fails_the_batch_within_the_bound(sd3: Omni, pool) -> None:
+    (stage,) = sd3.engine.health().stages
     before = group(sd3)["rank_pids"]
     running = submit(pool, sd3, "a long one", seed=6, num_inference_steps=400)
     time.sleep(1.0)
@@ -256,7 +268,7 @@ def test_a_rank_stopped_mid_step_fails_the_batch_within_the_bound(sd3: Omni, poo
         out = running.result(timeout=60)
         assert isinstance(out.error, StageDeadError), out.error
         assert time.monotonic() - stopped < 2 * COLLECTIVE_S + 5
-        serving_again(sd3, restarts=1)
+        serving_again(sd3, restarts=stage.restarts + 1)
         assert gone(before)  # the stopped rank too: it dies with rank 0
     finally:
         if psutil.pid_exists(before[1]):
