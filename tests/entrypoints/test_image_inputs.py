@@ -27,7 +27,8 @@ def picture(seed: int, h: int = 64, w: int = 64) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def sd():
-    with Omni("tiny-sd", max_num_seqs=4, request_batch_max_wait_ms=10) as omni:
+    # One torch thread: intra-op threads that wait for each other slow down badly on a busy machine.
+    with Omni("tiny-sd", max_num_seqs=4, request_batch_max_wait_ms=10, torch_threads=1) as omni:
         yield omni
 
 
@@ -86,7 +87,7 @@ def test_still_serves_after_hostile_input(sd):
 
 
 def test_a_text_only_stage_refuses_an_image_at_validate():
-    with Omni("tiny-pixart") as omni:
+    with Omni("tiny-pixart", torch_threads=1) as omni:
         with pytest.raises(InvalidRequestError, match="does not take `image`") as info:
             omni.generate("a fox", {"image": picture(1)}, use_tqdm=False)
         assert info.value.param == "image"

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tests.strategies import EDGE_INTS, JSON_VALUES
 
 from .jobs_client import first_step, submit, wait_status
-from .server_process import start_server, stop_server
+from .server_process import one_thread_config, start_server, stop_server
 
 pytestmark = pytest.mark.e2e
 
@@ -42,7 +42,8 @@ FUZZ = settings(
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("audio-jobs")
-    srv = start_server("tiny-stable-audio", "--job-ttl", "600", log=tmp / "server.log")
+    audio = one_thread_config(tmp / "tiny-stable-audio.yaml", "tiny-stable-audio")
+    srv = start_server(audio, "--job-ttl", "600", log=tmp / "server.log")
     yield srv
     stop_server(srv)
 

@@ -28,6 +28,7 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("srv")
     config = yaml.safe_load((REPO / "stage_configs" / "tiny-sd.yaml").read_text())
     config["stage_args"][0]["engine_args"]["progress_interval_s"] = 0
+    config["stage_args"][0]["runtime"]["torch_threads"] = 1  # see one_thread_config
     path = write_config(tmp / "tiny-sd.yaml", config)
     srv = start_server(str(path), "--api-key", KEY, "--max-num-seqs", "4", log=tmp / "server.log")
     yield srv

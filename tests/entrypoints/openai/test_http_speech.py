@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from omni_runtime.models.tiny_tts import SAMPLE_RATE
 
-from .server_process import start_server, stop_server
+from .server_process import one_thread_config, start_server, stop_server
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +34,7 @@ TEXT = "hello there, general speech"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("speech")
-    srv = start_server("tiny-tts", log=tmp / "server.log")
+    srv = start_server(one_thread_config(tmp / "tiny-tts.yaml", "tiny-tts"), log=tmp / "server.log")
     yield srv
     stop_server(srv)
 

@@ -29,7 +29,7 @@ from PIL import Image
 from entrypoints.openai.videos import frames_for
 
 from .jobs_client import read_sse
-from .server_process import start_server, stop_server
+from .server_process import one_thread_config, start_server, stop_server
 
 pytestmark = pytest.mark.e2e
 
@@ -41,7 +41,8 @@ LONG_STEPS = 300
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, redis_server):
     tmp = tmp_path_factory.mktemp("videos")
-    srv = start_server("tiny-wan", "--api-key", KEY, "--redis-url", redis_server.url, log=tmp / "server.log")
+    wan = one_thread_config(tmp / "tiny-wan.yaml", "tiny-wan")
+    srv = start_server(wan, "--api-key", KEY, "--redis-url", redis_server.url, log=tmp / "server.log")
     yield srv
     stop_server(srv)
 
@@ -378,7 +379,8 @@ def test_a_text_body_is_a_415(http: httpx.Client) -> None:
 def http_b(server, redis_server, tmp_path_factory):
     """Gateway B: another ``serve`` over the same Redis (jobs and files shared with the first)."""
     tmp = tmp_path_factory.mktemp("videos-b")
-    srv = start_server("tiny-wan", "--api-key", KEY, "--redis-url", redis_server.url, log=tmp / "b.log")
+    wan = one_thread_config(tmp / "tiny-wan.yaml", "tiny-wan")
+    srv = start_server(wan, "--api-key", KEY, "--redis-url", redis_server.url, log=tmp / "b.log")
     try:
         with httpx.Client(base_url=srv.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c:
             yield c

@@ -152,7 +152,7 @@ def test_vae_tiling_and_slicing_are_applied_and_a_tiled_decode_stays_close(runne
 
 @pytest.fixture(scope="module")
 def omni(model_cache: Path) -> Any:
-    with Omni("tiny-ltx") as engine:
+    with Omni("tiny-ltx", torch_threads=1) as engine:  # one torch thread (see model_cache)
         yield engine
 
 

@@ -71,7 +71,7 @@ def test_audio_params_are_refused_by_a_stage_that_makes_no_audio() -> None:
 
 @pytest.fixture(scope="module")
 def omni(model_cache: Path) -> Any:
-    with Omni("tiny-stable-audio") as engine:
+    with Omni("tiny-stable-audio", torch_threads=1) as engine:  # one torch thread (see model_cache)
         yield engine
 
 

@@ -229,7 +229,7 @@ def test_golden_slice(runner: DiffusionRunner) -> None:
 
 @pytest.fixture(scope="module")
 def omni(model_cache: Path) -> Any:
-    with Omni("tiny-wan") as engine:
+    with Omni("tiny-wan", torch_threads=1) as engine:  # one torch thread (see model_cache)
         yield engine
 
 

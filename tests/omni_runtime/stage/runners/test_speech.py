@@ -107,7 +107,8 @@ def test_openai_voices_map_onto_the_models_speakers_in_turn() -> None:
 
 @pytest.fixture(scope="module")
 def omni() -> Any:
-    with Omni("tiny-tts") as engine:
+    # One torch thread: intra-op threads that wait for each other slow down badly on a busy machine.
+    with Omni("tiny-tts", torch_threads=1) as engine:
         yield engine
 
 
