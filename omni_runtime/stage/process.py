@@ -58,6 +58,11 @@ def run_stage_process(args_bytes: bytes) -> None:
         args.log_level,
         f"%(asctime)s %(levelname)s stage{args.stage['stage_id']}.{args.replica_id} %(name)s: %(message)s",
     )
+    # A parallel group's other ranks are forked now, while this process has one thread.
+    # lazy: the rank group's module imports numpy, after the thread counts above.
+    from omni_runtime.stage.rank_group import prefork
+
+    prefork(args.stage)
     # torch reads OMP_NUM_THREADS when a runner first imports it; a stage that never needs torch
     # (echo, custom runners) does not pay for importing it.
     import uvloop

@@ -1,10 +1,13 @@
 """A replica as a group of rank processes that run every model call in lock step (``runtime.parallel``).
 
 Rank 0 is the replica the engine knows: its stage process, worker and scheduler are the usual
-ones (READY, requests, control calls and outputs go through it alone). Its runner is wrapped in a
-:class:`GroupLeader`, which at load starts the other ranks (``python -m
-omni_runtime.stage.rank_group``, each dying with it), forms the ``torch.distributed`` group with
-them (a TCP store on a free loopback port, ``gloo`` on the CPU, ``nccl`` on CUDA) and applies the
+ones (READY, requests, control calls and outputs go through it alone). The other ranks are forked
+by its stage process as it starts, while it has one thread (:func:`prefork`: a replica forked from
+the stage launcher passes on the libraries it imported, so a group start pays no imports); each
+waits for its arguments, and dies with rank 0. Rank 0's runner is wrapped in a
+:class:`GroupLeader`, which at load hands the followers their arguments, forms the
+``torch.distributed`` group with them (a TCP store on a free loopback port, ``gloo`` on the CPU,
+``nccl`` on CUDA) and applies the
 stage's parallelism to every rank's pipeline (:mod:`omni_runtime.stage.parallel`). Then each
 runner call that computes (``execute``, the ``step_*`` calls, ``sleep``/``wake_up``, every
 ``rpc_*`` control call) is first sent to the followers (msgpack over ZMQ: no pickle) with
@@ -46,7 +49,7 @@ from omni_runtime.config_types import ParallelConfig
 from omni_runtime.logs import configure_logging
 from omni_runtime.messages import StageRequest
 from omni_runtime.serialization import Decoder, Encoder
-from omni_runtime.stage.lifetime import child_env, die_with_parent
+from omni_runtime.stage.lifetime import die_with_parent
 from omni_runtime.stage.optional_imports import keep_out_unrequested
 from omni_runtime.stage.runners.base import ExecuteContext, RunnerRequest, runner_class
 
@@ -74,7 +77,7 @@ class GroupCall(msgspec.Struct, Generic[P], kw_only=True, tag="call"):
 
 
 class FollowerArgs(msgspec.Struct, kw_only=True, frozen=True):
-    """What rank 0 hands a follower on its stdin (msgpack)."""
+    """What rank 0 hands a forked follower on its pipe (msgpack)."""
 
     stage: Any  # StageConfig as builtins
     replica_id: int
@@ -214,6 +217,97 @@ def apply(runner: Any, parallel: ParallelConfig, device: str) -> str:
     return apply_parallelism(runner.pipe, parallel, device)
 
 
+class ForkedRank:
+    """A follower forked from rank 0 before rank 0 started any thread (:func:`prefork`): it waits
+    for its :class:`FollowerArgs` on a pipe. Rank 0's handle of it: ``pid``, ``poll``, ``wait``
+    (it reaps it), ``kill``."""
+
+    def __init__(self, pid: int, args_fd: int) -> None:
+        self.pid = pid
+        self.args_fd: int | None = args_fd
+        self.returncode: int | None = None
+
+    def send_args(self, payload: bytes) -> None:
+        fd, self.args_fd = self.args_fd, None
+        assert fd is not None
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view) :]
+        except BrokenPipeError:
+            pass  # it died already: its exit says so
+        finally:
+            os.close(fd)
+
+    def _reaped(self, flags: int) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, flags)
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._reaped(os.WNOHANG)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while deadline is not None and self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        code = self._reaped(0)
+        assert code is not None
+        return code
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+#: Followers forked by :func:`prefork` for this process's replica, taken by its GroupLeader.
+_PREFORKED: list[ForkedRank] = []
+
+
+def prefork(stage: dict[str, Any]) -> None:
+    """In a stage process whose stage is a parallel group, before it starts any thread: fork the
+    followers now, with the libraries this process has imported (a replica forked from the stage
+    launcher has torch and diffusers), so that a group start or restart does not pay their
+    imports again. Each waits for its arguments from the GroupLeader's load."""
+    parallel = (stage.get("runtime") or {}).get("parallel") or {}
+    world = int(parallel.get("ulysses_degree", 1)) * int(parallel.get("ring_degree", 1))
+    world *= int(parallel.get("cfg_parallel_size", 1))
+    parent = os.getpid()
+    for _ in range(1, world):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the follower
+            code = 70
+            try:
+                # Only its own pipe's read end: a sibling's write end held here would keep that
+                # sibling from ever seeing the end of its arguments.
+                for sibling in _PREFORKED:
+                    if sibling.args_fd is not None:
+                        os.close(sibling.args_fd)
+                _PREFORKED.clear()
+                os.close(write)
+                _die_with(parent)
+                code = _forked_follower(read)
+            finally:
+                os._exit(code)
+        os.close(read)
+        _PREFORKED.append(ForkedRank(pid, write))
+
+
+def _forked_follower(args_fd: int) -> int:
+    chunks = []
+    while chunk := os.read(args_fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(args_fd)
+    if not chunks:
+        return 0  # rank 0 closed without a group (it failed before its load)
+    return _follower_main(msgspec.msgpack.decode(b"".join(chunks), type=FollowerArgs))
+
+
 class GroupLeader:
     """Rank 0's runner: the stage's own, whose computing calls every rank makes in lock step.
     Every other attribute is the runner's."""
@@ -225,7 +319,7 @@ class GroupLeader:
         self.parallel: ParallelConfig = stage.runtime.parallel
         self.replica_id = replica_id
         self.devices = rank_devices(stage.runtime, replica_id)
-        self.followers: list[subprocess.Popen] = []
+        self.followers: list[ForkedRank] = []
         self._pushes: list[Any] = []
         self._encoder = Encoder(None)
         self._closing = False
@@ -256,6 +350,11 @@ class GroupLeader:
         import zmq
 
         world = self.parallel.world_size
+        if len(_PREFORKED) != world - 1:
+            raise RuntimeError(
+                f"a group of {world} ranks needs {world - 1} followers forked by its stage process at its start "
+                f"(omni_runtime.stage.process); {len(_PREFORKED)} were"
+            )
         self.runner.device = self.devices[0]
         timeout = self.parallel.collective_timeout_s
         startup = self.stage.runtime.startup_timeout_s
@@ -285,15 +384,8 @@ class GroupLeader:
                 log_level=logging.getLogger("omni_runtime").getEffectiveLevel(),
                 parent_pid=os.getpid(),
             )
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "omni_runtime.stage.rank_group"],
-                stdin=subprocess.PIPE,
-                env=child_env(),
-                close_fds=True,
-            )
-            assert proc.stdin is not None
-            proc.stdin.write(msgspec.msgpack.encode(args))
-            proc.stdin.close()
+            proc = _PREFORKED.pop(0)
+            proc.send_args(msgspec.msgpack.encode(args))
             self.followers.append(proc)
         deadline = time.monotonic() + startup
         try:
@@ -472,10 +564,8 @@ def _run(runner: Any, call: GroupCall, parallel: ParallelConfig, args: FollowerA
         raise ValueError(f"not a group call: {call.method!r}")
 
 
-def main() -> None:
-    """``python -m omni_runtime.stage.rank_group``: a follower; its args arrive as msgpack on stdin."""
-    args = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=FollowerArgs)
-    _die_with(args.parent_pid)
+def _follower_main(args: FollowerArgs) -> int:
+    """A forked follower, from its arguments to its exit code (its streams flushed)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(args.torch_threads)
@@ -488,8 +578,4 @@ def main() -> None:
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    main()
+    return code
