@@ -36,12 +36,17 @@ pytestmark = pytest.mark.e2e
 KEY = "video-test-key"
 #: A video that denoises for a long while unless cancelled.
 LONG_STEPS = 300
+#: A video that runs for many seconds on any machine, to be seen running and cancelled: tiny-wan
+#: at its native 32 x 32 makes 300 steps of 9 frames in about half a second with one thread.
+LONG = {"num_inference_steps": LONG_STEPS, "size": "256x256", "num_frames": 33}
+#: What the servers allow, for LONG (the bundled config allows 4 x the native 32 x 32).
+MAX_PIXELS = 256 * 256
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, redis_server):
     tmp = tmp_path_factory.mktemp("videos")
-    wan = one_thread_config(tmp / "tiny-wan.yaml", "tiny-wan")
+    wan = one_thread_config(tmp / "tiny-wan.yaml", "tiny-wan", max_pixels=MAX_PIXELS)
     srv = start_server(wan, "--api-key", KEY, "--redis-url", redis_server.url, log=tmp / "server.log")
     yield srv
     stop_server(srv)
@@ -111,7 +116,7 @@ def test_list_is_newest_first_with_pagination(done, http: httpx.Client, client: 
 
 
 def test_delete_cancels_a_running_video_and_the_server_serves_on(http: httpx.Client, client: openai.OpenAI) -> None:
-    video = create(http, num_inference_steps=LONG_STEPS)
+    video = create(http, **LONG)
     deadline = time.monotonic() + 60
     while http.get(f"/v1/videos/{video['id']}").json()["status"] != "in_progress":
         assert time.monotonic() < deadline
@@ -137,10 +142,10 @@ def test_seconds_become_frames(http: httpx.Client) -> None:
         ({"num_frames": 8}, "num_frames"),
         ({"size": "33x33"}, "size"),
         ({"size": "big"}, "size"),
-        # Past the rotary table's 512 px a side, and past 4 x the default 32 x 32: refused, not a 500.
+        # Past the rotary table's 512 px a side, and past the servers' max_pixels: refused, not a 500.
         ({"size": "1024x32"}, "size"),
         ({"size": "16x4096"}, "size"),
-        ({"size": "256x64"}, "size"),
+        ({"size": "512x256"}, "size"),
         ({"seconds": "abc"}, "seconds"),
         ({"num_frames": 10**9}, "num_frames"),
         ({"fps": 10**6}, "fps"),
@@ -338,8 +343,8 @@ def test_generate_takes_image2video(http: httpx.Client) -> None:
         ({"data": {"input_reference[image_url]": "data:image/png;base64,@@"}}, "input_reference", "base64"),
         ({"data": {"size": "40x40"}, "files": {"input_reference": ("r.png", png((9, 9, 9)), "image/png")}},
          "input_reference", "`input_reference`: the input image's height 40 is not a multiple of 16"),
-        ({"files": {"input_reference": ("r.png", png((9, 9, 9), 2048, 16), "image/png")}},
-         "input_reference", "declares 2048x16 pixels; this model's limit is 4096 pixels"),
+        ({"files": {"input_reference": ("r.png", png((9, 9, 9), 4096, 32), "image/png")}},
+         "input_reference", f"declares 4096x32 pixels; this model's limit is {MAX_PIXELS} pixels"),
     ],
 )  # fmt: skip
 def test_a_bad_input_reference_is_a_400_naming_it(http: httpx.Client, part: dict, param: str, match: str) -> None:
@@ -379,7 +384,7 @@ def test_a_text_body_is_a_415(http: httpx.Client) -> None:
 def http_b(server, redis_server, tmp_path_factory):
     """Gateway B: another ``serve`` over the same Redis (jobs and files shared with the first)."""
     tmp = tmp_path_factory.mktemp("videos-b")
-    wan = one_thread_config(tmp / "tiny-wan.yaml", "tiny-wan")
+    wan = one_thread_config(tmp / "tiny-wan.yaml", "tiny-wan", max_pixels=MAX_PIXELS)
     srv = start_server(wan, "--api-key", KEY, "--redis-url", redis_server.url, log=tmp / "b.log")
     try:
         with httpx.Client(base_url=srv.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c:
@@ -411,7 +416,7 @@ def test_a_video_made_on_a_is_read_and_downloaded_through_b(http: httpx.Client, 
 
 
 def test_progress_moves_in_the_events_read_on_b_which_then_cancels_the_video(http: httpx.Client, http_b) -> None:
-    video = create(http, num_inference_steps=LONG_STEPS)
+    video = create(http, **LONG)
     # queued, started, then step events (at most one per 0.3 s: the worker's progress throttle).
     events = read_sse(http_b, video["id"], limit=4)
     steps = [e["data"] for e in events if e["type"] == "step"]
