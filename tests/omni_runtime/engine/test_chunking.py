@@ -3,6 +3,7 @@ outputs; every hostile chunk policy in a YAML a ConfigError naming its path, nev
 
 from __future__ import annotations
 
+import gc
 import re
 import time
 
@@ -186,16 +187,26 @@ def test_hostile_text_never_holds_the_thread_that_cuts_it_for_long():
     worst_feed = 0.0
     cases = [[text] for text in HOSTILE_TEXTS.values()]  # one delta at the limit
     cases += [[text[i : i + 50] for i in range(0, len(text), 50)] for text in HOSTILE_TEXTS.values()]
-    for deltas in cases:
-        chunker = Chunker(STREAMING_INPUT_CHUNKING)
-        for delta in deltas:
-            start = time.thread_time()
-            chunker.feed(delta)
-            worst_feed = max(worst_feed, time.thread_time() - start)
-        chunker.finish()
-    # Linear cutting spends ~10 ms of CPU on 100,000 characters; the rescanning cutter spent
-    # 1.2 s on 16,000 and minutes on 100,000.
-    assert worst_feed < 0.2, f"worst feed {worst_feed:.3f} s of CPU"
+    # No garbage collection while measuring: a full collection of a test worker's heap (torch and
+    # diffusers loaded by earlier tests) is the heap's cost, not the cutter's.
+    gc.collect()
+    gc.disable()
+    try:
+        for deltas in cases:
+            chunker = Chunker(STREAMING_INPUT_CHUNKING)
+            for delta in deltas:
+                start = time.thread_time()
+                chunker.feed(delta)
+                worst_feed = max(worst_feed, time.thread_time() - start)
+            chunker.finish()
+    finally:
+        gc.enable()
+    # Linear cutting spends ~50 ms of CPU on 100,000 characters; the rescanning cutter spent
+    # 1.2 s on 16,000 and minutes on these 100,000. The bound sits far from both:
+    # a fresh clone's run once measured 0.84 s of this thread's CPU in one feed that takes ~50 ms
+    # alone (what else was counted to the thread is not known), and
+    # test_the_text_cutter_scans_each_character_a_bounded_number_of_times is the exact check.
+    assert worst_feed < 5.0, f"worst feed {worst_feed:.3f} s of CPU"
 
 
 @settings(max_examples=100, deadline=None, database=None)
