@@ -87,9 +87,7 @@ class FollowerArgs(msgspec.Struct, kw_only=True, frozen=True):
     store_port: int
     commands_addr: str
     status_addr: str
-    torch_threads: int
     log_level: int
-    parent_pid: int
 
 
 class FollowerStatus(msgspec.Struct, kw_only=True, frozen=True):
@@ -345,7 +343,6 @@ class GroupLeader:
         """Start the other ranks, load the model here while they load theirs, form the group and
         apply the parallelism on every rank. Raises (a load failure, with a rank's reason) if a
         rank fails or the group does not form within the start-up bound."""
-        import torch
         import torch.distributed as dist
         import zmq
 
@@ -364,7 +361,6 @@ class GroupLeader:
         status.setsockopt(zmq.LINGER, 0)
         status.bind("tcp://127.0.0.1:*")
         status_addr = status.getsockopt_string(zmq.LAST_ENDPOINT)
-        threads = torch.get_num_threads()  # as the engine set this rank's: the same for every rank
         for rank in range(1, world):
             push = ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
@@ -380,9 +376,7 @@ class GroupLeader:
                 store_port=store.port,
                 commands_addr=push.getsockopt_string(zmq.LAST_ENDPOINT),
                 status_addr=status_addr,
-                torch_threads=threads,
                 log_level=logging.getLogger("omni_runtime").getEffectiveLevel(),
-                parent_pid=os.getpid(),
             )
             proc = _PREFORKED.pop(0)
             proc.send_args(msgspec.msgpack.encode(args))
@@ -566,9 +560,7 @@ def _run(runner: Any, call: GroupCall, parallel: ParallelConfig, args: FollowerA
 
 def _follower_main(args: FollowerArgs) -> int:
     """A forked follower, from its arguments to its exit code (its streams flushed)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(args.torch_threads)
+    # Its thread counts and ignored SIGINT are rank 0's, set before the fork.
     stage_id = args.stage["stage_id"]
     configure_logging(
         args.log_level,
