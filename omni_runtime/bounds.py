@@ -162,6 +162,9 @@ FIELD_BOUNDS: dict[str, Bounds] = {
     "request_batch_max_wait_ms": Bounds(
         type=float, ge=0, le=60_000, doc="Extra admission wait (ms) before a new wave; 0 dispatches at once."
     ),
+    "batch_quiet_window_ms": Bounds(
+        type=float, ge=0, le=60_000, doc="Quiet time (ms) after the latest arrival that ends an admission hold."
+    ),
 }
 
 

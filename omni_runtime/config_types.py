@@ -26,13 +26,15 @@ _Struct = {"kw_only": True, "forbid_unknown_fields": True}
 if TYPE_CHECKING:  # built at run time from FIELD_BOUNDS; to a type checker the plain number types
     MaxNumSeqs = int
     RequestBatchMaxWaitMs = float
+    BatchQuietWindowMs = float
 else:
     MaxNumSeqs = FIELD_BOUNDS["max_num_seqs"].annotated
     RequestBatchMaxWaitMs = FIELD_BOUNDS["request_batch_max_wait_ms"].annotated
+    BatchQuietWindowMs = FIELD_BOUNDS["batch_quiet_window_ms"].annotated
 
 #: The fields each built-in control call takes; their bounds are those of :data:`FIELD_BOUNDS`.
 CONTROL_CALL_FIELDS: dict[str, tuple[str, ...]] = {
-    "set_batching": ("max_num_seqs", "request_batch_max_wait_ms"),
+    "set_batching": ("max_num_seqs", "request_batch_max_wait_ms", "batch_quiet_window_ms"),
 }
 
 
@@ -245,7 +247,8 @@ class EngineArgs(msgspec.Struct, **_Struct):
     max_pixels: Annotated[int, msgspec.Meta(ge=64)] | None = None
     #: Quiet time (ms) after the latest arrival that ends an admission hold early. ``null`` adapts
     #: it to the gaps between recent arrivals (at least ``min(wait/4, 5 ms)``, at most the wait).
-    batch_quiet_window_ms: Annotated[float, msgspec.Meta(ge=0, le=60_000)] | None = None
+    #: ``set_batching`` may fix it on a live engine (:data:`FIELD_BOUNDS`).
+    batch_quiet_window_ms: BatchQuietWindowMs | None = None
     #: Run diffusion requests step by step: requests join and leave a running denoising batch
     #: between steps (continuous batching). A runner or pipeline that cannot falls back to
     #: request-level batching and logs why.

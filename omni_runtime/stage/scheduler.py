@@ -370,16 +370,27 @@ class RequestScheduler(BatchSize):
         self._finished_since_arrival = True
         return list(ids)
 
-    def set_config(self, *, max_num_seqs: int | None = None, max_wait_ms: float | None = None) -> None:
-        """Change the batching knobs; they apply to the next wave (including one being held)."""
+    def set_config(
+        self,
+        *,
+        max_num_seqs: int | None = None,
+        max_wait_ms: float | None = None,
+        stable_window_ms: float | None = None,
+    ) -> None:
+        """Change the batching knobs; they apply to the next wave (including one being held). A
+        ``stable_window_ms`` given fixes the stable window (None leaves it as it is)."""
         if max_num_seqs is not None:
             _check_int("max_num_seqs", max_num_seqs)
         if max_wait_ms is not None:
             _check_ms("max_wait_ms", max_wait_ms)
+        if stable_window_ms is not None:
+            _check_ms("stable_window_ms", stable_window_ms)
         if max_num_seqs is not None:
             self._ask_max_num_seqs(max_num_seqs)
         if max_wait_ms is not None:
             self._max_wait_ms = float(max_wait_ms)
+        if stable_window_ms is not None:
+            self._stable_window_ms = float(stable_window_ms)
 
     @property
     def max_wait_ms(self) -> float:

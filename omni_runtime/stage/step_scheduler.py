@@ -313,10 +313,16 @@ class StepScheduler(BatchSize):
 
     # ------------------------------------------------------------------ configuration and stats
 
-    def set_config(self, *, max_num_seqs: int | None = None, max_wait_ms: float | None = None) -> None:
+    def set_config(
+        self,
+        *,
+        max_num_seqs: int | None = None,
+        max_wait_ms: float | None = None,
+        stable_window_ms: float | None = None,
+    ) -> None:
         """Change the batch size; it applies from the next plan (a request beyond it pauses).
-        ``max_wait_ms`` is accepted for the request-level interface and has no effect: a request
-        joins at the next step anyway."""
+        ``max_wait_ms`` and ``stable_window_ms`` are accepted for the request-level interface and
+        have no effect: a request joins at the next step anyway."""
         if max_num_seqs is not None:
             self._ask_max_num_seqs(max_num_seqs)
 

@@ -410,13 +410,18 @@ class StageWorker:
         # config file could not. The caller checked already; this holds for any path to the stage.
         checked = check_control_kwargs("set_batching", kwargs)
         max_num_seqs = checked.get("max_num_seqs")
-        request_batch_max_wait_ms = checked.get("request_batch_max_wait_ms")
-        self.scheduler.set_config(max_num_seqs=max_num_seqs, max_wait_ms=request_batch_max_wait_ms)
+        self.scheduler.set_config(
+            max_num_seqs=max_num_seqs,
+            max_wait_ms=checked.get("request_batch_max_wait_ms"),
+            stable_window_ms=checked.get("batch_quiet_window_ms"),
+        )
         self.wake.set()
         # max_num_seqs as applied: never above what the runner declared it can take.
         return {
             "max_num_seqs": self.scheduler.max_num_seqs,
             "request_batch_max_wait_ms": self.scheduler.max_wait_ms,
+            # The window a hold would use now (fixed, or adapted); step execution holds nothing.
+            "batch_quiet_window_ms": getattr(self.scheduler, "stable_window_ms", None),
             "max_batch_size": self.runner.max_batch_size,
         }
 

@@ -143,7 +143,10 @@ async def test_set_batching_changes_a_live_engine(engine):
         ({"max_num_seqs": True}, "Expected `int`"),
         ({"max_num_seqs": 4.0}, "Expected `int`"),
         ({"request_batch_max_wait_ms": [1]}, "Expected `float`"),
-        ({"max_wait": 5}, "takes only max_num_seqs, request_batch_max_wait_ms"),
+        ({"batch_quiet_window_ms": float("inf")}, "<= 60000"),
+        ({"batch_quiet_window_ms": -0.5}, ">= 0"),
+        ({"batch_quiet_window_ms": "5"}, "Expected `float`"),
+        ({"max_wait": 5}, "takes only max_num_seqs, request_batch_max_wait_ms, batch_quiet_window_ms"),
     ],
 )
 async def test_set_batching_refuses_what_the_yaml_refuses_and_the_engine_serves_on(engine, kwargs, bound):
@@ -154,6 +157,7 @@ async def test_set_batching_refuses_what_the_yaml_refuses_and_the_engine_serves_
     # Nothing was applied: the YAML's values still hold, and requests are served.
     [res] = await engine.collective_rpc("set_batching", kwargs={})
     assert res.result["max_num_seqs"] == 4 and res.result["request_batch_max_wait_ms"] == 200
+    assert res.result["batch_quiet_window_ms"] <= 200  # still adaptive: at most the wait
     out = await run(engine, "still serving", seed=1)
     assert out.images and out.error is None
 

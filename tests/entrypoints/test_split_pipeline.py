@@ -128,6 +128,11 @@ async def test_a_drawn_seed_is_reported_and_reproduces_the_image(split):
 
 
 async def test_each_stage_batches_on_its_own_key(split):
+    # A hold ends once nothing has arrived for the quiet window (5 ms by default): a loaded machine
+    # that delayed one hand-off between stages longer than that split a wave in two. Fixed at the
+    # whole wait, a hold lasts until the wave is full or the wait is over.
+    applied = await split.collective_rpc("set_batching", kwargs={"batch_quiet_window_ms": 200.0}, timeout=10)
+    assert [r.result["batch_quiet_window_ms"] for r in applied] == [200.0] * 3
     before = [await stage_stats(split, sid) for sid in range(3)]
     sizes = [64, 32, 64, 32]
     outs = await asyncio.gather(

@@ -167,6 +167,20 @@ def test_hold_ends_when_arrivals_stop_for_the_stable_window(clock: FakeClock) ->
     assert wave.admission_wait_ms == pytest.approx({"r1": 7.0, "r2": 5.0})
 
 
+def test_set_config_fixes_the_stable_window_of_a_hold_in_progress(clock: FakeClock) -> None:
+    s = make(clock, max_wait_ms=50)  # adaptive: the floor of 5 ms with no gaps learned
+    s.add("r1", "k")
+    assert s.schedule() == pytest.approx(0.005)
+    s.set_config(stable_window_ms=30)
+    assert s.stable_window_ms == 30.0
+    assert s.schedule() == pytest.approx(0.030)
+    s.set_config(max_num_seqs=4)  # None leaves the window as it is
+    assert s.stable_window_ms == 30.0
+    with pytest.raises(ValueError, match="stable_window_ms"):
+        s.set_config(stable_window_ms=-1.0)
+    assert s.stable_window_ms == 30.0
+
+
 def test_hold_ends_at_the_deadline_while_arrivals_continue(clock: FakeClock) -> None:
     s = make(clock, max_num_seqs=100, max_wait_ms=20, stable_window_ms=5)
     s.add("r0", "k")
