@@ -27,7 +27,8 @@ async def runs(engine, n: int) -> bool:
 
 
 async def test_sigkill_mid_fused_batch_fails_it_fast_and_the_replica_returns(no_leaks):
-    engine = start(fault_stage(max_restarts=2, request_batch_max_wait_ms=200))
+    # A fixed quiet window, so a request a loaded machine delivers late still joins the wave.
+    engine = start(fault_stage(max_restarts=2, request_batch_max_wait_ms=200, batch_quiet_window_ms=200))
     try:
         [pid] = (await pids(engine)).values()
         tasks = [asyncio.create_task(last(engine, f"fused-{i}", SLOW)) for i in range(8)]
