@@ -331,6 +331,11 @@ class StepScheduler(BatchSize):
         return 0.0
 
     @property
+    def stable_window_ms(self) -> float:
+        """No hold, so no quiet window to end one: 0."""
+        return 0.0
+
+    @property
     def num_waiting(self) -> int:
         """Requests that have not taken a step yet."""
         return len(self._entries) - self._with_state

@@ -420,8 +420,8 @@ class StageWorker:
         return {
             "max_num_seqs": self.scheduler.max_num_seqs,
             "request_batch_max_wait_ms": self.scheduler.max_wait_ms,
-            # The window a hold would use now (fixed, or adapted); step execution holds nothing.
-            "batch_quiet_window_ms": getattr(self.scheduler, "stable_window_ms", None),
+            # The window a hold would use now (fixed, or adapted); step execution holds nothing: 0.
+            "batch_quiet_window_ms": self.scheduler.stable_window_ms,
             "max_batch_size": self.runner.max_batch_size,
         }
 

@@ -178,6 +178,7 @@ def test_the_quiet_window_engine_arg_reaches_the_request_level_scheduler() -> No
         ({"max_num_seqs": 2**62}, "max_num_seqs"),
         ({"request_batch_max_wait_ms": float("nan")}, "request_batch_max_wait_ms"),
         ({"max_num_seqs": True}, "max_num_seqs"),
+        ({"batch_quiet_window_ms": -1}, "batch_quiet_window_ms"),
         ({"wait": 1}, "wait"),
     ],
 )
