@@ -70,11 +70,18 @@ class AsyncOmni:
         return self.config.model or "omni"
 
     def validate(
-        self, prompt: str, sampling_params: Any = None, *, modalities: Sequence[str] | None = None
+        self,
+        prompt: str,
+        sampling_params: Any = None,
+        *,
+        modalities: Sequence[str] | None = None,
+        stages: Sequence[int] | None = None,
     ) -> ValidRequest:
         """Check a request completely without queueing it (InvalidRequestError naming the field);
-        :meth:`generate` takes the result as it is, so nothing is checked twice."""
-        return self.engine.validate(prompt, sampling_params, modalities)
+        :meth:`generate` takes the result as it is, so nothing is checked twice. ``stages`` (not
+        with ``modalities``) answers with those stages' outputs, any of the pipeline's (a
+        speech-recognition stage's transcript, say): only the stages they need run."""
+        return self.engine.validate(prompt, sampling_params, modalities, stages)
 
     async def generate(
         self,

@@ -51,12 +51,17 @@ class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True):
     #: Whether a request may carry audio: a first stage recognises speech (``transcribe``, its
     #: ``audio`` param), so a realtime session's audio turns are answered.
     audio_input: bool = False
+    #: That first stage's id (None: no audio input).
+    audio_input_stage: int | None = None
     #: Known once loaded (None or empty before): the most pixels of an input image, a video
     #: model's frame step and most frames, an audio model's longest clip (seconds).
     max_input_pixels: int | None = None
     frames_step: int | None = None
     max_frames: int | None = None
     max_audio_s: float | None = None
+    #: Known once loaded: the most seconds of audio the speech-recognition stage hears in one
+    #: request (its model's window).
+    max_input_audio_s: float | None = None
     #: The voices its speech stage takes (empty: any, or no speech stage).
     voices: tuple[str, ...] = ()
     #: The step-cache types a request's ``cache`` may name.
@@ -74,6 +79,14 @@ class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True):
             if kind and kind not in by_kind:
                 by_kind[kind] = stage.stage_id
         image_input = any(s.takes_image_params for s in resolved.stages)
+        hears = next(
+            (
+                s.stage_id
+                for s in resolved.stages
+                if not s.config.engine_input_source and issubclass(s.params_cls, TranscriptionSamplingParams)
+            ),
+            None,
+        )
         speech = next((s for s in finals if issubclass(s.params_cls, SpeechSamplingParams)), None)
         audio = by_kind.get("audio")
         # The final stage of each capability a task may need (registry.Capability).
@@ -96,10 +109,8 @@ class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True):
             stages=stages,
             image_input=image_input,
             chunked_speech=speech is not None and speech.config.input_chunking is not None,
-            audio_input=any(
-                not s.config.engine_input_source and issubclass(s.params_cls, TranscriptionSamplingParams)
-                for s in resolved.stages
-            ),
+            audio_input=hears is not None,
+            audio_input_stage=hears,
         )
 
     def loaded(self, constraints: Mapping[int, StageConstraints], max_input_pixels: int) -> ModelCapabilities:
@@ -108,12 +119,14 @@ class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True):
         steps = [c.frames_step for c in reported if c.frames_step is not None]
         frames = [c.max_frames for c in reported if c.max_frames is not None]
         audio = [c.max_audio_s for c in reported if c.max_audio_s is not None]
+        heard = constraints.get(self.audio_input_stage) if self.audio_input_stage is not None else None
         return msgspec.structs.replace(
             self,
             max_input_pixels=max_input_pixels,
             frames_step=max(steps) if steps else None,
             max_frames=min(frames) if frames else None,
             max_audio_s=min(audio) if audio else None,
+            max_input_audio_s=heard.max_input_audio_s if heard is not None else None,
             voices=tuple(sorted({v for c in reported for v in c.voices})),
             cache_types=tuple(sorted({t for c in reported for t in c.cache_types or ()})),
             lora=any(c.lora for c in reported),

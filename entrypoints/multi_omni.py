@@ -380,9 +380,10 @@ class MultiOmni:
         *,
         model: str | None = None,
         modalities: Sequence[str] | None = None,
+        stages: Sequence[int] | None = None,
     ) -> ValidRequest:
         """:meth:`AsyncOmni.validate` on ``model``'s engine."""
-        return self.engine(model).validate(prompt, sampling_params, modalities=modalities)
+        return self.engine(model).validate(prompt, sampling_params, modalities=modalities, stages=stages)
 
     async def generate(
         self,

@@ -2,9 +2,10 @@
 names. Runs on the server's event loop; what the session does is :class:`RealtimeSession`'s (pure,
 ``realtime_session.py``), and this adapter only moves messages and runs its responses.
 
-Per connection, three kinds of task: the reader (this handler: client messages into the session),
-one writer (the session's outbox onto the socket, in order) and at most one response (an engine
-request read as typed events into the session). A response that the session ends (cancel, new
+Per connection, four kinds of task: the reader (this handler: client messages into the session),
+one writer (the session's outbox onto the socket, in order), at most one response (an engine
+request read as typed events into the session) and the segments of the user's audio being heard
+(each a request to the speech-recognition stage alone, ``stages=[...]``). A response that the session ends (cancel, new
 speech, the client gone) is aborted on the engine at once, and its task cancelled.
 
 Bounds: ``--realtime-sessions`` sessions at once (one more: an ``error`` event and close code
@@ -23,6 +24,7 @@ import contextlib
 import json
 import logging
 
+import numpy as np
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from omni_runtime.events import Final
@@ -33,7 +35,7 @@ from .body import BodyRoute
 from .dependencies import AUTH, RealtimeModel, State, websocket_subprotocol
 from .jobs import refuse_websocket
 from .protocol import ApiError
-from .realtime_session import AbortResponse, Effect, RealtimeSession, SessionModel, StartResponse
+from .realtime_session import AbortResponse, Effect, RealtimeSession, SessionModel, StartResponse, Transcribe
 from .state import ModelHandle, ServerState
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class _Connection:
         self.fields = self.task.fields["realtime"]
         self.wake = asyncio.Event()
         self.running: dict[str, asyncio.Task[None]] = {}  # response id -> its task
+        self.hearing: dict[str, asyncio.Task[None]] = {}  # a segment's request id -> its task
         self.closed = False
 
     async def run(self) -> None:
@@ -89,9 +92,10 @@ class _Connection:
                 self._apply(self.session.close())
             else:
                 self._apply(self.session.cancel("client_disconnect"))
-            for task in list(self.running.values()):
+            tasks = [*self.running.values(), *self.hearing.values()]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*self.running.values(), return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             if not gone:  # the last events (an idle timeout's error), then the close
                 await self._flush()
             writer.cancel()
@@ -138,10 +142,15 @@ class _Connection:
             match effect:
                 case StartResponse():
                     self.running[effect.response_id] = asyncio.create_task(self._respond(effect))
+                case Transcribe():
+                    self.hearing[effect.request_id] = asyncio.create_task(self._hear(effect))
                 case AbortResponse(request_id=rid, reason=reason):
                     if rid in self.state.inflight:
                         self.state.count_aborted(reason, [rid])
                     self.model.engine.abort(rid)  # at once, in every stage
+                    hearing = self.hearing.pop(rid, None)
+                    if hearing is not None:
+                        hearing.cancel()
         for response_id, task in list(self.running.items()):
             if not self.session.running(response_id) and not task.done():
                 task.cancel()
@@ -178,6 +187,33 @@ class _Connection:
                 await stream.aclose()  # aborts the request if it is still running
             self.running.pop(start.response_id, None)
             self.wake.set()
+
+    async def _hear(self, segment: Transcribe) -> None:
+        """Transcribe one segment of the user's audio (the speech-recognition stage alone); its
+        text, or the error, into the session."""
+        omni, rid = self.model.engine, segment.request_id
+        effects: list[Effect] = []
+        try:
+            samples = np.frombuffer(segment.audio, "<i2")
+            params = omni.sampling_params(shared={"audio": samples, "sample_rate": segment.sample_rate})
+            valid = omni.validate("", params, stages=[segment.stage])
+            self.state.inflight[rid] = self.model.name
+            text = ""
+            async for out in omni.generate(valid, request_id=rid):
+                if out.finished:
+                    text = out.outputs_by_stage[segment.stage].text or ""
+            effects = self.session.on_transcript(segment.item_id, segment.index, text)
+        except asyncio.CancelledError:
+            pass  # the turn was cleared, or the connection is closing
+        except Exception as e:  # an engine error, a refusal, or a bug: said, and the session goes on
+            if not isinstance(e, OmniError | ApiError):
+                logger.exception("realtime transcription %s failed", rid)
+            effects = self.session.on_transcript_error(segment.item_id, segment.index, e)
+        finally:
+            self.state.inflight.pop(rid, None)
+            self.hearing.pop(rid, None)
+        if not self.closed:
+            self._apply(effects)
 
     async def _write(self) -> None:
         while True:

@@ -5,15 +5,27 @@ Runs on the server's event loop. The adapter calls it with what happens and carr
 asks:
 
 - :meth:`RealtimeSession.receive` takes one client message (JSON text) and returns the effects to
-  carry out (:class:`StartResponse`: run a request on the engine; :class:`AbortResponse`: abort
-  one at once);
+  carry out (:class:`StartResponse`: run a request on the engine; :class:`Transcribe`: run a
+  segment of the user's audio through the speech-recognition stage alone; :class:`AbortResponse`:
+  abort a request at once);
 - :meth:`~RealtimeSession.on_event` takes each engine event of a running response
   (``omni_runtime.events``), :meth:`~RealtimeSession.on_error` the error that ended one;
+  :meth:`~RealtimeSession.on_transcript` / :meth:`~RealtimeSession.on_transcript_error` what a
+  segment's transcription gave;
 - every server event goes to :attr:`~RealtimeSession.outbox`, in the order it is sent.
 
 A response that ends (done, cancelled by ``response.cancel`` or by new speech, failed) is over for
 good the moment its ``response.done`` is queued: anything its request still delivers is dropped
 here, so nothing of it follows its ``response.done``.
+
+The user's audio is heard as it arrives (``input_audio_transcription``, on by default for a model
+whose first stage recognises speech): a pause after speech (``segment_silence_ms``) or the model's
+window ends a segment, which is transcribed at once while the user goes on talking; the commit
+sends only the tail since the last cut. Each segment's text is a
+``conversation.item.input_audio_transcription.delta`` (in segment order), the whole a
+``...completed`` once the turn is committed and every segment heard; a response to the turn runs
+its text (the instructions, then the transcript) once it is complete. With the setting ``null`` a
+turn's audio goes whole with its response, which transcribes it first.
 
 Errors use the HTTP error ladder (``error_body``): the same ``type`` / ``code`` / ``param`` as
 the HTTP routes, with the client's ``event_id`` when the event had one.
@@ -47,6 +59,12 @@ from .vad import EnergyVad, SpeechStarted, SpeechStopped
 DEFAULT_SAMPLE_RATE = 24_000
 #: User items a session keeps (only the latest is answered; the others are ids).
 MAX_ITEMS = 64
+#: Segments a session has being transcribed at once; more wait in the session, in order. While
+#: that many are cut, a pause cuts nothing (the next cut takes the audio with it); the model's
+#: window and the commit always cut.
+MAX_SEGMENTS_IN_FLIGHT = 4
+#: The input transcription a session starts with (for a model that hears audio).
+DEFAULT_TRANSCRIPTION: dict[str, Any] = {"model": None, "segment_silence_ms": 200}
 
 
 @dataclass(frozen=True)
@@ -76,6 +94,9 @@ class SessionModel:
     text: bool
     audio: bool
     audio_input: bool = False
+    #: The stage that hears audio, and the most seconds it hears in one request (None: unknown).
+    audio_input_stage: int | None = None
+    audio_window_s: float | None = None
 
     @property
     def modalities(self) -> list[str]:
@@ -88,7 +109,10 @@ class SessionModel:
         speaks, as text2speech; any other is a 400 ``no_speech`` naming ``model``."""
         audio = "audio" in capabilities.kinds
         if "text" in capabilities.kinds and capabilities.serves("chat"):
-            return cls(name, "chat", text=True, audio=audio, audio_input=capabilities.audio_input)
+            return cls(
+                name, "chat", text=True, audio=audio, audio_input=capabilities.audio_input,
+                audio_input_stage=capabilities.audio_input_stage, audio_window_s=capabilities.max_input_audio_s,
+            )  # fmt: skip
         if capabilities.serves("text2speech"):
             return cls(name, "text2speech", text=False, audio=True)
         raise ApiError(
@@ -117,13 +141,52 @@ class StartResponse:
 
 
 @dataclass(frozen=True)
+class Transcribe:
+    """Run segment ``index`` of item ``item_id``'s audio (pcm16 at ``sample_rate``) as request
+    ``request_id`` through stage ``stage`` alone; its text goes to
+    :meth:`RealtimeSession.on_transcript`."""
+
+    item_id: str
+    index: int
+    request_id: str
+    stage: int
+    audio: bytes
+    sample_rate: int
+
+
+@dataclass
+class _Transcript:
+    """An audio item's transcript, heard a segment at a time."""
+
+    item_id: str
+    #: Segment index -> its text, as they come back (in any order).
+    texts: dict[int, str] = field(default_factory=dict)
+    #: Segment index -> its request, while it is being transcribed.
+    running: dict[int, str] = field(default_factory=dict)
+    segments: int = 0  # cut so far
+    said: int = 0  # deltas sent, in segment order
+    committed: bool = False  # no more segments come
+    failed: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self.committed and not self.failed and self.said == self.segments
+
+    @property
+    def text(self) -> str:
+        return " ".join(t for t in (self.texts[i].strip() for i in range(self.said)) if t)
+
+
+@dataclass(frozen=True)
 class _Item:
-    """A user item of the conversation: text, or committed audio (pcm16 at ``sample_rate``)."""
+    """A user item of the conversation: text, committed audio (pcm16 at ``sample_rate``, when
+    the input is not transcribed as it arrives), or the transcript of committed audio."""
 
     id: str
     text: str | None = None
     audio: bytes | None = None
     sample_rate: int = DEFAULT_SAMPLE_RATE
+    transcript: _Transcript | None = None
 
 
 @dataclass(frozen=True)
@@ -134,7 +197,7 @@ class AbortResponse:
     reason: str
 
 
-Effect = StartResponse | AbortResponse
+Effect = StartResponse | AbortResponse | Transcribe
 
 
 def _event_id() -> str:
@@ -155,6 +218,12 @@ class _Response:
     streamed_audio: set[int] = field(default_factory=set)
     audio_bytes: int = 0
     transcript_sent: bool = False
+    #: The user item it answers.
+    answers: str = ""
+    #: Its request, until that item's transcript is complete (then it is started).
+    waiting: StartResponse | None = None
+    #: The instructions its prompt starts with (the transcript comes after them).
+    instructions: str = ""
 
     @property
     def spoken(self) -> bool:
@@ -179,14 +248,23 @@ class RealtimeSession:
             "input_sample_rate": DEFAULT_SAMPLE_RATE,
             "output_sample_rate": DEFAULT_SAMPLE_RATE,
             "turn_detection": None,
+            "input_audio_transcription": dict(DEFAULT_TRANSCRIPTION) if model.audio_input else None,
         }
         #: Server events waiting to be sent, oldest first.
         self.outbox: deque[dict[str, Any]] = deque()
         self.buffer = bytearray()
         self.vad: EnergyVad | None = None
+        #: The turn being heard (its audio transcribed as it arrives), until it is committed.
+        self.turn: _Transcript | None = None
+        self._cut = 0  # bytes of ``buffer`` already sent as segments
+        self._voiced = False  # speech was heard since the last cut
+        self._segmenter: EnergyVad | None = None
+        self._queued: deque[Transcribe] = deque()  # segments cut, waiting for room
+        self._hearing: set[str] = set()  # segments' requests out (at most MAX_SEGMENTS_IN_FLIGHT)
         #: The conversation's user items, oldest first.
         self.items: list[_Item] = []
         self.response: _Response | None = None
+        self._resegment()
         self.open()
 
     # ------------------------------------------------------------------ output
@@ -244,10 +322,12 @@ class RealtimeSession:
             case proto.AudioCommit():
                 return self._commit(event.event_id, by_vad=False)
             case proto.AudioClear():
+                effects = self._drop_turn("input_audio_buffer_cleared")
                 self.buffer.clear()
                 if self.vad is not None:
                     self.vad.reset()
                 self._emit("input_audio_buffer.cleared")
+                return effects
             case proto.ItemCreate(item=item):
                 text = "\n".join(part.text for part in item.content)
                 item_id = item.id or f"item_{uuid.uuid4().hex[:20]}"
@@ -270,9 +350,14 @@ class RealtimeSession:
         given = settings.model_fields_set
         if "modalities" in given and settings.modalities is not None:
             self._check_modalities(settings.modalities, "session.modalities")
+        if settings.input_audio_transcription is not None and not self.model.audio_input:
+            raise ApiError(
+                400, f"{self.model.name} takes no audio input, so none is transcribed",
+                param="session.input_audio_transcription", code="no_audio_input",
+            )  # fmt: skip
         for name in given:
             value = getattr(settings, name)
-            if name == "turn_detection":
+            if name in ("turn_detection", "input_audio_transcription"):
                 value = value.model_dump() if value is not None else None
             elif value is None:
                 continue
@@ -283,7 +368,23 @@ class RealtimeSession:
             if detection is not None:
                 rate = self.settings["input_sample_rate"]
                 self.vad = EnergyVad(rate, detection["threshold"], detection["silence_duration_ms"])
+        if given & {"turn_detection", "input_sample_rate", "input_audio_transcription"}:
+            self._resegment()
         self._emit("session.updated", session=self._session())
+
+    def _resegment(self) -> None:
+        """The segmenter for the session's settings: a pause of ``segment_silence_ms`` after
+        speech (at the turn detector's threshold, or its default) ends a segment. None: the input
+        is not transcribed as it arrives."""
+        hearing = self.settings["input_audio_transcription"]
+        self._segmenter = None
+        if hearing is None or self.model.audio_input_stage is None:
+            return
+        detection = self.settings["turn_detection"]
+        threshold = detection["threshold"] if detection is not None else proto.TurnDetection().threshold
+        segmenter = EnergyVad(self.settings["input_sample_rate"], threshold, hearing["segment_silence_ms"])
+        # Positions go on from the audio already heard (a segment is cut at the buffer's end).
+        self._segmenter = segmenter
 
     def _check_modalities(self, modalities: Sequence[str], param: str) -> None:
         missing = sorted(set(modalities) - set(self.model.modalities))
@@ -301,15 +402,15 @@ class RealtimeSession:
         if len(pcm) % 2:
             raise ApiError(400, "`audio` must be whole 16-bit samples (an even byte count)", param="audio",
                            code="invalid_value")  # fmt: skip
-        if len(self.buffer) + len(pcm) > self.limits.max_buffer_bytes:
+        if len(self.buffer) + self._waiting_bytes() + len(pcm) > self.limits.max_buffer_bytes:
             raise ApiError(
                 400, f"the input audio buffer holds at most {self.limits.max_buffer_bytes} bytes; "
                 "commit or clear it", param="audio", code="input_audio_buffer_full",
             )  # fmt: skip
         self.buffer += pcm
+        effects: list[Effect] = self._hear(pcm)
         if self.vad is None:
-            return []
-        effects: list[Effect] = []
+            return effects
         detection = self.settings["turn_detection"]
         for change in self.vad.feed(pcm):
             match change:
@@ -322,23 +423,166 @@ class RealtimeSession:
                     effects += self._commit(None, by_vad=True)
         return effects
 
+    # ------------------------------------------------------------------ hearing the turn
+
+    def _hear(self, pcm: bytes) -> list[Effect]:
+        """The segments that ``pcm`` ends: at a pause after speech (while fewer than
+        :data:`MAX_SEGMENTS_IN_FLIGHT` are being heard), and at the model's window."""
+        if self._segmenter is None:
+            return []
+        if self.turn is None:
+            self.turn = _Transcript(f"item_{uuid.uuid4().hex[:20]}")
+        window = self._window_bytes()
+        while window is not None and len(self.buffer) - self._cut >= window:
+            self._segment(self._cut + window)
+        changes = self._segmenter.feed(pcm)
+        self._voiced = self._voiced or self._segmenter.speaking or bool(changes)
+        paused = any(isinstance(change, SpeechStopped) for change in changes)
+        busy = len(self._hearing) + len(self._queued) >= MAX_SEGMENTS_IN_FLIGHT
+        if paused and not busy and len(self.buffer) > self._cut:
+            self._segment(len(self.buffer))
+        return self._release()
+
+    def _release(self) -> list[Effect]:
+        """The segments waiting, oldest first, while fewer than :data:`MAX_SEGMENTS_IN_FLIGHT` are out."""
+        effects: list[Effect] = []
+        while self._queued and len(self._hearing) < MAX_SEGMENTS_IN_FLIGHT:
+            segment = self._queued.popleft()
+            self._hearing.add(segment.request_id)
+            effects.append(segment)
+        return effects
+
+    def _waiting_bytes(self) -> int:
+        """Audio of committed turns that waits in the session to be heard (the open turn's is in
+        the buffer still): it counts against the buffer's bound."""
+        open_id = self.turn.item_id if self.turn is not None else None
+        return sum(len(s.audio) for s in self._queued if s.item_id != open_id)
+
+    def _unhear(self, transcript: _Transcript, reason: str) -> list[Effect]:
+        """Stop hearing ``transcript``'s segments: those waiting are dropped, those out aborted."""
+        self._queued = deque(s for s in self._queued if s.item_id != transcript.item_id)
+        out = [rid for rid in transcript.running.values() if rid in self._hearing]
+        self._hearing.difference_update(out)
+        transcript.running.clear()
+        return [AbortResponse(rid, reason) for rid in out]
+
+    def _window_bytes(self) -> int | None:
+        window = self.model.audio_window_s
+        return None if window is None else 2 * max(1, int(window * self.settings["input_sample_rate"]))
+
+    def _segment(self, end: int) -> None:
+        """The open turn's audio from the last cut to ``end``, queued to be transcribed."""
+        turn = self.turn
+        assert turn is not None and self.model.audio_input_stage is not None
+        audio = bytes(self.buffer[self._cut : end])
+        self._cut, self._voiced = end, False
+        index = turn.segments
+        turn.segments += 1
+        request_id = f"realtime-asr-{uuid.uuid4().hex}"
+        turn.running[index] = request_id
+        rate = self.settings["input_sample_rate"]
+        self._queued.append(Transcribe(turn.item_id, index, request_id, self.model.audio_input_stage, audio, rate))
+
+    def _drop_turn(self, reason: str) -> list[Effect]:
+        """Forget the open turn (its buffer is cleared): its segments still being heard are
+        aborted, and those of other turns waiting take their place."""
+        turn, self.turn, self._cut, self._voiced = self.turn, None, 0, False
+        if self._segmenter is not None:
+            self._segmenter.reset()
+        if turn is None:
+            return []
+        return self._unhear(turn, reason) + self._release()
+
     def _commit(self, event_id: str | None, *, by_vad: bool) -> list[Effect]:
         if not self.buffer:
             raise ApiError(400, "the input audio buffer is empty", code="input_audio_buffer_commit_empty")
-        item_id = f"item_{uuid.uuid4().hex[:20]}"
         previous = self.items[-1].id if self.items else None
-        self._add_item(_Item(item_id, audio=bytes(self.buffer), sample_rate=self.settings["input_sample_rate"]))
+        effects: list[Effect] = []
+        if self._segmenter is not None and self.turn is not None:
+            # The tail since the last cut, unless it is silence after a pause that was cut.
+            if len(self.buffer) > self._cut and (self._voiced or not self.turn.segments):
+                self._segment(len(self.buffer))
+            effects += self._release()
+            turn, self.turn, self._cut, self._voiced = self.turn, None, 0, False
+            self._segmenter.reset()
+            turn.committed = True
+            item = _Item(turn.item_id, transcript=turn)
+        else:
+            rate = self.settings["input_sample_rate"]
+            item = _Item(f"item_{uuid.uuid4().hex[:20]}", audio=bytes(self.buffer), sample_rate=rate)
+        self._add_item(item)
         self.buffer.clear()
         if self.vad is not None:
             self.vad.reset()
-        self._emit("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
+        self._emit("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id)
+        if item.transcript is not None:
+            self._said(item.transcript)  # every segment may be heard already
         detection = self.settings["turn_detection"]
         if by_vad and detection is not None and detection["create_response"]:
             try:
-                return self._create(None, event_id)
+                effects += self._create(None, event_id)
             except ApiError as e:
                 self.error(e, event_id)
-        return []
+        return effects
+
+    def on_transcript(self, item_id: str, index: int, text: str) -> list[Effect]:
+        """Segment ``index`` of item ``item_id`` was heard as ``text``: its delta (once every
+        earlier segment's is sent), then, once the turn is complete, ``...completed`` and the
+        response waiting for it."""
+        transcript = self._transcript(item_id)
+        request_id = transcript.running.pop(index, None) if transcript is not None else None
+        if transcript is None or request_id is None:
+            return []  # the turn was cleared, or failed meanwhile
+        self._hearing.discard(request_id)
+        effects = self._release()
+        transcript.texts[index] = text
+        self._said(transcript)
+        running = self.response
+        if not transcript.complete or running is None or running.waiting is None or running.answers != item_id:
+            return effects
+        start = replace(running.waiting, prompt=self._prompt(running.instructions, transcript.text))
+        running.waiting, running.prompt = None, start.prompt
+        return [start, *effects]
+
+    def on_transcript_error(self, item_id: str, index: int, exc: BaseException) -> list[Effect]:
+        """Segment ``index`` of item ``item_id`` could not be heard: ``...failed`` for the item,
+        its other segments aborted, and a response waiting for it fails; the session goes on."""
+        transcript = self._transcript(item_id)
+        request_id = transcript.running.pop(index, None) if transcript is not None else None
+        if transcript is None or request_id is None:
+            return []
+        self._hearing.discard(request_id)
+        transcript.failed = True
+        _, body = error_body(exc)
+        self._emit(
+            "conversation.item.input_audio_transcription.failed", item_id=item_id, content_index=0, error=body["error"]
+        )
+        effects = self._unhear(transcript, "transcription_failed") + self._release()
+        running = self.response
+        if running is not None and running.waiting is not None and running.answers == item_id:
+            self.on_error(running.id, exc)
+        return effects
+
+    def _transcript(self, item_id: str) -> _Transcript | None:
+        if self.turn is not None and self.turn.item_id == item_id:
+            return self.turn
+        item = next((i for i in reversed(self.items) if i.id == item_id), None)
+        return item.transcript if item is not None else None
+
+    def _said(self, transcript: _Transcript) -> None:
+        """The deltas of the segments heard, in order; ``...completed`` once the turn is."""
+        while transcript.said in transcript.texts:
+            text = transcript.texts[transcript.said]
+            transcript.said += 1
+            self._emit(
+                "conversation.item.input_audio_transcription.delta",
+                item_id=transcript.item_id, content_index=0, delta=text,
+            )  # fmt: skip
+        if transcript.complete:
+            self._emit(
+                "conversation.item.input_audio_transcription.completed",
+                item_id=transcript.item_id, content_index=0, transcript=transcript.text,
+            )  # fmt: skip
 
     def _add_item(self, item: _Item) -> None:
         """Append a user item. A response answers the latest only, so the older ones keep their ids
@@ -362,10 +606,16 @@ class RealtimeSession:
                 "send the turn as a conversation.item.create of text, or use a model whose first stage "
                 "recognises speech (tiny-omni-voice)", code="no_audio_input",
             )  # fmt: skip
+        if item.transcript is not None and item.transcript.failed:
+            raise ApiError(
+                400, f"item `{item.id}`'s audio could not be transcribed; send the turn again",
+                code="input_audio_transcription_failed",
+            )  # fmt: skip
         instructions = self.settings["instructions"]
         if settings is not None and settings.instructions is not None:
             instructions = settings.instructions
-        prompt = self._prompt(instructions, item.text or "")
+        heard = item.transcript
+        prompt = self._prompt(instructions, heard.text if heard is not None else item.text or "")
         modalities = list(settings.modalities) if settings and settings.modalities else self.settings["modalities"]
         self._check_modalities(modalities, "response.modalities")
         voice = settings.voice if settings and settings.voice else self.settings["voice"]
@@ -379,15 +629,19 @@ class RealtimeSession:
             item_id=f"item_{uuid.uuid4().hex[:20]}",
             modalities=tuple(modalities),
             prompt=prompt,
+            answers=item.id,
+            instructions=instructions,
         )
         self.response = response
         self._emit("response.created", response=self._response_body(response, "in_progress"))
         rate = item.sample_rate if item.audio is not None else None
-        return [
-            StartResponse(
-                response.id, response.request_id, prompt, voice, response.modalities, max_tokens, item.audio, rate
-            )
-        ]
+        start = StartResponse(
+            response.id, response.request_id, prompt, voice, response.modalities, max_tokens, item.audio, rate
+        )
+        if heard is not None and not heard.complete:
+            response.waiting = start  # started once every segment is heard (on_transcript)
+            return []
+        return [start]
 
     def _prompt(self, instructions: str, text: str) -> str:
         """The request's prompt: a chat model reads the instructions first (as a system message,
@@ -409,6 +663,10 @@ class RealtimeSession:
     def close(self) -> list[Effect]:
         """The client went away: abort what runs (nothing more is sent)."""
         effects = self.cancel("client_disconnect")
+        effects += [AbortResponse(rid, "client_disconnect") for rid in sorted(self._hearing)]
+        self._hearing.clear()
+        self._queued.clear()
+        self.turn = None
         self.outbox.clear()
         return effects
 

@@ -44,6 +44,7 @@ from omni_runtime.engine.validation import (
     check_request_id,
     check_rpc,
     check_update,
+    chosen_stages,
     final_stages,
     resolve_stage_params,
 )
@@ -195,16 +196,25 @@ class AsyncOmniEngine:
     # ------------------------------------------------------------------ requests
 
     def validate(
-        self, prompt: Any, sampling_params: Any = None, modalities: Sequence[str] | None = None
+        self,
+        prompt: Any,
+        sampling_params: Any = None,
+        modalities: Sequence[str] | None = None,
+        stages: Sequence[int] | None = None,
     ) -> ValidRequest:
         """Check a request once, completely, before anything is queued: the prompt, every stage's
         params (defaults applied, model constraints), the requested outputs, and that all of it can
-        travel. Raises InvalidRequestError naming the field."""
+        travel. Raises InvalidRequestError naming the field.
+
+        ``stages`` (not with ``modalities``): the stages whose outputs answer the request, any of
+        the pipeline's; only the stages they need run."""
+        if stages is not None and modalities is not None:
+            raise InvalidRequestError("give modalities or stages, not both", param="stages")
         prompt = check_prompt(prompt)
         typed = self.resolve_params(sampling_params)
         params = {stage_id: params_to_dict(p) for stage_id, p in typed.items()}
         check_prompt_lengths(self.resolved, self._orchestrator.constraints, prompt, params)
-        finals = self.final_stages(modalities)
+        finals = self.final_stages(modalities) if stages is None else chosen_stages(self.config, stages)
         timeout = next((p["timeout"] for p in params.values() if p.get("timeout")), self.default_timeout)
         priority = next((p["priority"] for p in params.values() if p.get("priority") is not None), 0)
         return ValidRequest(prompt, params, finals, timeout, self._id_prefix, priority, typed)

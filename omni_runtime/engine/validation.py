@@ -145,6 +145,24 @@ def final_stages(config: DeployConfig, modalities: Sequence[str] | None) -> list
     return chosen
 
 
+def chosen_stages(config: DeployConfig, stages: Any) -> list[int]:
+    """The stages a caller asked to answer with (``validate(stages=...)``): distinct ids of the
+    config's stages, any of them (a stage inside the pipeline answers with its own output, and only
+    the stages it needs run)."""
+    known = {s.stage_id for s in config.stage_args}
+    if isinstance(stages, str | bytes) or not isinstance(stages, Sequence) or not stages:
+        raise InvalidRequestError("stages must be a non-empty list of stage ids", param="stages")
+    for stage_id in stages:
+        if isinstance(stage_id, bool) or not isinstance(stage_id, int) or stage_id not in known:
+            raise InvalidRequestError(
+                f"stages: no stage {repr(stage_id)[:40]} in this pipeline; its stages are {sorted(known)}",
+                param="stages",
+            )
+    if len(set(stages)) != len(stages):
+        raise InvalidRequestError("stages: each stage id once", param="stages")
+    return list(stages)
+
+
 def check_request_id(request_id: Any) -> str:
     """A caller's request id: a non-empty string of at most ``MAX_REQUEST_ID_CHARS`` characters."""
     if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:

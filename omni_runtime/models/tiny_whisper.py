@@ -28,11 +28,17 @@ EOS_TOKEN = "<|endoftext|>"
 START_TOKEN = "<|startoftranscript|>"
 #: Whisper's task tokens, kept so the checkpoint has the layout a real one has.
 SPECIAL_TOKENS = (START_TOKEN, "<|en|>", "<|transcribe|>", "<|notimestamps|>")
+#: The tiny model's shape.
+TINY = {"d_model": 32, "layers": 1, "heads": 2, "ffn": 64, "window_s": WINDOW_S}
+#: Whisper-base's shape (about 72 M parameters, a 30 s window), for benchmarks of a recogniser
+#: whose cost is a real one's (the weights are still random).
+BASE = {"d_model": 512, "layers": 6, "heads": 8, "ffn": 2048, "window_s": 30}
 
 
-def build_tiny_whisper(path: Path) -> None:
+def build_tiny_whisper(path: Path, shape: dict[str, int] = TINY) -> None:
     """Write the tiny Whisper model (config, weights, generation config) and its processor
-    (feature extractor, tokenizer) into ``path``."""
+    (feature extractor, tokenizer) into ``path``; ``shape`` (:data:`TINY`, :data:`BASE`) sets
+    its width, depth and window."""
     import torch
     from transformers import (
         GenerationConfig,
@@ -58,7 +64,7 @@ def build_tiny_whisper(path: Path) -> None:
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
     tokenizer.save_pretrained(path)
     features = WhisperFeatureExtractor(
-        feature_size=80, sampling_rate=SAMPLE_RATE, hop_length=160, chunk_length=WINDOW_S, n_fft=400
+        feature_size=80, sampling_rate=SAMPLE_RATE, hop_length=160, chunk_length=shape["window_s"], n_fft=400
     )
     features.save_pretrained(path)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
@@ -66,14 +72,14 @@ def build_tiny_whisper(path: Path) -> None:
     config = WhisperConfig(
         vocab_size=len(tokenizer),
         num_mel_bins=80,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_source_positions=WINDOW_S * SAMPLE_RATE // 160 // 2,
+        d_model=shape["d_model"],
+        encoder_layers=shape["layers"],
+        decoder_layers=shape["layers"],
+        encoder_attention_heads=shape["heads"],
+        decoder_attention_heads=shape["heads"],
+        encoder_ffn_dim=shape["ffn"],
+        decoder_ffn_dim=shape["ffn"],
+        max_source_positions=shape["window_s"] * SAMPLE_RATE // 160 // 2,
         max_target_positions=448,
         pad_token_id=eos_id,
         bos_token_id=eos_id,

@@ -14,7 +14,7 @@ import pytest
 
 from omni_runtime import AsyncOmni, Omni, shm
 from omni_runtime.events import Final, Progress, StageDone, TextDelta
-from omni_runtime.exceptions import RequestAbortedError, StageDeadError, StageExecutionError
+from omni_runtime.exceptions import InvalidRequestError, RequestAbortedError, StageDeadError, StageExecutionError
 from tests.conftest import children, echo_stage, make_config, shm_segments
 from tests.multistage_helpers import payload
 
@@ -110,6 +110,32 @@ async def test_tiny_omni_text_modality_stops_after_the_text_stage(omni_async):
     assert outs[-1].finished and sorted(outs[-1].outputs_by_stage) == [0]
     assert outs[-1].text and outs[-1].images == []
     assert (await stats(omni_async, 1))[0]["requests_served"] == served
+
+
+async def test_stages_answers_with_an_inner_stage_and_runs_only_what_it_needs(relay):
+    served = [(await stats(relay, sid))[0]["requests_served"] for sid in (0, 1)]
+    valid = relay.validate("inner", stages=[0])
+    outs = await run(relay, valid)
+    assert outs[-1].finished and sorted(outs[-1].outputs_by_stage) == [0]
+    assert outs[-1].outputs_by_stage[0].text == "inner"
+    assert [(await stats(relay, sid))[0]["requests_served"] for sid in (0, 1)] == [served[0] + 1, served[1]]
+    # Both stages, named: the whole pipeline, each stage's output delivered.
+    outs = await run(relay, relay.validate("both", stages=[0, 1]))
+    assert sorted(outs[-1].outputs_by_stage) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("stages", "says"),
+    [([], "non-empty"), ("0", "non-empty"), ([2], "no stage 2"), ([True], "no stage True"), ([0.0], "no stage 0.0"),
+     ([0, 0], "each stage id once"), ([2**80], "no stage")],
+)  # fmt: skip
+async def test_stages_refuses_what_names_no_stage_of_the_pipeline(relay, stages, says):
+    with pytest.raises(InvalidRequestError, match=says) as err:
+        relay.validate("x", stages=stages)
+    assert err.value.param == "stages"
+    with pytest.raises(InvalidRequestError, match="not both"):
+        relay.validate("x", modalities=["text"], stages=[1])
+    assert (await run(relay, "still serves"))[-1].text == "still serves"
 
 
 def test_tiny_omni_generate_returns_text_and_image_per_prompt():

@@ -2,8 +2,9 @@
 
 Each event is a strict model (unknown fields refused, as every request body here): a mistake is an
 ``error`` event naming the field, and the session goes on. Fields OpenAI's API has that would
-change the answer and that this runtime cannot honour (``tools``, ``temperature``, transcription of
-the input) are not declared, so they are refused rather than ignored.
+change the answer and that this runtime cannot honour (``tools``, ``temperature``, the input
+transcription's ``language`` and ``prompt``) are not declared, so they are refused rather than
+ignored.
 """
 
 from __future__ import annotations
@@ -46,6 +47,19 @@ class TurnDetection(_Request):
     interrupt_response: bool = True
 
 
+class InputTranscription(_Request):
+    """``session.input_audio_transcription``: the user's audio is transcribed as it arrives, a
+    segment at a time, by the model's own speech-recognition stage (its transcript events are
+    sent); ``null`` transcribes a turn whole once it is committed, as part of the response."""
+
+    #: OpenAI's recogniser name: taken for compatibility, not used (the pipeline's first stage
+    #: hears the audio).
+    model: str | None = Field(None, max_length=128)
+    #: A pause of this long after speech ends a segment, which is transcribed at once, while the
+    #: user may still be talking (an extension). A segment also ends at the model's window.
+    segment_silence_ms: int = Field(200, ge=20, le=10_000)
+
+
 class SessionSettings(_Request):
     """``session`` of ``session.update``: only the fields given change."""
 
@@ -62,6 +76,7 @@ class SessionSettings(_Request):
     #: The rate of the audio deltas (an extension; the model's audio is resampled to it).
     output_sample_rate: SampleRate | None = None
     turn_detection: TurnDetection | None = None
+    input_audio_transcription: InputTranscription | None = None
 
 
 class _Event(_Request):

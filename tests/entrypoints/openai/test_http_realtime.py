@@ -235,14 +235,21 @@ def test_twenty_sessions_at_once_each_get_their_answer_and_one_more_is_refused(s
         assert until(ws, "response.done")[-1]["response"]["status"] == "completed"
 
 
-def spoken_turn(events: list[dict[str, Any]]) -> None:
-    """A spoken turn's answer: committed, then its transcript's first words, then audio, then done
-    (completed)."""
+def spoken_turn(events: list[dict[str, Any]], *, heard: bool = True) -> None:
+    """A spoken turn's answer: committed, then (``heard``) the user's transcript complete, then the
+    answer's first words, then audio, then done (completed)."""
     types = [e["type"] for e in events]
     committed, created = types.index("input_audio_buffer.committed"), types.index("response.created")
     transcript = [i for i, t in enumerate(types) if t == "response.audio_transcript.delta"]
     audio = [i for i, t in enumerate(types) if t == "response.audio.delta"]
     assert transcript and audio and committed < created < min(transcript) < min(audio), types
+    user = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"]
+    if heard:
+        assert len(user) == 1 and user[0]["item_id"] == events[committed]["item_id"], types
+        assert types.index(user[0]["type"]) < min(transcript)
+        assert isinstance(user[0]["transcript"], str)
+    else:
+        assert user == []
     assert events[-1]["response"]["status"] == "completed", events[-1]
     assert events[-1]["response"]["usage"]["input_tokens"] > 0
 
@@ -253,6 +260,24 @@ def test_a_spoken_turn_committed_by_the_client_gets_text_then_audio(server):
         ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
         ws.send(json.dumps({"type": "response.create", "response": {"max_response_output_tokens": 4}}))
         spoken_turn(until(ws, "response.done"))
+
+
+def test_the_users_speech_is_heard_before_the_turn_ends(server):
+    """A pause mid-turn ends a segment, transcribed at once: its delta comes while the turn is
+    still open; the commit sends only the rest, and the transcript is the two joined."""
+    with open_session(server, input_sample_rate=16000, output_sample_rate=16000) as ws:
+        for ms, amplitude in ((400, 0.3), (300, 0.0)):
+            ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": tone(ms, amplitude)}))
+        first = until(ws, "conversation.item.input_audio_transcription.delta")[-1]
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": tone(300, 0.3)}))
+        ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        ws.send(json.dumps({"type": "response.create", "response": {"max_response_output_tokens": 4}}))
+        events = until(ws, "response.done")
+    spoken_turn(events)
+    second = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.delta"]
+    (whole,) = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"]
+    assert len(second) == 1 and whole["item_id"] == first["item_id"] == second[0]["item_id"]
+    assert whole["transcript"] == " ".join(t for t in (first["delta"].strip(), second[0]["delta"].strip()) if t)
 
 
 def test_a_spoken_turn_that_the_vad_ends_gets_text_then_audio(server):
@@ -286,8 +311,10 @@ def test_the_sessions_instructions_reach_the_models_prompt(server):
 
 
 def test_hostile_audio_and_instructions_are_error_events_and_the_session_goes_on(server):
-    with open_session(server, input_sample_rate=16000, max_response_output_tokens=2) as ws:
-        # 1) longer than the model's window (10 s): refused before it is queued, the response fails
+    off = {"input_sample_rate": 16000, "max_response_output_tokens": 2, "input_audio_transcription": None}
+    with open_session(server, **off) as ws:
+        # 1) longer than the model's window (10 s), sent whole with its response (the input is not
+        # heard as it comes): refused before it is queued, the response fails
         for _ in range(3):
             ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": tone(3700, 0.2)}))
         ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
@@ -296,6 +323,16 @@ def test_hostile_audio_and_instructions_are_error_events_and_the_session_goes_on
         error = next(e for e in events if e["type"] == "error")["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == "audio", error
         assert "10 s" in error["message"] and events[-1]["response"]["status"] == "failed"
+        # heard as it comes, the same audio is cut at the window and answered
+        ws.send(json.dumps({"type": "session.update", "session": {"input_audio_transcription": {}}}))
+        assert recv(ws)["session"]["input_audio_transcription"]["segment_silence_ms"] == 200
+        for _ in range(3):
+            ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": tone(3700, 0.2)}))
+        ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        ws.send(json.dumps({"type": "response.create"}))
+        events = until(ws, "response.done")
+        spoken_turn(events)
+        assert len([e for e in events if e["type"].endswith("input_audio_transcription.delta")]) == 2
         # 2) a rate outside 8 to 48 kHz, bad base64, a lone surrogate in the instructions
         for event, param in (
             ({"type": "session.update", "session": {"input_sample_rate": 96000}}, "session.input_sample_rate"),

@@ -16,11 +16,13 @@ from omni_runtime.entrypoints.capabilities import ModelCapabilities
 from omni_runtime.entrypoints.openai.protocol import ApiError
 from omni_runtime.entrypoints.openai.realtime_session import (
     MAX_ITEMS,
+    MAX_SEGMENTS_IN_FLIGHT,
     AbortResponse,
     RealtimeLimits,
     RealtimeSession,
     SessionModel,
     StartResponse,
+    Transcribe,
 )
 
 from omni_runtime.events import Final, MediaDelta, StageDone, TextDelta
@@ -231,6 +233,7 @@ HOSTILE = st.one_of(
                 "input_sample_rate": _JSON,
                 "output_sample_rate": _JSON,
                 "turn_detection": _JSON,
+                "input_audio_transcription": _JSON,
                 "tools": _JSON,
             },
         ),
@@ -243,7 +246,7 @@ HOSTILE = st.one_of(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(HOSTILE, min_size=1, max_size=6))
 def test_hostile_messages_get_an_error_each_and_the_session_goes_on(messages: list[str | bytes]) -> None:
-    s = session(max_buffer_bytes=4096)
+    s = session(HEARING, max_buffer_bytes=4096)
     for message in messages:
         effects = s.receive(message)
         events = drain(s)
@@ -254,7 +257,7 @@ def test_hostile_messages_get_an_error_each_and_the_session_goes_on(messages: li
                 error = event["error"]
                 assert error["code"] and error["message"] and error["type"] == "invalid_request_error"
         assert len(s.buffer) <= 4096
-        assert all(isinstance(e, StartResponse | AbortResponse) for e in effects)
+        assert all(isinstance(e, StartResponse | AbortResponse | Transcribe) for e in effects)
     # Whatever came before, a valid turn still works.
     if s.responding:
         s.cancel("client_cancel")
@@ -262,10 +265,14 @@ def test_hostile_messages_get_an_error_each_and_the_session_goes_on(messages: li
 
 
 HEARS = SessionModel("tiny-omni-voice", "chat", text=True, audio=True, audio_input=True)
+#: A model whose stage 0 hears up to 1 s of audio per request: the user's audio is heard as it comes.
+HEARING = SessionModel(
+    "tiny-omni-voice", "chat", text=True, audio=True, audio_input=True, audio_input_stage=0, audio_window_s=1.0
+)
 
 
 def test_a_committed_audio_turn_starts_a_response_with_its_samples_and_the_instructions() -> None:
-    s = session(HEARS)
+    s = session(HEARS)  # the model's stage that hears is unknown: the turn goes whole
     send(s, type="session.update", session={"input_sample_rate": 16_000, "instructions": "Be brief."})
     first, second = pcm(200, 0.3, 16_000), pcm(100, 0.1, 16_000)
     send(s, type="input_audio_buffer.append", audio=first)
@@ -325,3 +332,178 @@ def test_any_instructions_reach_the_prompt_or_are_refused_with_an_error_event(in
         {"type": "input_text", "text": "hello"}]})  # fmt: skip
     (start,) = send(s, type="response.create")
     assert start.prompt == "\n\n".join(p for p in (instructions.strip(), "hello") if p)
+
+
+# ---------------------------------------------------------------------- hearing the audio as it comes
+
+
+def then_pause(speech_ms: int, pause_ms: int, rate: int = RATE) -> str:
+    """Base64 of ``speech_ms`` of tone, then ``pause_ms`` of silence."""
+    return base64.b64encode(
+        base64.b64decode(pcm(speech_ms, 0.3, rate)) + base64.b64decode(pcm(pause_ms, 0.0, rate))
+    ).decode()
+
+
+def heard(effects: list[Any]) -> list[Transcribe]:
+    assert all(isinstance(e, Transcribe) for e in effects), effects
+    return effects
+
+
+def test_speech_is_heard_a_segment_at_a_time_and_the_answer_waits_for_the_whole_transcript() -> None:
+    s = session(HEARING)
+    send(s, type="session.update", session={"input_sample_rate": 16_000, "instructions": "Be brief."})
+    assert s.settings["input_audio_transcription"] == {"model": None, "segment_silence_ms": 200}
+    assert heard(send(s, type="input_audio_buffer.append", audio=pcm(300, 0.3, 16_000))) == []
+    # A 200 ms pause after speech ends the first segment: heard now, while the turn goes on.
+    (first,) = heard(send(s, type="input_audio_buffer.append", audio=pcm(300, 0.0, 16_000)))
+    assert (first.index, first.stage, first.sample_rate) == (0, 0, 16_000)
+    assert first.audio == base64.b64decode(pcm(300, 0.3, 16_000)) + base64.b64decode(pcm(300, 0.0, 16_000))
+    assert heard(send(s, type="input_audio_buffer.append", audio=pcm(200, 0.3, 16_000))) == []
+    drain(s)
+    (tail,) = heard(send(s, type="input_audio_buffer.commit"))  # only what came after the cut
+    assert tail.index == 1 and tail.item_id == first.item_id and len(tail.audio) == 2 * 3200
+    assert [e["item_id"] for e in drain(s)] == [first.item_id]  # committed, under the id heard
+    assert send(s, type="response.create") == []  # created, waiting for the transcript
+    assert [e["type"] for e in drain(s)] == ["response.created"]
+    # The segments come back out of order: the deltas go in order, then the whole, then the answer.
+    assert s.on_transcript(tail.item_id, 1, " world ") == []
+    assert drain(s) == []
+    (start,) = s.on_transcript(first.item_id, 0, "hello")
+    events = drain(s)
+    assert [(e["type"].rsplit(".", 1)[1], e.get("delta", e.get("transcript"))) for e in events] == [
+        ("delta", "hello"), ("delta", " world "), ("completed", "hello world")]  # fmt: skip
+    assert {e["item_id"] for e in events} == {first.item_id}
+    assert isinstance(start, StartResponse) and start.audio is None
+    assert start.prompt == "Be brief.\n\nhello world"
+    finish(s, start, "hi", None)
+    # The turn is answered again from its transcript: nothing is heard twice.
+    (again,) = send(s, type="response.create")
+    assert isinstance(again, StartResponse) and again.prompt == start.prompt
+
+
+def test_a_turn_longer_than_the_models_window_is_heard_in_windows() -> None:
+    s = session(HEARING)
+    send(s, type="session.update", session={"input_sample_rate": 16_000})
+    cuts = heard(send(s, type="input_audio_buffer.append", audio=pcm(2500, 0.3, 16_000)))
+    assert [len(c.audio) for c in cuts] == [32_000, 32_000]  # 1 s each, the window
+    (tail,) = heard(send(s, type="input_audio_buffer.commit"))
+    assert len(tail.audio) == 16_000 and [c.index for c in [*cuts, tail]] == [0, 1, 2]
+
+
+def test_pauses_cut_at_most_a_few_segments_at_once_and_the_rest_goes_with_the_next() -> None:
+    s = session(HEARING)
+    send(s, type="session.update", session={"input_sample_rate": 16_000, "input_audio_transcription": {
+        "model": "whisper-1", "segment_silence_ms": 100}})  # fmt: skip
+    cuts = []
+    for _ in range(MAX_SEGMENTS_IN_FLIGHT + 2):
+        cuts += heard(send(s, type="input_audio_buffer.append", audio=then_pause(100, 120, 16_000)))
+    assert len(cuts) == MAX_SEGMENTS_IN_FLIGHT  # none heard back yet
+    assert s.on_transcript(cuts[0].item_id, 0, "a") == []
+    (more,) = heard(send(s, type="input_audio_buffer.append", audio=then_pause(100, 120, 16_000)))
+    assert len(more.audio) == 3 * 2 * (1600 + 1920)  # the pauses it could not cut, with it
+
+
+def test_clearing_the_buffer_aborts_the_segments_being_heard_and_drops_their_text() -> None:
+    s = session(HEARING)
+    send(s, type="session.update", session={"input_sample_rate": 16_000})
+    (cut,) = heard(send(s, type="input_audio_buffer.append", audio=then_pause(100, 300, 16_000)))
+    drain(s)
+    (abort,) = send(s, type="input_audio_buffer.clear")
+    assert isinstance(abort, AbortResponse) and abort.request_id == cut.request_id
+    assert s.on_transcript(cut.item_id, 0, "late") == [] and [e["type"] for e in drain(s)] == [
+        "input_audio_buffer.cleared"]  # fmt: skip
+    # The next turn is a new item.
+    (cut2,) = heard(send(s, type="input_audio_buffer.append", audio=then_pause(100, 300, 16_000)))
+    assert cut2.item_id != cut.item_id and cut2.index == 0
+
+
+def test_a_segment_that_cannot_be_heard_fails_the_item_and_its_response_and_the_session_goes_on() -> None:
+    s = session(HEARING)
+    send(s, type="session.update", session={"input_sample_rate": 16_000})
+    (a,) = heard(send(s, type="input_audio_buffer.append", audio=then_pause(100, 300, 16_000)))
+    send(s, type="input_audio_buffer.append", audio=pcm(100, 0.3, 16_000))
+    (b,) = heard(send(s, type="input_audio_buffer.commit"))
+    assert send(s, type="response.create") == []
+    drain(s)
+    (abort,) = s.on_transcript_error(a.item_id, 0, StageDeadError("stage 0 died", stage_id=0))
+    assert isinstance(abort, AbortResponse) and abort.request_id == b.request_id
+    types = [e["type"] for e in drain(s)]
+    assert types == ["conversation.item.input_audio_transcription.failed", "error", "response.done"]
+    assert not s.responding and s.on_transcript(b.item_id, 1, "late") == [] and drain(s) == []
+    assert send(s, type="response.create") == []
+    assert drain(s)[-1]["error"]["code"] == "input_audio_transcription_failed"
+    assert isinstance(ask(s), StartResponse)
+
+
+def test_a_cancel_while_the_transcript_is_heard_starts_nothing_after() -> None:
+    s = session(HEARING)
+    send(s, type="input_audio_buffer.append", audio=pcm(100, 0.3))
+    (seg,) = heard(send(s, type="input_audio_buffer.commit"))
+    assert send(s, type="response.create") == []
+    (abort,) = send(s, type="response.cancel")
+    assert isinstance(abort, AbortResponse)
+    assert s.on_transcript(seg.item_id, 0, "hi") == []  # the transcript completes; no answer starts
+    assert [e["type"] for e in drain(s)][-1] == "conversation.item.input_audio_transcription.completed"
+    assert [e.request_id for e in s.close()] == []  # nothing left to abort
+
+
+def test_vad_commits_a_turn_already_heard_and_its_answer_starts_at_once() -> None:
+    s = session(HEARING)
+    send(s, type="session.update", session={"input_sample_rate": 16_000, "turn_detection": {
+        "type": "server_vad", "silence_duration_ms": 400}})  # fmt: skip
+    send(s, type="input_audio_buffer.append", audio=pcm(300, 0.3, 16_000))
+    (seg,) = heard(send(s, type="input_audio_buffer.append", audio=pcm(300, 0.0, 16_000)))  # cut at 200 ms
+    assert s.on_transcript(seg.item_id, 0, "heard early") == []
+    effects = send(s, type="input_audio_buffer.append", audio=pcm(200, 0.0, 16_000))  # the VAD commits
+    (start,) = effects  # nothing more to hear: the answer starts with the commit
+    assert isinstance(start, StartResponse) and start.prompt == "heard early"
+    types = [e["type"] for e in drain(s)]
+    assert types.index("conversation.item.input_audio_transcription.completed") < types.index("response.created")
+
+
+def test_closing_aborts_every_segment_being_heard() -> None:
+    s = session(HEARING)
+    send(s, type="input_audio_buffer.append", audio=pcm(100, 0.3))
+    (committed,) = heard(send(s, type="input_audio_buffer.commit"))
+    (open_turn,) = heard(send(s, type="input_audio_buffer.append", audio=then_pause(100, 300)))
+    assert {e.request_id for e in s.close()} == {committed.request_id, open_turn.request_id}
+
+
+def test_input_transcription_off_sends_the_turn_whole_and_a_deaf_model_refuses_it() -> None:
+    s = session(HEARING)
+    send(s, type="session.update", session={"input_audio_transcription": None})
+    assert send(s, type="input_audio_buffer.append", audio=pcm(2500, 0.3)) == []  # no window cuts either
+    send(s, type="input_audio_buffer.commit")
+    (start,) = send(s, type="response.create")
+    assert isinstance(start, StartResponse) and start.audio is not None and len(start.audio) == 2 * 60_000
+    deaf = session()
+    send(deaf, type="session.update", session={"input_audio_transcription": {}})
+    error = drain(deaf)[-1]["error"]
+    assert error["code"] == "no_audio_input" and error["param"] == "session.input_audio_transcription"
+    assert deaf.settings["input_audio_transcription"] is None
+
+
+def test_at_most_a_few_segments_are_out_and_the_rest_wait_in_order_within_the_buffers_bound() -> None:
+    s = session(HEARING, max_buffer_bytes=2 * 16_000 * 10)  # 10 s at 16 kHz
+    send(s, type="session.update", session={"input_sample_rate": 16_000})
+    out = heard(send(s, type="input_audio_buffer.append", audio=pcm(6500, 0.3, 16_000)))  # six windows, a tail
+    assert [c.index for c in out] == list(range(MAX_SEGMENTS_IN_FLIGHT))
+    (fifth,) = heard(s.on_transcript(out[0].item_id, 0, "a"))  # one heard: the next goes
+    assert fifth.index == MAX_SEGMENTS_IN_FLIGHT
+    assert heard(send(s, type="input_audio_buffer.commit")) == []  # the tail waits its turn
+    # What waits to be heard counts against the buffer's bound: 1.5 s of it left 8.5 s of room.
+    send(s, type="input_audio_buffer.append", audio=pcm(8600, 0.0, 16_000))
+    assert drain(s)[-1]["error"]["code"] == "input_audio_buffer_full"
+    assert heard(send(s, type="input_audio_buffer.append", audio=pcm(8400, 0.0, 16_000))) == []
+    # Clearing the new turn frees nothing of the committed one; its segments come in order.
+    send(s, type="input_audio_buffer.clear")
+    released = []
+    for segment in [*out[1:], fifth]:
+        released += heard(s.on_transcript(segment.item_id, segment.index, "x"))
+    assert [c.index for c in released] == [5, 6]
+    for segment in released:
+        assert heard(s.on_transcript(segment.item_id, segment.index, "y")) == []
+    events = drain(s)
+    assert [e["delta"] for e in events if e["type"].endswith("transcription.delta")][-2:] == ["y", "y"]
+    assert events[-1]["type"] == "conversation.item.input_audio_transcription.completed"
+    assert events[-1]["transcript"] == "a x x x x y y"
