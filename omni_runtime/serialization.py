@@ -371,6 +371,26 @@ class Decoder:
         return msg
 
 
+def output_ids(frame: Any) -> list[str]:
+    """The request ids a stage's message names, read leniently from its first frame: for a
+    ``StageOutput`` or ``StageOutputs`` that the typed decoder refused (a field of the wrong type,
+    a payload it cannot rebuild), so the requests it was for end with an error instead of waiting
+    forever. Nothing readable: ``[]``."""
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except Exception:  # not msgpack at all: nothing to salvage
+        return []
+
+    def one(item: Any) -> str | None:
+        ok = isinstance(item, list) and len(item) > 1 and item[0] == "output" and isinstance(item[1], str)
+        return item[1] if ok else None
+
+    if isinstance(raw, list) and len(raw) > 1 and raw[0] == "outputs" and isinstance(raw[1], list):
+        return [rid for item in raw[1] if (rid := one(item)) is not None]
+    rid = one(raw)
+    return [] if rid is None else [rid]
+
+
 def inbound_decoder(shm_prefix: str | None = None, params_cls: Any = None) -> Decoder:
     """The stage worker's decoder: shared-memory arrays are mapped in place, released when dropped.
     A request's params decode as ``params_cls`` (the stage runner's params class: a struct, its

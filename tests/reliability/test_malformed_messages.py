@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 import zmq
 
+from omni_runtime.exceptions import StageExecutionError
 from omni_runtime.messages import (
     ErrorInfo,
     Payload,
@@ -261,3 +262,33 @@ async def test_foreign_messages_on_the_engine_sockets_are_dropped(engine, caplog
     dropped = [r for r in caplog.records if "dropped" in r.getMessage()]
     assert len(dropped) >= len(messages) - 3  # replies and outputs for nobody are ignored silently
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+async def test_an_output_the_engine_cannot_read_ends_its_request_instead_of_hanging(engine, caplog):
+    """A message that names a request but cannot be decoded (a field of the wrong type: what a
+    stage of another version would send) fails that request at once; the engine serves on."""
+    caplog.set_level(logging.WARNING, logger="omni_runtime")
+    ipc_dir = engine.engine._orchestrator.backends["process"].ipc_dir
+    stuck = asyncio.create_task(last(engine, "slow", {"delay_ms": 3000}, request_id="unreadable"))
+    deadline = time.monotonic() + 5
+    while "unreadable" not in engine.engine._channels.pending:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    wire_id = engine.engine._channels.pending["unreadable"].wire_id
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.connect(f"ipc://{ipc_dir}/s0r0g0-out")
+        assert sock.poll(5000, zmq.POLLOUT) == zmq.POLLOUT
+        # In a wave's message, beside an output for nobody; its payload is a string, not a Payload.
+        sock.send(_pack(["outputs", [["output", "nobody", True, "?"], ["output", wire_id, True, "not a payload"]]]))
+        # (Unread, the echo would answer it normally after its 3 s.)
+        with pytest.raises(StageExecutionError, match="could not read") as failed:
+            await asyncio.wait_for(stuck, 5)
+        assert failed.value.stage_id == 0
+    finally:
+        ctx.destroy(linger=0)
+    assert (await last(engine, "after")).text == "after"
+    assert any("dropped a malformed message" in r.getMessage() for r in caplog.records)

@@ -25,7 +25,9 @@ from typing import Any, ClassVar
 import msgspec
 
 from omni_runtime.config import DeployConfig, StageConfig
-from omni_runtime.messages import StageOutput, StageReady
+from omni_runtime.exceptions import StageExecutionError
+from omni_runtime.messages import ErrorInfo, StageOutput, StageOutputs, StageReady
+from omni_runtime.serialization import output_ids
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,22 @@ class StageClient(ABC):
     @property
     def pid(self) -> int | None:
         return self.ready.pid if self.ready else None
+
+    def _unreadable(self, frames: list[Any], exc: BaseException) -> None:
+        """A message from the replica that could not be decoded: logged and dropped, and the
+        requests it names (read leniently) end with a StageExecutionError, so none waits for an
+        output that will never be read."""
+        logger.warning("stage %d: dropped a malformed message: %s", self.stage_id, exc)
+        first = frames[0] if frames else b""
+        ids = output_ids(first.buffer if hasattr(first, "buffer") else first)
+        if not ids:
+            return
+        err = StageExecutionError(
+            f"stage {self.stage_id} sent an output the engine could not read: {str(exc)[:200]}",
+            stage_id=self.stage_id,
+        )
+        info = ErrorInfo.from_exception(err)
+        self._on_message(self, StageOutputs(outputs=[StageOutput(request_id=rid, error=info) for rid in ids]))
 
     #: The machine (a Ray node id for remote replicas) the replica runs on.
     node: str | None = _HOSTNAME

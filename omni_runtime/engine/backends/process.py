@@ -317,7 +317,7 @@ class ProcessStageClient(StageClient):
             if msg is None:
                 return
         except msgspec.DecodeError as e:
-            logger.warning("stage %d: dropped a malformed message: %s", self.stage_id, e)
+            self._unreadable(frames, e)
             return
         if not isinstance(msg, StageOutput | StageOutputs):
             msg = shm.materialize(msg)  # only stage outputs are routed on as refs

@@ -391,7 +391,7 @@ class RayStageClient(StageClient):
                 try:
                     msg = self._decoder.decode(frames, refs)
                 except msgspec.DecodeError as e:
-                    logger.warning("stage %d: dropped a malformed message: %s", self.stage_id, e)
+                    self._unreadable(frames, e)
                     continue
                 self._on_message(self, msg)
         except asyncio.CancelledError:
