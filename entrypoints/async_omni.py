@@ -76,12 +76,15 @@ class AsyncOmni:
         *,
         modalities: Sequence[str] | None = None,
         stages: Sequence[int] | None = None,
+        entry_stages: Sequence[int] | None = None,
     ) -> ValidRequest:
         """Check a request completely without queueing it (InvalidRequestError naming the field);
         :meth:`generate` takes the result as it is, so nothing is checked twice. ``stages`` (not
         with ``modalities``) answers with those stages' outputs, any of the pipeline's (a
-        speech-recognition stage's transcript, say): only the stages they need run."""
-        return self.engine.validate(prompt, sampling_params, modalities, stages)
+        speech-recognition stage's transcript, say): only the stages they need run.
+        ``entry_stages``: the prompt enters the pipeline at these stages, as it is, and the stages
+        before them do not run (a transcript already heard goes straight to the LM)."""
+        return self.engine.validate(prompt, sampling_params, modalities, stages, entry_stages)
 
     async def generate(
         self,

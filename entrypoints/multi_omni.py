@@ -381,9 +381,12 @@ class MultiOmni:
         model: str | None = None,
         modalities: Sequence[str] | None = None,
         stages: Sequence[int] | None = None,
+        entry_stages: Sequence[int] | None = None,
     ) -> ValidRequest:
         """:meth:`AsyncOmni.validate` on ``model``'s engine."""
-        return self.engine(model).validate(prompt, sampling_params, modalities=modalities, stages=stages)
+        return self.engine(model).validate(
+            prompt, sampling_params, modalities=modalities, stages=stages, entry_stages=entry_stages
+        )
 
     async def generate(
         self,

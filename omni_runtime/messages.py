@@ -461,6 +461,8 @@ class EngineRequest(msgspec.Struct, tag="request", **_Msg):
     #: Open for streaming updates (:class:`EngineUpdate`): the prompt is the first piece of the
     #: input, each source stage takes it chunk by chunk, and it ends with the final update.
     streaming_input: bool = False
+    #: The stages the prompt enters at, in place of the pipeline's sources (checked by the caller).
+    entry_stage_ids: list[int] | None = None
 
 
 class EngineUpdate(msgspec.Struct, tag="update", **_Msg):

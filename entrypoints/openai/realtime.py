@@ -164,7 +164,13 @@ class _Connection:
             try:
                 modalities = None if "audio" in start.modalities else ["text"]
                 params = self.task.sampling_params(omni, self.fields.params(start))
-                valid = omni.validate(start.prompt, params, modalities=modalities)
+                try:
+                    valid = omni.validate(start.prompt, params, modalities=modalities, entry_stages=self._entry(start))
+                except InvalidRequestError as e:
+                    if e.param != "entry_stages":
+                        raise
+                    # A pipeline whose later stages also need the recognition stage's output.
+                    valid = omni.validate(start.prompt, params, modalities=modalities)
             except InvalidRequestError as e:
                 raise self.fields.rename(e) from None
             self.state.inflight[rid] = self.model.name
@@ -187,6 +193,16 @@ class _Connection:
                 await stream.aclose()  # aborts the request if it is still running
             self.running.pop(start.response_id, None)
             self.wake.set()
+
+    def _entry(self, start: StartResponse) -> list[int] | None:
+        """Where a turn with nothing left to hear (text, or a transcript heard already) enters the
+        pipeline: the stages its recognition stage feeds (it would only pass the text on, behind
+        the other turns' audio there). None: at the sources."""
+        hears = self.session.model.audio_input_stage
+        if not start.heard or hears is None:
+            return None
+        fed = [s.stage_id for s in self.model.engine.config.stage_args if hears in s.engine_input_source]
+        return fed or None
 
     async def _hear(self, segment: Transcribe) -> None:
         """Transcribe one segment of the user's audio (the speech-recognition stage alone); its

@@ -138,6 +138,9 @@ class StartResponse:
     #: An audio turn's samples: 16-bit little-endian mono PCM at ``sample_rate``.
     audio: bytes | None = None
     sample_rate: int | None = None
+    #: The prompt holds all the turn says (its text, or its transcript heard already): the
+    #: request may enter the pipeline after its recognition stage.
+    heard: bool = False
 
 
 @dataclass(frozen=True)
@@ -636,8 +639,9 @@ class RealtimeSession:
         self._emit("response.created", response=self._response_body(response, "in_progress"))
         rate = item.sample_rate if item.audio is not None else None
         start = StartResponse(
-            response.id, response.request_id, prompt, voice, response.modalities, max_tokens, item.audio, rate
-        )
+            response.id, response.request_id, prompt, voice, response.modalities, max_tokens, item.audio, rate,
+            heard=item.audio is None,
+        )  # fmt: skip
         if heard is not None and not heard.complete:
             response.waiting = start  # started once every segment is heard (on_transcript)
             return []

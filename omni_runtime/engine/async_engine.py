@@ -39,6 +39,7 @@ from omni_runtime.engine.validation import MAX_RPC_TIMEOUT_S as MAX_RPC_TIMEOUT_
 from omni_runtime.engine.validation import (
     NO_CONSTRAINTS,
     ValidRequest,
+    check_entry_stages,
     check_prompt,
     check_prompt_lengths,
     check_request_id,
@@ -201,13 +202,16 @@ class AsyncOmniEngine:
         sampling_params: Any = None,
         modalities: Sequence[str] | None = None,
         stages: Sequence[int] | None = None,
+        entry_stages: Sequence[int] | None = None,
     ) -> ValidRequest:
         """Check a request once, completely, before anything is queued: the prompt, every stage's
         params (defaults applied, model constraints), the requested outputs, and that all of it can
         travel. Raises InvalidRequestError naming the field.
 
         ``stages`` (not with ``modalities``): the stages whose outputs answer the request, any of
-        the pipeline's; only the stages they need run."""
+        the pipeline's; only the stages they need run. ``entry_stages``: the stages the prompt
+        enters at, as it is (as a source stage takes it), in place of the pipeline's sources; the
+        stages before them do not run."""
         if stages is not None and modalities is not None:
             raise InvalidRequestError("give modalities or stages, not both", param="stages")
         prompt = check_prompt(prompt)
@@ -217,7 +221,12 @@ class AsyncOmniEngine:
         finals = self.final_stages(modalities) if stages is None else chosen_stages(self.config, stages)
         timeout = next((p["timeout"] for p in params.values() if p.get("timeout")), self.default_timeout)
         priority = next((p["priority"] for p in params.values() if p.get("priority") is not None), 0)
-        return ValidRequest(prompt, params, finals, timeout, self._id_prefix, priority, typed)
+        entries = (
+            None
+            if entry_stages is None
+            else check_entry_stages(self.config, self._orchestrator.graph, entry_stages, finals)
+        )
+        return ValidRequest(prompt, params, finals, timeout, self._id_prefix, priority, typed, entries)
 
     def add_request(
         self,
@@ -264,6 +273,7 @@ class AsyncOmniEngine:
                 prompt=valid.prompt,
                 params=valid.typed,
                 final_stage_ids=valid.final_stage_ids,
+                entry_stage_ids=valid.entry_stage_ids,
                 arrival_time=time.time(),
                 deadline=time.monotonic() + timeout if timeout else None,
                 priority=valid.priority,

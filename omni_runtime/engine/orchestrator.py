@@ -315,7 +315,7 @@ class Orchestrator:
             state.timer = asyncio.get_running_loop().call_later(
                 max(0.0, msg.deadline - time.monotonic()), self._on_deadline, msg.request_id
             )
-        sources = self.graph.sources(self.graph.needed(state.finals_left))
+        sources = msg.entry_stage_ids or self.graph.sources(self.graph.needed(state.finals_left))
         if msg.streaming_input:  # the prompt is the input's first piece
             self.chunks.open_input(msg.request_id, sources)
             self.chunks.on_input(msg.request_id, msg.prompt, {}, final=False)

@@ -54,6 +54,17 @@ class StageGraph:
                 todo.extend(self._stages[sid].engine_input_source)
         return needed
 
+    def fed_by(self, stage_id: int) -> set[int]:
+        """The stages downstream of ``stage_id``, however far."""
+        fed: set[int] = set()
+        todo = [stage_id]
+        while todo:
+            for down in self.downstream[todo.pop()]:
+                if down not in fed:
+                    fed.add(down)
+                    todo.append(down)
+        return fed
+
     def chunk_consumers(self, stage_id: int, finals: Iterable[int]) -> list[int]:
         """The chunked stages that take ``stage_id``'s streamed output and run for these finals."""
         downs = self._chunked_downstream[stage_id]

@@ -20,6 +20,7 @@ import msgspec
 
 from omni_runtime.checks import bounded_defaults, check_constraints, check_speech_length, check_text_length
 from omni_runtime.config import DeployConfig, check_control_kwargs
+from omni_runtime.engine.stage_graph import StageGraph
 from omni_runtime.exceptions import InvalidRequestError
 from omni_runtime.media import output_type
 from omni_runtime.messages import StageConstraints
@@ -52,6 +53,8 @@ class ValidRequest:
     priority: int = 0
     #: The same params as each stage's runner gets them: its params struct, sent as it is.
     typed: dict[int, Any] = field(default_factory=dict)
+    #: The stages the prompt enters at (None: the pipeline's sources).
+    entry_stage_ids: list[int] | None = None
 
 
 def check_prompt(prompt: Any) -> str:
@@ -161,6 +164,37 @@ def chosen_stages(config: DeployConfig, stages: Any) -> list[int]:
     if len(set(stages)) != len(stages):
         raise InvalidRequestError("stages: each stage id once", param="stages")
     return list(stages)
+
+
+def check_entry_stages(config: DeployConfig, graph: StageGraph, entries: Any, finals: Sequence[int]) -> list[int]:
+    """The stages a caller's prompt enters at (``validate(entry_stages=...)``), in place of the
+    pipeline's sources: the stages upstream of them do not run. Each final stage must be fed from
+    them, and every stage that runs must have all of its inputs from stages that run."""
+    ids = chosen_stages(config, entries)  # distinct ids of the pipeline
+    runs: set[int] = set()
+    for entry in ids:
+        fed = graph.fed_by(entry)
+        if fed & set(ids):
+            raise InvalidRequestError(
+                f"entry_stages: stage {min(fed & set(ids))} is fed by stage {entry}, also an entry",
+                param="entry_stages",
+            )
+        runs |= fed | {entry}
+    for final in finals:
+        if final not in runs:
+            raise InvalidRequestError(
+                f"entry_stages: stage {final} (a final stage of this request) is not fed from stages {ids}",
+                param="entry_stages",
+            )
+    for sid in sorted(runs & graph.needed(finals) - set(ids)):
+        missing = [src for src in graph.stage(sid).engine_input_source if src not in runs]
+        if missing:
+            raise InvalidRequestError(
+                f"entry_stages: stage {sid} also takes the output of stage {missing[0]}, which does not run "
+                f"when the prompt enters at {ids}",
+                param="entry_stages",
+            )
+    return ids
 
 
 def check_request_id(request_id: Any) -> str:

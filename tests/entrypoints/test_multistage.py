@@ -112,7 +112,7 @@ async def test_tiny_omni_text_modality_stops_after_the_text_stage(omni_async):
     assert (await stats(omni_async, 1))[0]["requests_served"] == served
 
 
-async def test_stages_answers_with_an_inner_stage_and_runs_only_what_it_needs(relay):
+async def test_stages_and_entry_stages_run_only_part_of_the_pipeline(relay):
     served = [(await stats(relay, sid))[0]["requests_served"] for sid in (0, 1)]
     valid = relay.validate("inner", stages=[0])
     outs = await run(relay, valid)
@@ -122,6 +122,14 @@ async def test_stages_answers_with_an_inner_stage_and_runs_only_what_it_needs(re
     # Both stages, named: the whole pipeline, each stage's output delivered.
     outs = await run(relay, relay.validate("both", stages=[0, 1]))
     assert sorted(outs[-1].outputs_by_stage) == [0, 1]
+    # Entering at stage 1: the prompt goes to it as it is, and stage 0 never runs.
+    served = [(await stats(relay, sid))[0]["requests_served"] for sid in (0, 1)]
+    outs = await run(relay, relay.validate("straight to 1", entry_stages=[1]))
+    assert sorted(outs[-1].outputs_by_stage) == [1] and outs[-1].text == "straight to 1"
+    assert [(await stats(relay, sid))[0]["requests_served"] for sid in (0, 1)] == [served[0], served[1] + 1]
+    with pytest.raises(InvalidRequestError, match="is not fed") as err:
+        relay.validate("x", stages=[0], entry_stages=[1])
+    assert err.value.param == "entry_stages"
 
 
 @pytest.mark.parametrize(

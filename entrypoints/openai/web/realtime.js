@@ -129,8 +129,20 @@
       case "input_audio_buffer.committed": {
         const item = el("li", "");
         item.dataset.item = event.item_id;
-        item.append(el("span", "you spoke (" + event.item_id + ")", "muted"));
+        item.append(el("span", "you spoke (" + event.item_id + ")", "muted heard"));
         list.prepend(item);
+        break;
+      }
+      case "conversation.item.input_audio_transcription.completed":
+      case "conversation.item.input_audio_transcription.failed": {
+        // What the model heard of a turn (its transcript, the segments joined), once complete.
+        const item = [...list.children].find((li) => li.dataset.item === event.item_id);
+        if (!item) break;
+        const heard = event.transcript !== undefined;
+        item.dataset.heard = heard ? "completed" : "failed";
+        item.querySelector(".heard").textContent = heard
+          ? "you said: " + (event.transcript || "(no words heard)")
+          : "not heard: " + event.error.message;
         break;
       }
       case "response.created": {

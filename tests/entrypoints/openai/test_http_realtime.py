@@ -262,9 +262,18 @@ def test_a_spoken_turn_committed_by_the_client_gets_text_then_audio(server):
         spoken_turn(until(ws, "response.done"))
 
 
-def test_the_users_speech_is_heard_before_the_turn_ends(server):
+def recognised(http: httpx.Client) -> int:
+    """Requests the recognition stage (stage 0) has served."""
+    body = {"method": "get_stats", "stage_ids": [0]}
+    [replica] = http.post("/v1/omni/collective_rpc", json=body).json()
+    return int(replica["result"]["requests_served"])
+
+
+def test_the_users_speech_is_heard_before_the_turn_ends(server, http):
     """A pause mid-turn ends a segment, transcribed at once: its delta comes while the turn is
-    still open; the commit sends only the rest, and the transcript is the two joined."""
+    still open; the commit sends only the rest, and the transcript is the two joined. The answer
+    enters the pipeline after the recognition stage, which serves the two segments only."""
+    before = recognised(http)
     with open_session(server, input_sample_rate=16000, output_sample_rate=16000) as ws:
         for ms, amplitude in ((400, 0.3), (300, 0.0)):
             ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": tone(ms, amplitude)}))
@@ -278,6 +287,12 @@ def test_the_users_speech_is_heard_before_the_turn_ends(server):
     (whole,) = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"]
     assert len(second) == 1 and whole["item_id"] == first["item_id"] == second[0]["item_id"]
     assert whole["transcript"] == " ".join(t for t in (first["delta"].strip(), second[0]["delta"].strip()) if t)
+    assert recognised(http) == before + 2
+    # A text turn has nothing to recognise either.
+    with open_session(server) as ws:
+        say(ws, "hello", max_response_output_tokens=2)
+        assert until(ws, "response.done")[-1]["response"]["status"] == "completed"
+    assert recognised(http) == before + 2
 
 
 def test_a_spoken_turn_that_the_vad_ends_gets_text_then_audio(server):

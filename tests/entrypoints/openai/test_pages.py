@@ -4,7 +4,8 @@ of five models (tiny-sd, tiny-tts, tiny-wan, the echo model and tiny-omni-voice)
 the page asks for the key and lists every model with what it can do; a prompt becomes a job whose
 progress bar moves and whose image appears; speech, a video and a chat answer each go to their own
 route and appear; a long job is cancelled; the realtime tab sends a fake microphone (a WAV file) to
-a realtime session, whose turn detection hears the turn, and shows the answer's text and audio;
+a realtime session, whose turn detection hears the turn, and shows what it heard and the answer's
+text and audio;
 the dashboard lists every model with its state, draws the selected one's charts from the server's
 rolling window and shows the wave that ran; a prompt with markup is shown as text; every page
 carries its Content-Security-Policy; and no script error reaches the console.
@@ -290,6 +291,9 @@ def test_the_realtime_tab_hears_the_microphone_and_answers_with_text_and_audio(
     assert _text(browser, "#rt-error") == ""
     turn = browser.find_element(By.CSS_SELECTOR, answered)
     assert turn.get_attribute("data-status") == "completed" and turn.get_attribute("data-item")
+    # What the model heard of the turn, shown once its transcript is complete.
+    assert turn.get_attribute("data-heard") == "completed"
+    assert turn.find_element(By.CSS_SELECTOR, ".heard").text.startswith("you said: ")
     assert turn.find_element(By.CSS_SELECTOR, ".answer").text  # the transcript of the answer
     assert turn.find_element(By.CSS_SELECTOR, "audio").get_attribute("src").startswith("blob:")
     browser.find_element(By.ID, "rt-stop").click()

@@ -288,6 +288,7 @@ def test_a_committed_audio_turn_starts_a_response_with_its_samples_and_the_instr
     send(s, type="conversation.item.create", item=ask_text)
     (start,) = send(s, type="response.create", response={"instructions": "Answer in French."})
     assert start.prompt == "Answer in French.\n\nhi" and start.audio is None and start.sample_rate is None
+    assert start.heard  # text: nothing to recognise
 
 
 def test_a_speech_only_model_speaks_the_text_alone_and_refuses_audio_turns() -> None:
@@ -373,7 +374,7 @@ def test_speech_is_heard_a_segment_at_a_time_and_the_answer_waits_for_the_whole_
     assert [(e["type"].rsplit(".", 1)[1], e.get("delta", e.get("transcript"))) for e in events] == [
         ("delta", "hello"), ("delta", " world "), ("completed", "hello world")]  # fmt: skip
     assert {e["item_id"] for e in events} == {first.item_id}
-    assert isinstance(start, StartResponse) and start.audio is None
+    assert isinstance(start, StartResponse) and start.audio is None and start.heard
     assert start.prompt == "Be brief.\n\nhello world"
     finish(s, start, "hi", None)
     # The turn is answered again from its transcript: nothing is heard twice.
@@ -456,7 +457,7 @@ def test_vad_commits_a_turn_already_heard_and_its_answer_starts_at_once() -> Non
     assert s.on_transcript(seg.item_id, 0, "heard early") == []
     effects = send(s, type="input_audio_buffer.append", audio=pcm(200, 0.0, 16_000))  # the VAD commits
     (start,) = effects  # nothing more to hear: the answer starts with the commit
-    assert isinstance(start, StartResponse) and start.prompt == "heard early"
+    assert isinstance(start, StartResponse) and start.prompt == "heard early" and start.heard
     types = [e["type"] for e in drain(s)]
     assert types.index("conversation.item.input_audio_transcription.completed") < types.index("response.created")
 
@@ -476,6 +477,7 @@ def test_input_transcription_off_sends_the_turn_whole_and_a_deaf_model_refuses_i
     send(s, type="input_audio_buffer.commit")
     (start,) = send(s, type="response.create")
     assert isinstance(start, StartResponse) and start.audio is not None and len(start.audio) == 2 * 60_000
+    assert not start.heard  # the recognition stage hears it as part of the response
     deaf = session()
     send(deaf, type="session.update", session={"input_audio_transcription": {}})
     error = drain(deaf)[-1]["error"]
