@@ -319,7 +319,7 @@ class RealtimeSession:
     def _dispatch(self, event: proto.ClientEvent) -> list[Effect]:
         match event:
             case proto.SessionUpdate(session=settings):
-                self._update(settings)
+                return self._update(settings)
             case proto.AudioAppend(audio=audio):
                 return self._append(audio)
             case proto.AudioCommit():
@@ -349,7 +349,7 @@ class RealtimeSession:
                 return self.cancel("client_cancel")
         return []
 
-    def _update(self, settings: proto.SessionSettings) -> None:
+    def _update(self, settings: proto.SessionSettings) -> list[Effect]:
         given = settings.model_fields_set
         if "modalities" in given and settings.modalities is not None:
             self._check_modalities(settings.modalities, "session.modalities")
@@ -371,9 +371,13 @@ class RealtimeSession:
             if detection is not None:
                 rate = self.settings["input_sample_rate"]
                 self.vad = EnergyVad(rate, detection["threshold"], detection["silence_duration_ms"])
+        effects: list[Effect] = []
         if given & {"turn_detection", "input_sample_rate", "input_audio_transcription"}:
+            # The turn being heard is heard again from its start, if at all, under the new settings.
+            effects = self._drop_turn("session_updated")
             self._resegment()
         self._emit("session.updated", session=self._session())
+        return effects
 
     def _resegment(self) -> None:
         """The segmenter for the session's settings: a pause of ``segment_silence_ms`` after
@@ -501,7 +505,9 @@ class RealtimeSession:
             raise ApiError(400, "the input audio buffer is empty", code="input_audio_buffer_commit_empty")
         previous = self.items[-1].id if self.items else None
         effects: list[Effect] = []
-        if self._segmenter is not None and self.turn is not None:
+        if self._segmenter is not None:
+            if self.turn is None:  # hearing was turned on after this audio came: all of it now
+                self.turn = _Transcript(f"item_{uuid.uuid4().hex[:20]}")
             # The tail since the last cut, unless it is silence after a pause that was cut.
             if len(self.buffer) > self._cut and (self._voiced or not self.turn.segments):
                 self._segment(len(self.buffer))

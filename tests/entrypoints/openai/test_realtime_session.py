@@ -509,3 +509,23 @@ def test_at_most_a_few_segments_are_out_and_the_rest_wait_in_order_within_the_bu
     assert [e["delta"] for e in events if e["type"].endswith("transcription.delta")][-2:] == ["y", "y"]
     assert events[-1]["type"] == "conversation.item.input_audio_transcription.completed"
     assert events[-1]["transcript"] == "a x x x x y y"
+
+
+def test_changing_how_the_input_is_heard_mid_turn_hears_the_turn_again_under_the_new_settings() -> None:
+    s = session(HEARING)
+    send(s, type="session.update", session={"input_sample_rate": 16_000})
+    (cut,) = heard(send(s, type="input_audio_buffer.append", audio=then_pause(100, 300, 16_000)))
+    (abort,) = send(s, type="session.update", session={"input_audio_transcription": None})
+    assert isinstance(abort, AbortResponse) and abort.request_id == cut.request_id
+    assert s.on_transcript(cut.item_id, 0, "late") == []
+    # Off: the turn goes whole, all of it.
+    send(s, type="input_audio_buffer.append", audio=pcm(100, 0.3, 16_000))
+    send(s, type="input_audio_buffer.commit")
+    (start,) = send(s, type="response.create")
+    assert isinstance(start, StartResponse) and len(start.audio or b"") == 2 * (1600 + 4800 + 1600)
+    s.cancel("client_cancel")
+    # On again mid-turn: what the buffer holds is heard from its start.
+    send(s, type="input_audio_buffer.append", audio=pcm(100, 0.3, 16_000))
+    assert send(s, type="session.update", session={"input_audio_transcription": {}}) == []
+    (whole,) = heard(send(s, type="input_audio_buffer.commit"))
+    assert whole.index == 0 and len(whole.audio) == 2 * 1600
