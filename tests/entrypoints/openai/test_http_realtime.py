@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import signal
 import time
 from typing import Any
 
@@ -182,6 +184,30 @@ def test_a_client_that_vanishes_has_its_request_aborted(server, http):
     until(ws, "response.audio_transcript.delta")
     ws.close()
     assert wait_for(lambda: aborted(http, "client_disconnect") == before + 1, timeout=10)
+
+
+def test_a_stage_that_dies_mid_answer_fails_the_response_and_the_session_goes_on(server, http):
+    """The LM's process is killed while it answers: the response ends with an ``error`` event
+    (``stage_dead``) and ``response.done`` failed; once the stage is back, the same session is
+    answered."""
+    body = {"method": "ping", "stage_ids": [1]}
+    [replica] = http.post("/v1/omni/collective_rpc", json=body).json()
+    with open_session(server, max_response_output_tokens=200) as ws:
+        say(ws, "tell me a long story about the sea and the sky")
+        until(ws, "response.audio_transcript.delta")
+        os.kill(replica["result"]["pid"], signal.SIGKILL)
+        events = until(ws, "response.done")
+        error = next(e for e in events if e["type"] == "error")["error"]
+        assert error["code"] == "stage_dead" and error["type"] == "service_unavailable", error
+        assert events[-1]["response"]["status"] == "failed"
+        deadline = time.monotonic() + 60
+        while True:  # refused (stage_dead) until the restarted replica is ready
+            say(ws, "are you back?", max_response_output_tokens=2)
+            done = until(ws, "response.done")[-1]["response"]
+            if done["status"] == "completed" or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert done["status"] == "completed", done
 
 
 def test_refusals_are_an_error_event_and_a_close_code(server):
