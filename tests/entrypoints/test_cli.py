@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -336,26 +337,46 @@ def test_ctrl_c_during_generate_exits_promptly_with_a_partial_report(tmp_path):
     import signal
     import time
 
+    # PYTHONFAULTHANDLER: a CLI that does not exit is made to print every thread's stack (SIGABRT).
     proc = subprocess.Popen(
         [*CLI, "generate", "a slow one", "-n", "64", "--steps", "50", "--out", str(tmp_path)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )
-    # Interrupt while images are drawn: once the step bar (carriage returns, no newline) has moved.
-    stepped = re.compile(rb"generating .*\|\s*[1-9]\d*/3200 ", re.DOTALL)
-    deadline = time.monotonic() + 120
-    err = b""
-    while not stepped.search(err):
-        assert time.monotonic() < deadline and proc.poll() is None, f"generate never stepped: {err[-500:]!r}"
-        if select.select([proc.stderr], [], [], 0.5)[0]:
-            err += os.read(proc.stderr.fileno(), 65536)
-    start = time.monotonic()
-    proc.send_signal(signal.SIGINT)
-    # Read what it still writes while it exits: a full pipe would block its last writes (and the
-    # test would time out on a process waiting for its reader).
-    _, rest = proc.communicate(timeout=30)
-    assert proc.returncode == 130 and time.monotonic() - start < 15, (err + rest)[-2000:]
+    family: list[psutil.Process] = []
+    try:
+        # Interrupt while images are drawn: once the step bar (carriage returns, no newline) has moved.
+        stepped = re.compile(rb"generating .*\|\s*[1-9]\d*/3200 ", re.DOTALL)
+        deadline = time.monotonic() + 120
+        err = b""
+        while not stepped.search(err):
+            assert time.monotonic() < deadline and proc.poll() is None, f"generate never stepped: {err[-500:]!r}"
+            if select.select([proc.stderr], [], [], 0.5)[0]:
+                err += os.read(proc.stderr.fileno(), 65536)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        # Read what it still writes while it exits: a full pipe would block its last writes (and the
+        # test would time out on a process waiting for its reader).
+        try:
+            _, rest = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            family = psutil.Process(proc.pid).children(recursive=True)  # before they are orphaned
+            proc.send_signal(signal.SIGABRT)
+            _, stacks = proc.communicate(timeout=15)
+            pytest.fail(
+                f"generate had not exited 30 s after SIGINT; its threads:\n{stacks.decode(errors='replace')[-8000:]}"
+            )
+        assert proc.returncode == 130 and time.monotonic() - start < 15, (err + rest)[-2000:]
+    finally:
+        # Whatever failed above, its engine's processes do not outlive the test (and fail the next).
+        if proc.poll() is None:
+            family += psutil.Process(proc.pid).children(recursive=True)
+        for p in [*family, proc]:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                p.kill()
+        proc.wait(10)
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["interrupted"] and report["requests"] == 64
     assert any(r.get("error") == "not finished (interrupted)" for r in report["results"])
