@@ -140,12 +140,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 #: ``make test`` hands files to its two workers in collection order (``--no-loadscope-reorder``):
 #: a long file started last would leave one worker busy while the other has nothing left, so
 #: these go first, then every other file that starts processes, and the unit files fill the end.
-#: test_cli.py goes last of them: run beside test_ray.py's first tests (a local Ray cluster starting,
-#: while mypy and the lock check run beside pytest), its Ctrl-C test's CLI took over 30 s to exit,
-#: and that Ray test 120 s instead of 8 (two fresh-clone runs in a row; neither alone, nor the two
-#: files together on a quiet machine, reproduced it).
 HEAVIEST_FILES = (
     "tests/omni_runtime/engine/backends/test_ray.py",
+    "tests/entrypoints/test_cli.py",
     "tests/entrypoints/openai/test_jobs_outage.py",
     "tests/entrypoints/openai/test_jobs_redis.py",
     "tests/entrypoints/test_batching.py",
@@ -160,7 +157,6 @@ HEAVIEST_FILES = (
     "tests/entrypoints/openai/test_http_espeak.py",
     "tests/omni_runtime/stage/test_rank_group.py",
     "tests/entrypoints/test_multistage.py",
-    "tests/entrypoints/test_cli.py",
 )
 
 
