@@ -9,6 +9,7 @@ import re
 import select
 import socket
 import subprocess
+import sys
 
 import httpx
 import psutil
@@ -337,9 +338,28 @@ def test_ctrl_c_during_generate_exits_promptly_with_a_partial_report(tmp_path):
     import signal
     import time
 
-    # PYTHONFAULTHANDLER: a CLI that does not exit is made to print every thread's stack (SIGABRT).
+    # As from a terminal: SIGINT handled by default, even when this test runs where it is ignored
+    # (a run started in the background by a non-interactive shell: its children inherit SIG_IGN,
+    # and Python then leaves Ctrl-C ignored). PYTHONFAULTHANDLER: a CLI that does not exit is made
+    # to print every thread's stack (SIGABRT).
+    as_terminal = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "runpy.run_module('omni_runtime.entrypoints.cli', run_name='__main__', alter_sys=True)"
+    )
     proc = subprocess.Popen(
-        [*CLI, "generate", "a slow one", "-n", "64", "--steps", "50", "--out", str(tmp_path)],
+        [
+            sys.executable,
+            "-c",
+            as_terminal,
+            "generate",
+            "a slow one",
+            "-n",
+            "64",
+            "--steps",
+            "50",
+            "--out",
+            str(tmp_path),
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
