@@ -48,10 +48,8 @@ class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True):
     image_input: bool
     #: Whether its speech stage speaks its upstream's answer chunk by chunk (``input_chunking``).
     chunked_speech: bool = False
-    #: Whether a request may carry audio: a first stage recognises speech (``transcribe``, its
-    #: ``audio`` param), so a realtime session's audio turns are answered.
-    audio_input: bool = False
-    #: That first stage's id (None: no audio input).
+    #: The first stage that recognises speech (``transcribe``, its ``audio`` param), if any: a
+    #: request may carry audio, so a realtime session's audio turns are answered.
     audio_input_stage: int | None = None
     #: Known once loaded (None or empty before): the most pixels of an input image, a video
     #: model's frame step and most frames, an audio model's longest clip (seconds).
@@ -109,9 +107,13 @@ class ModelCapabilities(msgspec.Struct, frozen=True, kw_only=True):
             stages=stages,
             image_input=image_input,
             chunked_speech=speech is not None and speech.config.input_chunking is not None,
-            audio_input=hears is not None,
             audio_input_stage=hears,
         )
+
+    @property
+    def audio_input(self) -> bool:
+        """Whether a request may carry audio (some first stage recognises speech)."""
+        return self.audio_input_stage is not None
 
     def loaded(self, constraints: Mapping[int, StageConstraints], max_input_pixels: int) -> ModelCapabilities:
         """These capabilities with what the loaded stages reported (their READY constraints)."""

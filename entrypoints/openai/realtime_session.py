@@ -389,9 +389,7 @@ class RealtimeSession:
             return
         detection = self.settings["turn_detection"]
         threshold = detection["threshold"] if detection is not None else proto.TurnDetection().threshold
-        segmenter = EnergyVad(self.settings["input_sample_rate"], threshold, hearing["segment_silence_ms"])
-        # Positions go on from the audio already heard (a segment is cut at the buffer's end).
-        self._segmenter = segmenter
+        self._segmenter = EnergyVad(self.settings["input_sample_rate"], threshold, hearing["segment_silence_ms"])
 
     def _check_modalities(self, modalities: Sequence[str], param: str) -> None:
         missing = sorted(set(modalities) - set(self.model.modalities))

@@ -202,7 +202,9 @@ def test_the_session_model_comes_from_the_capabilities() -> None:
     with pytest.raises(ApiError) as refused:
         SessionModel.of("sd", image)
     assert refused.value.code == "no_speech" and refused.value.param == "model"
-    hears = ModelCapabilities(tasks=("chat",), kinds=("audio", "text"), stages={}, image_input=False, audio_input=True)
+    hears = ModelCapabilities(
+        tasks=("chat",), kinds=("audio", "text"), stages={}, image_input=False, audio_input_stage=0
+    )
     assert SessionModel.of("v", hears).audio_input
 
 
